@@ -1,0 +1,1 @@
+"""llm-pretrain: pretraining LLMs with Paddle's fleet hybrid-parallel API."""

@@ -1,0 +1,21 @@
+"""The one error type for bad user input.
+
+Anything the user can get wrong (argument files, keys, values, paths, data)
+raises `UsageError` with a single-line message that names the key, file or
+value and what is allowed. Entry points catch it, print `error: <message>`
+to stderr and exit with code 2 -- never a traceback.
+"""
+
+import sys
+
+USAGE_EXIT_CODE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user. The message is one line, shown as is."""
+
+
+def exit_with_usage_error(error: UsageError) -> None:
+    message = " ".join(str(error).split())  # always one line
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT_CODE)

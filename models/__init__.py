@@ -1,0 +1,1 @@
+"""Model definitions: one decoder-only transformer with small per-family differences."""
