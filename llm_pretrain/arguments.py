@@ -1,0 +1,430 @@
+"""Run arguments: one JSON file in PaddleNLP's key vocabulary, plus `--key value` overrides.
+
+    python llm_pretrain/run_pretrain.py configs/llama/pretrain-llama_7b-tp2sd4_stage2.json --max_steps 20
+
+Every key of PaddleNLP's `llm/run_pretrain.py` argument files is accepted. Keys
+fall in three kinds:
+
+* `Arguments` fields: implemented, with PaddleNLP's meaning.
+* `INERT_KEYS`: accepted so that PaddleNLP files parse unchanged, but they do
+  not change what this toolkit computes (logging integrations, data-loader
+  tuning, export switches). Set to anything but PaddleNLP's default, they
+  produce one warning saying so -- never silently ignored.
+* anything else: an error naming the key and the nearest known one.
+
+Bad values are `UsageError`s (one line, exit code 2) raised before any
+expensive work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from llm_pretrain.errors import UsageError
+
+
+def _key(default, help: str, choices: tuple | None = None, minimum: float | None = None):
+    """A dataclass field carrying its help text and allowed values."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Arguments:
+    # ---- model -----------------------------------------------------------------
+    model_name_or_path: str = _key(
+        "llama-tiny",
+        "A built-in architecture name (see models/registry.py) or a local directory with config.json "
+        "(and optionally weights to continue from).",
+    )
+    tokenizer_name_or_path: Optional[str] = _key(
+        None, "Local tokenizer (sentencepiece model, tokenizer.json or vocab.json+merges.txt); "
+        "defaults to model_name_or_path. Only used to size the vocabulary and to show a decoded sample."
+    )
+    continue_training: bool = _key(
+        False, "Start from the weights stored in model_name_or_path (a local directory) instead of a random init."
+    )
+    num_hidden_layers: Optional[int] = _key(None, "Override the architecture's number of layers.", minimum=1)
+    initializer_range: Optional[float] = _key(None, "Std of the normal weight init; default: the architecture's.", minimum=0)
+    hidden_dropout_prob: Optional[float] = _key(None, "Residual/embedding dropout; default: the architecture's.", minimum=0)
+    attention_probs_dropout_prob: Optional[float] = _key(None, "Attention dropout; default: the architecture's.", minimum=0)
+    fuse_attention_qkv: Optional[bool] = _key(None, "One fused q/k/v projection; default: the architecture's.")
+    fuse_attention_ffn: Optional[bool] = _key(None, "One fused gate/up projection; default: the architecture's.")
+
+    # ---- data ------------------------------------------------------------------
+    input_dir: Optional[str] = _key(
+        None, "Directory of prefix.bin/prefix.idx files, a prefix, or weighted prefixes '0.7 a 0.3 b'."
+    )
+    split: str = _key("949,50,1", "Train/valid/test split of the documents, e.g. '949,50,1'.")
+    max_seq_length: int = _key(1024, "Tokens per training sample.", minimum=1)
+    data_impl: str = _key("mmap", "Format of the prepared data.", choices=("mmap",))
+    skip_warmup: bool = _key(True, "Skip reading the mmap files once before training.")
+    data_cache: Optional[str] = _key(None, "Directory for the cached sample indices (default: next to the data).")
+
+    # ---- output, logging, checkpoints -----------------------------------------
+    output_dir: str = _key("output", "Checkpoints, metrics (train_log.jsonl) and VisualDL logs go here.")
+    overwrite_output_dir: bool = _key(False, "Start from scratch even if output_dir holds checkpoints.")
+    resume_from_checkpoint: Optional[str] = _key(None, "Resume from this checkpoint directory.")
+    logging_steps: int = _key(500, "Log metrics every N optimizer steps.", minimum=1)
+    save_steps: int = _key(500, "Save a checkpoint every N optimizer steps (0: never).", minimum=0)
+    save_total_limit: Optional[int] = _key(None, "Keep only the newest N checkpoints.", minimum=1)
+    disable_tqdm: Optional[bool] = _key(None, "No progress bar (default: a bar when stderr is a terminal).")
+    exit_interval: Optional[int] = _key(
+        None, "Save a checkpoint and stop after every N-th step; rerun the same command to resume "
+        "(for time-limited jobs, as Megatron's --exit-interval).", minimum=1
+    )
+
+    # ---- what to do ------------------------------------------------------------
+    do_train: bool = _key(True, "Train (default true: this is a pretraining tool).")
+    do_eval: bool = _key(False, "Evaluate on the valid split every eval_steps.")
+    do_predict: bool = _key(False, "Evaluate on the test split at the end.")
+    eval_steps: Optional[int] = _key(None, "Evaluate every N steps (default: logging_steps).", minimum=1)
+    eval_iters: int = _key(10, "Batches per evaluation (PaddleNLP fixes this at 10).", minimum=1)
+
+    # ---- optimization ----------------------------------------------------------
+    per_device_train_batch_size: int = _key(8, "Micro-batch size per data-parallel rank.", minimum=1)
+    per_device_eval_batch_size: int = _key(8, "Eval batch size per data-parallel rank.", minimum=1)
+    gradient_accumulation_steps: int = _key(1, "Micro-batches per optimizer step.", minimum=1)
+    max_steps: int = _key(-1, "Optimizer steps to train (required, > 0).")
+    learning_rate: float = _key(5e-05, "Peak learning rate.", minimum=0)
+    min_learning_rate: float = _key(1e-05, "Learning rate at the end of the decay.", minimum=0)
+    lr_scheduler_type: str = _key("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = _key(0, "Linear warmup steps (wins over warmup_ratio when > 0).", minimum=0)
+    warmup_ratio: float = _key(0.0, "Warmup as a fraction of max_steps.", minimum=0)
+    decay_steps: Optional[int] = _key(None, "Step at which the decay reaches min_learning_rate (default max_steps).", minimum=1)
+    weight_decay: float = _key(0.0, "AdamW weight decay (not applied to norms and biases).", minimum=0)
+    adam_beta1: float = _key(0.9, "AdamW beta1.", minimum=0)
+    adam_beta2: float = _key(0.999, "AdamW beta2.", minimum=0)
+    adam_epsilon: float = _key(1e-08, "AdamW epsilon.", minimum=0)
+    max_grad_norm: float = _key(1.0, "Global-norm gradient clipping (0: off).", minimum=0)
+    optim: str = _key("adamw", "Optimizer.", choices=("adamw",))
+    seed: int = _key(42, "Seed of weights, data order and dropout.")
+
+    # ---- precision and kernels (GPU only; on CPU: one warning, plain fp32) ----
+    bf16: bool = _key(False, "bfloat16 mixed precision (GPU).")
+    fp16: bool = _key(False, "float16 mixed precision (GPU).")
+    fp16_opt_level: str = _key("O1", "AMP level: O1 (autocast) or O2 (half weights, fp32 master weights).", choices=("O1", "O2"))
+    amp_master_grad: bool = _key(False, "Keep fp32 gradients under O2 (GPU).")
+    scale_loss: float = _key(32768, "Initial fp16 loss scale (GPU).", minimum=0)
+    use_flash_attention: bool = _key(False, "Flash attention kernels (GPU).")
+    use_fused_rms_norm: bool = _key(False, "Fused RMSNorm kernel (GPU).")
+    use_fused_rope: bool = _key(False, "Fused rotary-embedding kernel (GPU).")
+    use_fast_layer_norm: bool = _key(False, "Fast LayerNorm kernel (GPU).")
+    device: Optional[str] = _key(None, "cpu or gpu (default: gpu when Paddle has CUDA, else cpu).", choices=(None, "cpu", "gpu"))
+
+    # ---- parallelism -----------------------------------------------------------
+    tensor_parallel_degree: int = _key(-1, "Tensor (model) parallel degree; -1 means 1.")
+    pipeline_parallel_degree: int = _key(-1, "Pipeline parallel degree; -1 means 1.")
+    virtual_pp_degree: int = _key(1, "Virtual pipeline stages per rank (interleaved schedule).", minimum=1)
+    sequence_parallel: bool = _key(False, "Sequence parallelism (needs tensor_parallel_degree > 1).")
+    sharding: str = _key("", "ZeRO sharding stage: stage1, stage2 or stage3.", choices=("", "stage1", "stage2", "stage3"))
+    sharding_parallel_degree: int = _key(-1, "Sharding degree; -1: derived from the world size.")
+    sharding_degree: int = _key(-1, "Deprecated PaddleNLP alias of sharding_parallel_degree.")
+    tensor_parallel_config: str = _key("", "PaddleNLP tensor-parallel option string.")
+    pipeline_parallel_config: str = _key("", "PaddleNLP pipeline-parallel option string.")
+    sharding_parallel_config: str = _key("", "PaddleNLP sharding option string.")
+    sep_parallel_degree: int = _key(-1, "Segment parallelism: not supported (1 or -1 only).", choices=(-1, 1))
+
+    # ---- recompute -------------------------------------------------------------
+    recompute: bool = _key(False, "Recompute activations in the backward pass.")
+    recompute_granularity: str = _key("full", "What to recompute.", choices=("full", "full_attn", "core_attn"))
+    no_recompute_layers: Optional[list] = _key(None, "Decoder layer indices excluded from recompute.")
+    pp_recompute_interval: int = _key(1, "Under pipeline parallelism, recompute every N-th layer.", minimum=0)
+
+    # ---- data loading ----------------------------------------------------------
+    dataloader_num_workers: int = _key(0, "Accepted; samples are memory-mapped slices, read in-process.", minimum=0)
+    distributed_dataloader: bool = _key(False, "Accepted; every rank reads its own slice of the memory-mapped data.")
+
+    # ---- derived helpers -------------------------------------------------------
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer_name_or_path or self.model_name_or_path
+
+    @property
+    def effective_eval_steps(self) -> int:
+        return self.eval_steps or self.logging_steps
+
+    @property
+    def effective_warmup_steps(self) -> int:
+        if self.warmup_steps > 0:
+            return self.warmup_steps
+        return int(self.warmup_ratio * self.max_steps)
+
+
+# PaddleNLP keys accepted for compatibility that change nothing here, with
+# PaddleNLP's defaults. A different value gets one warning.
+INERT_KEYS: dict[str, Any] = {
+    "do_export": False,
+    "evaluation_strategy": "no",
+    "prediction_loss_only": False,
+    "eval_accumulation_steps": None,
+    "num_train_epochs": 1.0,
+    "num_cycles": 0.5,
+    "lr_end": 1e-07,
+    "power": 1.0,
+    "log_on_each_node": True,
+    "logging_dir": None,
+    "logging_strategy": "steps",
+    "logging_first_step": False,
+    "save_strategy": "steps",
+    "save_on_each_node": False,
+    "no_cuda": False,
+    "bf16_full_eval": False,
+    "fp16_full_eval": False,
+    "amp_custom_black_list": None,
+    "amp_custom_white_list": None,
+    "save_sharded_model": False,
+    "load_sharded_model": False,
+    "data_parallel_config": "",
+    "hybrid_parallel_topo_order": None,
+    "minimum_eval_times": None,
+    "local_rank": -1,
+    "dataloader_drop_last": False,
+    "max_evaluate_steps": -1,
+    "past_index": -1,
+    "run_name": None,
+    "remove_unused_columns": True,
+    "label_names": None,
+    "load_best_model_at_end": False,
+    "metric_for_best_model": None,
+    "greater_is_better": None,
+    "ignore_data_skip": False,
+    "report_to": None,
+    "wandb_api_key": None,
+    "skip_memory_metrics": True,
+    "flatten_param_grads": False,
+    "lazy_data_processing": True,
+    "skip_profile_timer": True,
+    "unified_checkpoint": False,
+    "unified_checkpoint_config": "",
+    "to_static": False,
+    "ignore_load_lr_and_optim": False,
+    "ignore_save_lr_and_optim": False,
+    "force_reshard_pp": False,
+    "enable_auto_parallel": False,
+    "use_expert_parallel": False,
+    # llm/run_pretrain.py's own arguments
+    "config_name": None,
+    "share_folder": False,
+    "cache_prefix": None,
+    "fuse_sequence_parallel_allreduce": False,
+    "recompute_use_reentrant": False,
+    "enable_linear_fused_grad_add": False,
+    "autotuner_benchmark": False,
+    "rope_scaling_factor": 1.0,
+    "rope_scaling_type": None,
+    "use_fused_dropout_add": False,
+    "use_fused_linear": False,
+    "lazy": False,
+}
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Arguments)}
+KNOWN_KEYS = sorted(set(FIELDS) | set(INERT_KEYS))
+
+_TRUE_STRINGS = {"true", "1", "yes", "y", "on"}
+_FALSE_STRINGS = {"false", "0", "no", "n", "off"}
+
+
+def _field_type(name: str) -> tuple[type, bool]:
+    """(base type, may be None) of an Arguments field."""
+    hint = typing.get_type_hints(Arguments)[name]
+    args = typing.get_args(hint)
+    if type(None) in args:  # Optional[X]
+        base = next(a for a in args if a is not type(None))
+        return typing.get_origin(base) or base, True
+    return typing.get_origin(hint) or hint, False
+
+
+def _describe(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)
+
+
+def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
+    """Convert a JSON or command-line value to the field's type, or raise UsageError."""
+    base, optional = _field_type(name)
+    if from_command_line and isinstance(value, str):
+        if optional and value.lower() in ("none", "null"):
+            return None
+        if base is list:
+            try:
+                value = json.loads(value) if value.strip().startswith("[") else [int(v) for v in value.replace(",", " ").split()]
+            except ValueError:
+                raise UsageError(f"{name}: expected a list of integers like '[0,1]' or '0,1', got {value!r} ({where})")
+        elif base is not str:
+            lowered = value.lower()
+            if base is bool and lowered in _TRUE_STRINGS | _FALSE_STRINGS:
+                value = lowered in _TRUE_STRINGS
+            else:
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass  # leave as string: the type check below reports it
+    if value is None:
+        if optional:
+            return None
+        raise UsageError(f"{name}: may not be null ({where})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise UsageError(f"{name}: expected true/false (or 0/1), got {_describe(value)} ({where})")
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+            raise UsageError(f"{name}: expected an integer, got {_describe(value)} ({where})")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UsageError(f"{name}: expected a number, got {_describe(value)} ({where})")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise UsageError(f"{name}: expected a string, got {_describe(value)} ({where})")
+        return value
+    if base is list:
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise UsageError(f"{name}: expected a list of integers, got {_describe(value)} ({where})")
+        return value
+    raise AssertionError(f"unhandled type for {name}")
+
+
+def _unknown_key_error(key: str, where: str) -> UsageError:
+    nearest = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.5)
+    hint = f"; did you mean '{nearest[0]}'?" if nearest else "; see README.md for the accepted keys"
+    return UsageError(f"unknown key '{key}' ({where}){hint}")
+
+
+def _read_json_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UsageError(f"argument file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"argument file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except UnicodeDecodeError:
+        raise UsageError(f"argument file {path} is not UTF-8 text")
+    if not isinstance(values, dict):
+        raise UsageError(f"argument file {path} must hold a JSON object of keys and values")
+    return values
+
+
+def _split_command_line(argv: list[str]) -> list[tuple[str, Any]]:
+    """'--key value', '--key=value' and a bare '--flag' (true) into (key, value) pairs."""
+    pairs = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise UsageError(f"unexpected command-line argument {token!r}; use '--key value'")
+        key = token[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 2
+        else:
+            value = "true"
+            i += 1
+        pairs.append((key.replace("-", "_") if key.replace("-", "_") in KNOWN_KEYS else key, value))
+    return pairs
+
+
+def parse_arguments(argv: list[str]) -> tuple[Arguments, list[str]]:
+    """Parse `[file.json] [--key value ...]`. Returns the arguments and warnings to show.
+
+    Command-line values override the file's.
+    """
+    items: list[tuple[str, Any, bool, str]] = []  # key, value, from_command_line, where
+    if argv and not argv[0].startswith("--"):
+        path = argv[0]
+        if not path.endswith(".json"):
+            raise UsageError(f"the first argument must be a .json argument file, got {path!r}")
+        items += [(k, v, False, f"in {path}") for k, v in _read_json_file(path).items()]
+        argv = argv[1:]
+    items += [(k, v, True, "on the command line") for k, v in _split_command_line(argv)]
+
+    values: dict[str, Any] = {}
+    warnings: list[str] = []
+    for key, value, from_command_line, where in items:
+        if key in FIELDS:
+            values[key] = _convert(key, value, from_command_line, where)
+        elif key in INERT_KEYS:
+            if from_command_line and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass
+            default = INERT_KEYS[key]
+            both_empty = default in (None, "") and value in (None, "")
+            if value != default and not both_empty:
+                warnings.append(
+                    f"{key}={_describe(value)} ({where}) has no effect in llm-pretrain; "
+                    "it is accepted so that PaddleNLP argument files parse unchanged"
+                )
+        else:
+            raise _unknown_key_error(key, where)
+    args = Arguments(**values)
+    validate_arguments(args)
+    return args, warnings
+
+
+def validate_arguments(args: Arguments) -> None:
+    """Checks of single values and of values against each other (no world size needed)."""
+    for name, f in FIELDS.items():
+        value = getattr(args, name)
+        choices, minimum = f.metadata["choices"], f.metadata["minimum"]
+        if choices is not None and value not in choices:
+            allowed = ", ".join(_describe(c) for c in choices)
+            raise UsageError(f"{name}: {_describe(value)} is not allowed; allowed: {allowed}")
+        if minimum is not None and value is not None and value < minimum:
+            raise UsageError(f"{name}: {_describe(value)} is too small; the minimum is {minimum}")
+    if args.do_train and args.max_steps <= 0:
+        raise UsageError(f"max_steps: set a positive number of optimizer steps (got {args.max_steps})")
+    if args.do_train or args.do_eval or args.do_predict:
+        if not args.input_dir:
+            raise UsageError("input_dir: required; a directory of prefix.bin/prefix.idx files (see scripts/prepare_data.py)")
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding_degree"):
+        value = getattr(args, name)
+        if value == 0 or value < -1:
+            raise UsageError(f"{name}: {value} is not allowed; use a positive degree (or -1 for the default)")
+    if args.warmup_ratio > 1:
+        raise UsageError(f"warmup_ratio: {args.warmup_ratio} is not allowed; use a fraction between 0 and 1")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not getattr(args, name) < 1:
+            raise UsageError(f"{name}: {getattr(args, name)} is not allowed; use a value in [0, 1)")
+    if args.min_learning_rate > args.learning_rate:
+        raise UsageError(
+            f"min_learning_rate: {args.min_learning_rate} is larger than learning_rate {args.learning_rate}"
+        )
+    if args.bf16 and args.fp16:
+        raise UsageError("bf16 and fp16: choose one of them")
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        value = getattr(args, name)
+        if value is not None and value >= 1:
+            raise UsageError(f"{name}: {value} is not allowed; use a probability in [0, 1)")
+    if args.no_recompute_layers is not None and any(i < 0 for i in args.no_recompute_layers):
+        raise UsageError(f"no_recompute_layers: layer indices must be >= 0, got {args.no_recompute_layers}")
+
+
+def arguments_to_dict(args: Arguments) -> dict:
+    return dataclasses.asdict(args)
+
+
+def format_key_help() -> str:
+    lines = []
+    for name, f in FIELDS.items():
+        default = getattr(Arguments(), name)
+        lines.append(f"  --{name} (default {_describe(default)}): {f.metadata['help']}")
+    lines.append("  Also accepted for PaddleNLP compatibility (no effect): " + ", ".join(sorted(INERT_KEYS)))
+    return "\n".join(lines)

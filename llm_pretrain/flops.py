@@ -1,0 +1,288 @@
+"""Model FLOPs of a training step per token, device peaks, and MFU.
+
+The formula
+-----------
+Only matrix products are counted, at 2 FLOPs per multiply-accumulate. For a
+decoder layer with hidden size h, sequence length s, `a` query heads of size
+d = h/a, `g` key/value heads (g < a: grouped-query attention), MLP width f,
+the forward pass costs per token:
+
+    q and output projections     2 * 2 h (a d)        = 4 h^2
+    k and v projections          2 * 2 h (g d)        = 4 h g d   (GQA shrinks only these)
+    attention q k^T and p v      2 * 2 s (a d)        = 4 s h     (full s^2, see below)
+    MLP, SwiGLU (gate, up, down) 2 * 3 h f            = 6 h f     (LLaMA, Baichuan, Qwen)
+    MLP, GELU (up, down)         2 * 2 h f            = 4 h f     (GPT-3, Bloom; f = 4h)
+
+plus the output head 2 h V once per token (tied or not: the product is done
+either way; the embedding lookup is free). Backward costs twice the forward
+(gradients of the inputs and of the weights), so one training step is 3x the
+forward: with h = a d, g = a and a GELU 4h MLP this is Megatron-LM's
+72 L h^2 (1 + s/(6h) + V/(12 L h)) per token (Narayanan et al. 2021, eq. 3,
+without its recompute pass).
+
+Choices, and why:
+
+* Attention counts the full s x s score matrix, not the causal half. This is
+  the convention of Megatron-LM and of PaddleNLP's own TFLOPs figures, so the
+  numbers compare with published tables; `causal_attention=True` gives the
+  half that a causal flash-attention kernel really computes.
+* Per family, only the matrix shapes differ. Biases (GPT-3, Bloom, Qwen's
+  q/k/v), norms, rotary/ALiBi/learned positions, softmax, activations and the
+  residual adds are O(h) or O(s a) elementwise work per token, below 0.5% of
+  the total for any model worth measuring (llama-7b at s=4096: ~0.3%), and
+  are left out as in Megatron and PaddleNLP. Baichuan2's normalized head
+  costs V h once per step, not per token.
+* Qwen v1's Hugging Face config lists twice the real MLP width
+  (`intermediate_size // 2` per projection); `ModelConfig.intermediate_size`
+  is always the real width, so Qwen counts as a SwiGLU model with that width.
+* Recompute re-runs part of the forward inside the backward pass: the whole
+  layer ("full"), the attention block, i.e. projections and core attention
+  ("full_attn"), or only the core attention ("core_attn"). The head is never
+  recomputed. "Model FLOPs" (`model_flops_per_token`, used for MFU) never
+  include recompute -- recomputing is extra work, not progress; "hardware
+  FLOPs" (`training_flops_per_token` with a granularity) do.
+
+MFU is model TFLOPs per card divided by the card's peak dense throughput for
+the run's dtype (`PEAK_TFLOPS`). A CPU has no datasheet figure here: its peak
+is measured on the spot by `measure_cpu_peak_tflops()`, a timed fp32 matrix
+product.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+
+from models.config import ModelConfig
+
+RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
+
+
+# ----------------------------------------------------------------------------- FLOPs per token
+def mlp_matrices(config: ModelConfig) -> int:
+    """Weight matrices of size h x f in the MLP: 3 for SwiGLU (gate, up, down), 2 for the GELU MLP."""
+    return 3 if config.uses_swiglu else 2
+
+
+def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False) -> dict[str, float]:
+    """Forward FLOPs of one decoder layer per token, by part (see the module docstring)."""
+    h, d = config.hidden_size, config.head_dim
+    q_width = config.num_attention_heads * d
+    kv_width = config.num_key_value_heads * d
+    core_attention = 2 * 2 * seq_length * q_width
+    if causal_attention:
+        core_attention /= 2
+    return {
+        "projections": 2 * (2 * h * q_width + 2 * h * kv_width),
+        "core_attention": core_attention,
+        "mlp": 2 * mlp_matrices(config) * h * config.intermediate_size,
+    }
+
+
+def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_granularity: str | None = None,
+                             recomputed_layers: int | None = None, causal_attention: bool = False) -> float:
+    """FLOPs of forward + backward (+ recompute, if a granularity is given) per trained token.
+
+    recomputed_layers: how many layers recompute (default all; fewer with
+    no_recompute_layers or pp_recompute_interval).
+    """
+    if recompute_granularity is not None and recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity {recompute_granularity!r}; allowed: {RECOMPUTE_GRANULARITIES}")
+    layers = config.num_hidden_layers
+    parts = layer_forward_flops_per_token(config, seq_length, causal_attention)
+    head_forward = 2 * config.hidden_size * config.vocab_size
+    forward = layers * sum(parts.values()) + head_forward
+    total = 3 * forward  # forward + backward (2x: input and weight gradients)
+
+    recomputed = {
+        None: 0,
+        "full": sum(parts.values()),
+        "full_attn": parts["projections"] + parts["core_attention"],
+        "core_attn": parts["core_attention"],
+    }[recompute_granularity]
+    total += (layers if recomputed_layers is None else recomputed_layers) * recomputed
+    return float(total)
+
+
+def model_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False) -> float:
+    """The FLOPs per token that count for MFU: forward + backward, never the recompute."""
+    return training_flops_per_token(config, seq_length, None, causal_attention=causal_attention)
+
+
+def recompute_flops_args(config: ModelConfig) -> dict:
+    """training_flops_per_token's recompute arguments from a config's runtime options (hardware FLOPs)."""
+    if not config.recompute:
+        return {"recompute_granularity": None}
+    layers = [i for i in range(config.num_hidden_layers) if i not in set(config.no_recompute_layers or [])]
+    return {"recompute_granularity": config.recompute_granularity, "recomputed_layers": len(layers)}
+
+
+# ----------------------------------------------------------------------------- device peaks
+# Peak dense (no 2:4 sparsity) tensor throughput per card in TFLOPs, from NVIDIA's
+# datasheets. "fp32" is plain FP32 on CUDA cores; "tf32" the tensor-core path
+# that Paddle uses for float32 matmuls on Ampere and newer (FLAGS_allow_tf32_cublas,
+# on by default). Keys are matched against the CUDA device name, most specific first.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    # H100/H800 SXM5: H100 datasheet (nvidia.com/en-us/data-center/h100): BF16/FP16 1979
+    # with sparsity -> 989.4 dense, TF32 494.7 dense, FP32 66.9. H800 has the same compute.
+    "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    # H100/H800 PCIe: same datasheet, PCIe column: BF16 756 dense, TF32 378, FP32 51.2.
+    "H100 PCIE": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H800 PCIE": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    # H100 NVL (per GPU): datasheet 1671 BF16 sparse -> 835.5 dense, TF32 417.5, FP32 60.
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H800": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    # H200: H100 SXM compute with more memory (H200 datasheet).
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    # H20 (China export): BF16 148, TF32 74, FP32 44 (NVIDIA H20 product brief).
+    "H20": {"bf16": 148.0, "fp16": 148.0, "tf32": 74.0, "fp32": 44.0},
+    # A100 (SXM4 and PCIe, 40/80 GB): A100 datasheet: BF16/FP16 312, TF32 156, FP32 19.5.
+    # A800 is the export variant with the same compute (only NVLink is slower).
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    # A30: datasheet BF16 165, TF32 82, FP32 10.3.
+    "A30": {"bf16": 165.0, "fp16": 165.0, "tf32": 82.0, "fp32": 10.3},
+    # A10: datasheet BF16 125, TF32 62.5, FP32 31.2.
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    # L40S: datasheet BF16 362.05 dense (733 sparse), TF32 183, FP32 91.6.
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    # L4: datasheet BF16 121 dense (242 sparse), TF32 60, FP32 30.3.
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    # V100 (Volta): fp16 tensor cores only, no bf16/tf32. SXM2 125 / 15.7, PCIe 112 / 14 (datasheet).
+    "V100-PCIE": {"fp16": 112.0, "fp32": 14.0},
+    "V100S": {"fp16": 130.0, "fp32": 16.4},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    # T4: datasheet FP16 65, FP32 8.1.
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+    # GeForce RTX 4090 (Ada whitepaper): FP16/BF16 with FP32 accumulate 165.2 dense, TF32 82.6, FP32 82.6.
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    # GeForce RTX 3090 (Ampere GA102 whitepaper): FP16/BF16 with FP32 accumulate 71, TF32 35.6, FP32 35.6.
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+}
+
+# CUDA device names spell variants differently ("NVIDIA H100 80GB HBM3" is the SXM part,
+# "Tesla V100-PCIE-32GB", "NVIDIA A800-SXM4-80GB"): patterns over the upper-cased name,
+# most specific first, each naming a PEAK_TFLOPS key.
+_DEVICE_PATTERNS = (
+    (r"H100.*PCIE", "H100 PCIE"), (r"H800.*PCIE", "H800 PCIE"), (r"H100.*NVL", "H100 NVL"),
+    (r"H100", "H100 SXM"), (r"H800", "H800"), (r"H200", "H200"), (r"\bH20\b", "H20"),
+    (r"A100", "A100"), (r"A800", "A800"), (r"\bA30\b", "A30"), (r"\bA10\b", "A10"),
+    (r"L40S", "L40S"), (r"\bL4\b", "L4"),
+    (r"V100S", "V100S"), (r"V100.*PCIE", "V100-PCIE"), (r"V100", "V100"), (r"\bT4\b", "T4"),
+    (r"RTX 4090", "RTX 4090"), (r"RTX 3090", "RTX 3090"),
+)
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+
+
+def normalize_dtype(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
+        str(dtype).lower(), str(dtype).lower())
+
+
+def match_device(device_name: str) -> str | None:
+    """The PEAK_TFLOPS key for a CUDA device name, or None if the card is not in the table."""
+    name = device_name.upper().replace("_", " ")
+    for pattern, key in _DEVICE_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def device_peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Peak dense TFLOPs of one card of this CUDA device name at this dtype, or None if unknown.
+
+    dtype: "bf16", "fp16", "tf32" or "fp32" (bfloat16/float16/float32 also accepted).
+    "fp32" on a card with tensor-core TF32 returns the TF32 peak, since Paddle runs
+    float32 matmuls as TF32 there by default; ask for "tf32"/"fp32" explicitly through
+    PEAK_TFLOPS if you disabled it. For a CPU ("cpu..."), the measured peak of this machine.
+    """
+    dtype = normalize_dtype(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if device_name.lower().startswith("cpu"):
+        return measure_cpu_peak_tflops() if dtype == "fp32" else None
+    key = match_device(device_name)
+    if key is None:
+        return None
+    peaks = PEAK_TFLOPS[key]
+    if dtype == "fp32" and "tf32" in peaks:
+        return peaks["tf32"]
+    return peaks.get(dtype)
+
+
+# ----------------------------------------------------------------------------- MFU
+def mfu(tflops_per_card: float, peak_tflops: float) -> float:
+    """Model FLOPs utilization: achieved model TFLOPs per card / peak TFLOPs per card, in [0, 1].
+
+    Raises ValueError for a non-positive peak, negative throughput, or a result
+    above 1: a card cannot beat its peak, so that means a wrong peak (e.g. a CPU
+    measured while busy) or a wrong FLOPs count, and showing it clamped to 100%
+    would hide the error. Callers that must not fail show "n/a" instead.
+    """
+    if not peak_tflops or peak_tflops <= 0:
+        raise ValueError(f"peak TFLOPs must be positive, got {peak_tflops}")
+    if tflops_per_card < 0:
+        raise ValueError(f"achieved TFLOPs must be >= 0, got {tflops_per_card}")
+    value = tflops_per_card / peak_tflops
+    if value > 1:
+        raise ValueError(f"MFU {value:.1%} is above 100%: achieved {tflops_per_card:.4g} TFLOPs/card exceeds "
+                         f"the peak {peak_tflops:.4g}; the peak or the FLOPs count is wrong")
+    return value
+
+
+# ----------------------------------------------------------------------------- CPU peak
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _best_tflops(matmul, size: int, min_seconds: float, min_repeats: int = 2) -> float:
+    """Best (not mean: the peak is what the hardware *can* do) throughput of repeated n x n products."""
+    matmul()  # warm-up: thread pools, page faults, kernel selection
+    best, spent, repeats = float("inf"), 0.0, 0
+    while repeats < min_repeats or spent < min_seconds:
+        start = time.perf_counter()
+        matmul()
+        elapsed = time.perf_counter() - start
+        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
+    return 2 * size**3 / best / 1e12
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_matmul_benchmark(size: int = 2048, min_seconds: float = 0.5) -> dict:
+    """Timed fp32 n x n matrix products with Paddle and with NumPy's BLAS, in this process.
+
+    Returns {"paddle_tflops", "numpy_tflops", "peak_tflops" (the better of both),
+    "size", "cpus"}. Cached per process and size: the machine does not change.
+    """
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(0)
+    a_np = rng.standard_normal((size, size), dtype=np.float32)
+    b_np = rng.standard_normal((size, size), dtype=np.float32)
+    previous_device = paddle.get_device()
+    paddle.set_device("cpu")
+    try:
+        a, b = paddle.to_tensor(a_np), paddle.to_tensor(b_np)
+        # .numpy() of one element forces the product to finish (CPU kernels are synchronous anyway).
+        paddle_tflops = _best_tflops(lambda: paddle.matmul(a, b)[0, 0].numpy(), size, min_seconds)
+    finally:
+        paddle.set_device(previous_device)
+    numpy_tflops = _best_tflops(lambda: a_np @ b_np, size, min_seconds)
+    return {"paddle_tflops": paddle_tflops, "numpy_tflops": numpy_tflops,
+            "peak_tflops": max(paddle_tflops, numpy_tflops), "size": size, "cpus": cpu_count()}
+
+
+def measure_cpu_peak_tflops(size: int = 2048) -> float:
+    """This machine's fp32 matmul peak in TFLOPs (all cores, the faster of Paddle and NumPy).
+
+    The hardware can do at least what its best BLAS achieves, so the faster of the two
+    libraries is the peak; a run using Paddle's slower CPU kernels then shows a low MFU,
+    which is the honest answer. Measure it while the machine is otherwise idle.
+    """
+    return cpu_matmul_benchmark(size)["peak_tflops"]

@@ -1,0 +1,100 @@
+"""What a model is (architecture) and how this run executes it (runtime options).
+
+One `ModelConfig` describes every family this toolkit trains. The families
+differ in a handful of switches -- normalization, position information, MLP,
+biases, tied head -- listed in `FAMILY_DEFAULTS`; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+FAMILIES = ("llama", "qwen", "baichuan", "gpt3", "bloom")
+
+
+@dataclass
+class ModelConfig:
+    # ---- architecture (saved as config.json) ----------------------------------
+    family: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None  # None: same as num_attention_heads (no GQA)
+    intermediate_size: int = 11008  # width of the MLP's hidden layer
+    max_position_embeddings: int = 2048
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+
+    # family switches
+    norm_type: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    position_embedding: str = "rope"  # "rope" | "alibi" | "learned"
+    hidden_act: str = "silu"  # "silu" (SwiGLU MLP) | "gelu" | "gelu_tanh" (4h MLP)
+    qkv_bias: bool = False  # bias on the q/k/v projections (Qwen v1)
+    linear_bias: bool = False  # biases on every linear and norm (GPT-3, Bloom)
+    tie_word_embeddings: bool = False
+    embedding_layernorm: bool = False  # LayerNorm right after the word embedding (Bloom)
+    norm_head: bool = False  # Baichuan2: the output head's rows are L2-normalized
+    fuse_attention_qkv: bool = False  # one q/k/v projection instead of three
+    fuse_attention_ffn: bool = False  # one gate/up projection instead of two
+
+    # ---- runtime (set from the run's arguments; not part of config.json) -----
+    seq_length: int = 1024
+    tensor_parallel_degree: int = 1
+    sequence_parallel: bool = False
+    recompute: bool = False
+    recompute_granularity: str = "full"  # "full" | "full_attn" | "core_attn"
+    no_recompute_layers: list = field(default_factory=list)
+    pp_recompute_interval: int = 1
+    use_flash_attention: bool = False
+    use_fused_rms_norm: bool = False
+    use_fused_rope: bool = False
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def uses_swiglu(self) -> bool:
+        return self.hidden_act == "silu"
+
+    def architecture_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_KEYS}
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+RUNTIME_KEYS = (
+    "seq_length", "tensor_parallel_degree", "sequence_parallel", "recompute", "recompute_granularity",
+    "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
+)
+
+# The switches that make a family; registry entries only give sizes on top.
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "llama": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu"),
+    "baichuan": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu"),
+    "qwen": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True),
+    # GELU with the tanh approximation, as GPT-2/3 and PaddleNLP's GPT (F.gelu(..., approximate=True)).
+    "gpt3": dict(
+        norm_type="layernorm", position_embedding="learned", hidden_act="gelu_tanh", linear_bias=True,
+        tie_word_embeddings=True, norm_eps=1e-5,
+    ),
+    "bloom": dict(
+        norm_type="layernorm", position_embedding="alibi", hidden_act="gelu_tanh", linear_bias=True,
+        tie_word_embeddings=True, embedding_layernorm=True, norm_eps=1e-5,
+    ),
+}
+
+
+def make_config(family: str, **sizes) -> ModelConfig:
+    return ModelConfig(family=family, **{**FAMILY_DEFAULTS[family], **sizes})

@@ -1,0 +1,296 @@
+"""One decoder-only transformer for every family this toolkit trains.
+
+    tokens -> Embeddings -> DecoderLayer x N -> final norm -> LMHead -> logits -> loss
+
+The families (LLaMA, Baichuan, Qwen, GPT-3, Bloom) differ only in the switches
+of `ModelConfig`: RMSNorm or LayerNorm, rotary / ALiBi / learned positions,
+SwiGLU or GELU MLP, biases, a LayerNorm after the word embedding, tied or
+normalized output head. The blocks below are also the stages of the pipeline
+model (models/pipeline.py), so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from models import parallel_layers as pl
+from models.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- positions
+def rotary_cos_sin(seq_length: int, head_dim: int, theta: float):
+    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32."""
+    inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+    positions = paddle.arange(seq_length, dtype="float32")
+    freqs = paddle.outer(positions, inv_freq)
+    angles = paddle.concat([freqs, freqs], axis=-1)
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, axis=-1)
+    return paddle.concat([-x2, x1], axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate query/key vectors, x: [batch, seq, heads, head_dim]."""
+    return (x.astype("float32") * cos + _rotate_half(x.astype("float32")) * sin).astype(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi head slopes (Press et al. 2022), also for head counts that are not powers of 2."""
+    closest_power = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest_power) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest_power)]
+    if closest_power != num_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest_power) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest_power)]
+    return slopes
+
+
+# ----------------------------------------------------------------------------- blocks
+class Embeddings(nn.Layer):
+    """Word embeddings (+ learned positions for GPT-3) (+ LayerNorm for Bloom)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = pl.vocab_embedding(config, config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned":
+            self.position_embeddings = pl.replicated_embedding(config.max_position_embeddings, config.hidden_size)
+        if config.embedding_layernorm:
+            self.word_embeddings_layernorm = pl.norm(config, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    @property
+    def tied_weight(self):
+        """The matrix a tied output head shares (named for fleet's SharedLayerDesc)."""
+        return self.word_embeddings.weight
+
+    def forward(self, input_ids):
+        hidden = self.word_embeddings(input_ids)
+        if self.config.position_embedding == "learned":
+            positions = paddle.arange(input_ids.shape[1], dtype="int64")
+            hidden = hidden + self.position_embeddings(positions)[None]
+        # Split before the (per-token) LayerNorm: under sequence parallelism its weights then
+        # see only local tokens, like every other norm, and are all-reduced the same way.
+        hidden = pl.split_sequence(self.config, hidden)
+        if self.config.embedding_layernorm:
+            hidden = self.word_embeddings_layernorm(hidden)
+        return self.dropout(hidden)
+
+
+class Attention(nn.Layer):
+    """Multi-head attention with grouped key/value heads, causal mask, rotary or ALiBi positions."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
+        head_dim = config.head_dim
+        q_size = config.num_attention_heads * head_dim
+        kv_size = config.num_key_value_heads * head_dim
+        self.num_heads = config.num_attention_heads // tp_degree  # heads on this rank
+        self.num_kv_heads = config.num_key_value_heads // tp_degree
+        bias = config.qkv_bias or config.linear_bias
+        if config.fuse_attention_qkv:
+            self.qkv_proj = pl.column_linear(config, config.hidden_size, q_size + 2 * kv_size, bias,
+                                             parts=(q_size, kv_size, kv_size))
+        else:
+            self.q_proj = pl.column_linear(config, config.hidden_size, q_size, bias)
+            self.k_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
+            self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
+        self.o_proj = pl.row_linear(config, q_size, config.hidden_size, config.linear_bias)
+        if config.position_embedding == "alibi":
+            slopes = alibi_slopes(config.num_attention_heads)
+            local = slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
+            self.register_buffer("alibi_slopes", paddle.to_tensor(local, dtype="float32"), persistable=False)
+
+    def project_qkv(self, hidden):
+        # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens;
+        # the column-parallel projections gather every token, so the outputs are whole sequences.
+        seq = self.config.seq_length if hidden.ndim == 2 else hidden.shape[1]
+        d = self.config.head_dim
+        if self.config.fuse_attention_qkv:
+            qkv = self.qkv_proj(hidden)
+            q, k, v = paddle.split(qkv, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], axis=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.reshape([-1, seq, self.num_heads, d])
+        k = k.reshape([-1, seq, self.num_kv_heads, d])
+        v = v.reshape([-1, seq, self.num_kv_heads, d])
+        if self.config.position_embedding == "rope":
+            cos, sin = rotary_cos_sin(seq, d, self.config.rope_theta)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def core_attention(self, q, k, v):
+        """softmax(q k^T / sqrt(d) + bias + causal mask) v; [batch, seq, heads, head_dim] in and out."""
+        batch, seq = q.shape[0], q.shape[1]
+        if self.num_kv_heads != self.num_heads:  # grouped-query attention: share each kv head
+            repeats = self.num_heads // self.num_kv_heads
+            k = paddle.repeat_interleave(k, repeats, axis=2)
+            v = paddle.repeat_interleave(v, repeats, axis=2)
+        if self.config.use_flash_attention and self.config.position_embedding != "alibi":
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.config.attention_probs_dropout_prob, is_causal=True, training=self.training
+            )
+            return out.reshape([batch, seq, -1])
+        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))  # [batch, heads, seq, d]
+        scores = paddle.matmul(q.astype("float32"), k.astype("float32"), transpose_y=True) / math.sqrt(q.shape[-1])
+        if self.config.position_embedding == "alibi":
+            positions = paddle.arange(seq, dtype="float32")
+            scores = scores + self.alibi_slopes[None, :, None, None] * positions[None, None, None, :]
+        causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
+        scores = paddle.where(causal, scores, paddle.full_like(scores, float("-inf")))
+        probs = F.softmax(scores, axis=-1).astype(v.dtype)
+        probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
+        out = paddle.matmul(probs, v).transpose([0, 2, 1, 3])
+        return out.reshape([batch, seq, -1])
+
+    def forward(self, hidden):
+        q, k, v = self.project_qkv(hidden)
+        if self.config.recompute and self.config.recompute_granularity == "core_attn" and self.training:
+            from paddle.distributed.fleet.utils import recompute
+
+            out = recompute(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v)
+        if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
+            out = out.reshape([-1, out.shape[-1]])
+        return self.o_proj(out)
+
+
+class MLP(nn.Layer):
+    """SwiGLU (down(silu(gate x) * up x)) or the 4h GELU MLP of GPT-3 and Bloom."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        hidden, inner = config.hidden_size, config.intermediate_size
+        bias = config.linear_bias
+        if config.uses_swiglu:
+            if config.fuse_attention_ffn:
+                self.gate_up_proj = pl.column_linear(config, hidden, 2 * inner, bias, parts=(inner, inner))
+            else:
+                self.gate_proj = pl.column_linear(config, hidden, inner, bias)
+                self.up_proj = pl.column_linear(config, hidden, inner, bias)
+        else:
+            self.up_proj = pl.column_linear(config, hidden, inner, bias)
+        self.down_proj = pl.row_linear(config, inner, hidden, bias)
+
+    def forward(self, x):
+        if self.config.uses_swiglu:
+            if self.config.fuse_attention_ffn:
+                gate, up = self.gate_up_proj(x).chunk(2, axis=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(F.silu(gate) * up)
+        approximate = self.config.hidden_act == "gelu_tanh"
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=approximate))
+
+
+class DecoderLayer(nn.Layer):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        self.input_layernorm = pl.norm(config, config.hidden_size)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = pl.norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def attention_block(self, hidden):
+        return self.dropout(self.self_attn(self.input_layernorm(hidden)))
+
+    def forward(self, hidden):
+        if self._recompute("full_attn"):
+            from paddle.distributed.fleet.utils import recompute
+
+            hidden = hidden + recompute(self.attention_block, hidden, use_reentrant=False)
+        else:
+            hidden = hidden + self.attention_block(hidden)
+        return hidden + self.dropout(self.mlp(self.post_attention_layernorm(hidden)))
+
+    def _recompute(self, granularity: str) -> bool:
+        config = self.config
+        return (config.recompute and self.training and config.recompute_granularity == granularity
+                and self.layer_index not in config.no_recompute_layers)
+
+
+class LMHead(nn.Layer):
+    """Hidden states to logits over the vocabulary (this rank's slice under tensor parallelism).
+
+    Tied heads reuse the word embedding matrix; Baichuan2's NormHead L2-normalizes its rows.
+    """
+
+    def __init__(self, config: ModelConfig, tied_embedding_weight=None):
+        super().__init__()
+        self.config = config
+        if tied_embedding_weight is None:
+            self.weight = self.create_parameter([config.hidden_size, config.vocab_size // config.tensor_parallel_degree],
+                                                default_initializer=nn.initializer.Constant(0.0))
+            pl.tag_split(self.weight, 1)
+        # A plain list, so that the tied weight stays registered only under the embedding.
+        self._tied_weight = [tied_embedding_weight] if tied_embedding_weight is not None else []
+
+    def forward(self, hidden):
+        if self._tied_weight:
+            return output_logits(self.config, hidden, self._tied_weight[0], tied=True)
+        return output_logits(self.config, hidden, self.weight, tied=False)
+
+
+def output_logits(config: ModelConfig, hidden, weight, tied: bool):
+    """logits = hidden @ W (W: [hidden, vocab]) or hidden @ E^T for a head tied to the embedding E."""
+    hidden = pl.tensor_parallel_input(config, pl.gather_sequence(config, hidden))
+    if tied:
+        return paddle.matmul(hidden, weight, transpose_y=True)
+    if config.norm_head:
+        weight = F.normalize(weight, axis=0)
+    return paddle.matmul(hidden, weight)
+
+
+def causal_lm_loss(config: ModelConfig, logits, labels):
+    """Mean next-token cross entropy over the tokens whose label is not -100."""
+    per_token = pl.cross_entropy_per_token(config, logits, labels)
+    mask = (labels != -100).astype("float32")
+    return (per_token * mask).sum() / mask.sum().clip(min=1.0)
+
+
+# ----------------------------------------------------------------------------- model
+class CausalLM(nn.Layer):
+    """The whole model in one process (tensor parallelism applies inside the blocks)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.LayerList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = pl.norm(config, config.hidden_size)
+        tied = self.embeddings.word_embeddings.weight if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config, tied)
+
+    def forward(self, input_ids, labels=None):
+        hidden = self.embeddings(input_ids)
+        for layer in self.layers:
+            if layer._recompute("full"):
+                from paddle.distributed.fleet.utils import recompute
+
+                hidden = recompute(layer, hidden, use_reentrant=False)
+            else:
+                hidden = layer(hidden)
+        logits = self.lm_head(self.norm(hidden))
+        if labels is None:
+            return logits
+        return causal_lm_loss(self.config, logits, labels)
+
+    def canonical_named_parameters(self):
+        """(name in the single-process model, parameter) for every parameter this rank holds."""
+        return list(self.named_parameters())

@@ -1,0 +1,208 @@
+"""The layers the decoder is built from, chosen by the run's tensor-parallel degree.
+
+At tensor_parallel_degree 1 they are plain Paddle layers; above it they are
+fleet's `meta_parallel` layers (ColumnParallelLinear, RowParallelLinear,
+VocabParallelEmbedding, ParallelCrossEntropy), so the model code reads the
+same at every degree.
+
+Every weight that tensor parallelism splits is tagged with where it is split
+(`tp_split_axis`) and, for fused projections such as q|k|v, the sizes of the
+fused parts along that axis (`tp_split_parts`): each rank holds its slice of
+every part. Weight initialization, checkpoint merging and the export to
+PaddleNLP use these tags to move between the full weight and a rank's slice.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from models.config import ModelConfig
+
+
+def tag_split(param, axis: int | None, parts: tuple[int, ...] | None = None) -> None:
+    """Record how tensor parallelism splits this parameter (axis None: replicated)."""
+    param.tp_split_axis = axis
+    param.tp_split_parts = parts
+
+
+def _tensor_parallel(config: ModelConfig) -> bool:
+    return config.tensor_parallel_degree > 1
+
+
+def _sequence_parallel(config: ModelConfig) -> bool:
+    return config.sequence_parallel and config.tensor_parallel_degree > 1
+
+
+def _weight_attr():
+    # Real values are set by models.weights.init_weights, identical at every degree.
+    return paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
+
+
+def column_linear(config: ModelConfig, in_features: int, out_features: int, bias: bool,
+                  parts: tuple[int, ...] | None = None) -> nn.Layer:
+    """y = x W + b with W's output columns split across tensor-parallel ranks.
+
+    `parts` lists the sizes of fused outputs (e.g. q, k, v); each is split separately.
+    """
+    if _sequence_parallel(config):
+        # Gathers the sequence-split input from all ranks before the matmul.
+        from paddle.distributed.fleet.utils.sequence_parallel_utils import ColumnSequenceParallelLinear
+
+        layer = ColumnSequenceParallelLinear(in_features, out_features, weight_attr=_weight_attr(),
+                                             has_bias=bias, gather_output=False)
+    elif _tensor_parallel(config):
+        from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear
+
+        layer = ColumnParallelLinear(in_features, out_features, weight_attr=_weight_attr(),
+                                     has_bias=bias, gather_output=False)
+    else:
+        layer = nn.Linear(in_features, out_features, weight_attr=_weight_attr(), bias_attr=None if bias else False)
+    tag_split(layer.weight, 1, parts)
+    if bias:
+        tag_split(layer.bias, 0, parts)
+    return layer
+
+
+def row_linear(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Layer:
+    """y = x W + b with W's input rows split; the output is summed over ranks."""
+    if _sequence_parallel(config):
+        # Reduce-scatters the output back to this rank's part of the sequence
+        # (and marks its bias as a sequence-parallel parameter).
+        from paddle.distributed.fleet.utils.sequence_parallel_utils import RowSequenceParallelLinear
+
+        layer = RowSequenceParallelLinear(in_features, out_features, weight_attr=_weight_attr(),
+                                          has_bias=bias, input_is_parallel=True)
+    elif _tensor_parallel(config):
+        from paddle.distributed.fleet.meta_parallel import RowParallelLinear
+
+        layer = RowParallelLinear(in_features, out_features, weight_attr=_weight_attr(),
+                                  has_bias=bias, input_is_parallel=True)
+    else:
+        layer = nn.Linear(in_features, out_features, weight_attr=_weight_attr(), bias_attr=None if bias else False)
+    tag_split(layer.weight, 0)
+    if bias:
+        tag_split(layer.bias, None)
+    return layer
+
+
+def replicated_linear(in_features: int, out_features: int, bias: bool) -> nn.Layer:
+    """A linear layer every tensor-parallel rank holds whole."""
+    layer = nn.Linear(in_features, out_features, weight_attr=_weight_attr(), bias_attr=None if bias else False)
+    tag_split(layer.weight, None)
+    if bias:
+        tag_split(layer.bias, None)
+    return layer
+
+
+def vocab_embedding(config: ModelConfig, vocab_size: int, hidden_size: int) -> nn.Layer:
+    """Word embeddings with the vocabulary split across tensor-parallel ranks."""
+    if _tensor_parallel(config):
+        from paddle.distributed.fleet.meta_parallel import VocabParallelEmbedding
+
+        layer = VocabParallelEmbedding(vocab_size, hidden_size, weight_attr=_weight_attr())
+    else:
+        layer = nn.Embedding(vocab_size, hidden_size, weight_attr=_weight_attr())
+    tag_split(layer.weight, 0)
+    return layer
+
+
+def replicated_embedding(num_embeddings: int, hidden_size: int) -> nn.Layer:
+    layer = nn.Embedding(num_embeddings, hidden_size, weight_attr=_weight_attr())
+    tag_split(layer.weight, None)
+    return layer
+
+
+def norm(config: ModelConfig, hidden_size: int) -> nn.Layer:
+    """RMSNorm or LayerNorm per the family; replicated on every rank."""
+    if config.norm_type == "rmsnorm":
+        layer = RMSNorm(hidden_size, config.norm_eps, fused=config.use_fused_rms_norm)
+    else:
+        layer = nn.LayerNorm(hidden_size, epsilon=config.norm_eps)
+    for param in layer.parameters():
+        tag_split(param, None)
+        if _sequence_parallel(config):
+            # Each rank normalizes its own part of the sequence, so the gradients of the
+            # norm's weights are partial sums: fleet's hooks all-reduce them over the group.
+            from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
+
+            mark_as_sequence_parallel_parameter(param)
+    return layer
+
+
+class RMSNorm(nn.Layer):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as in PaddleNLP's LLaMA."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.fused = fused
+        self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        if self.fused:
+            from paddle.incubate.nn.functional import fused_rms_norm
+
+            return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
+        x32 = x.astype("float32")
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = paddle.rsqrt(variance + self.eps) * x32
+        return x32.astype(self.weight.dtype) * self.weight
+
+
+def tensor_parallel_input(config: ModelConfig, x):
+    """Identity forward, all-reduce of the gradient backward: the entry of a block
+    whose weights are split (needed where we multiply by a split weight ourselves)."""
+    if not _tensor_parallel(config):
+        return x
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    return mp_ops._c_identity(x, group=_model_parallel_group())
+
+
+def _model_parallel_group():
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def tensor_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
+    if not _tensor_parallel(config):
+        return 0, 1
+    group = _model_parallel_group()
+    return group.rank, group.nranks
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+# Under sequence parallelism the activations between the attention and MLP blocks are
+# [batch * seq / tp, hidden]: the tokens of the micro-batch, flattened and split into
+# tp contiguous chunks (as PaddleNLP's LLaMA). Norms, residuals and dropout work on the
+# local chunk; the sequence-parallel linears gather and scatter around the matmuls.
+def split_sequence(config: ModelConfig, hidden):
+    """[batch, seq, hidden] -> this rank's chunk of the flattened tokens (identity without SP)."""
+    if not _sequence_parallel(config):
+        return hidden
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import ScatterOp
+
+    return ScatterOp.apply(hidden.reshape([-1, hidden.shape[-1]]))
+
+
+def gather_sequence(config: ModelConfig, hidden):
+    """This rank's chunk -> [batch, seq, hidden] with every token (identity without SP)."""
+    if not _sequence_parallel(config):
+        return hidden
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import GatherOp
+
+    return GatherOp.apply(hidden).reshape([-1, config.seq_length, hidden.shape[-1]])
+
+
+def cross_entropy_per_token(config: ModelConfig, logits, labels):
+    """Loss per token, float32. With tensor parallelism the logits hold this rank's
+    slice of the vocabulary and fleet's ParallelCrossEntropy combines the slices."""
+    logits = logits.astype("float32")
+    if _tensor_parallel(config):
+        from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
+
+        return ParallelCrossEntropy()(logits, labels.unsqueeze(-1)).squeeze(-1)
+    return F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none", ignore_index=-100).squeeze(-1)

@@ -1,0 +1,110 @@
+"""Initial weights, and moving between full weights and a tensor-parallel rank's slice.
+
+Initialization is independent of the parallel layout: every parameter is
+drawn whole from a generator seeded by (seed, parameter name) and each rank
+keeps its slice. A tp2 or pp2 run therefore starts from exactly the weights of
+a single-process run with the same seed, which is what the parity tests
+compare against, and what users expect when they change strategy mid-project.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import paddle
+
+from models import parallel_layers as pl
+
+
+def full_shape(param, tp_degree: int) -> list[int]:
+    shape = list(param.shape)
+    axis = getattr(param, "tp_split_axis", None)
+    if axis is not None:
+        shape[axis] *= tp_degree
+    return shape
+
+
+def _part_sizes(param, full_size: int) -> list[int]:
+    parts = getattr(param, "tp_split_parts", None)
+    return list(parts) if parts else [full_size]
+
+
+def local_slice(full, param, tp_rank: int, tp_degree: int):
+    """This rank's slice of a full weight (numpy array or paddle tensor)."""
+    axis = getattr(param, "tp_split_axis", None)
+    if axis is None or tp_degree == 1:
+        return full
+    pieces, start = [], 0
+    for size in _part_sizes(param, full.shape[axis]):
+        chunk = size // tp_degree
+        index = [slice(None)] * full.ndim
+        index[axis] = slice(start + tp_rank * chunk, start + (tp_rank + 1) * chunk)
+        pieces.append(full[tuple(index)])
+        start += size
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate(pieces, axis=axis) if isinstance(full, np.ndarray) else paddle.concat(pieces, axis=axis)
+
+
+def merge_slices(slices: list[np.ndarray], param) -> np.ndarray:
+    """The full weight from every tensor-parallel rank's slice, in rank order."""
+    axis = getattr(param, "tp_split_axis", None)
+    if axis is None or len(slices) == 1:
+        return slices[0]
+    tp_degree = len(slices)
+    full_size = slices[0].shape[axis] * tp_degree
+    parts = []
+    offset = 0
+    for size in _part_sizes(param, full_size):
+        chunk = size // tp_degree
+        index = [slice(None)] * slices[0].ndim
+        index[axis] = slice(offset, offset + chunk)
+        parts.append(np.concatenate([s[tuple(index)] for s in slices], axis=axis))
+        offset += chunk
+    return np.concatenate(parts, axis=axis)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
+
+
+def initial_value(name: str, shape: list[int], initializer_range: float, seed: int):
+    """Biases 0, norm weights 1, every other weight ~ N(0, initializer_range) (PaddleNLP's init)."""
+    leaf = name.rsplit(".", 1)
+    owner = leaf[0].rsplit(".", 1)[-1] if len(leaf) == 2 else ""
+    if name.endswith("bias"):
+        return paddle.zeros(shape, dtype="float32")
+    if "norm" in owner:
+        return paddle.ones(shape, dtype="float32")
+    saved = paddle.get_rng_state()
+    paddle.seed(_param_seed(seed, name))
+    value = paddle.normal(mean=0.0, std=initializer_range, shape=shape)
+    paddle.set_rng_state(saved)
+    return value
+
+
+@paddle.no_grad()
+def init_weights(model, config, seed: int) -> None:
+    """Give every parameter its layout-independent initial value."""
+    tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
+    for name, param in model.canonical_named_parameters():
+        value = initial_value(name, full_shape(param, tp_degree), config.initializer_range, seed)
+        param.set_value(local_slice(value, param, tp_rank, tp_degree).astype(param.dtype))
+
+
+@paddle.no_grad()
+def load_full_weights(model, config, full_state: dict, source: str) -> None:
+    """Load full (unsharded) weights by canonical name; each rank keeps its slice."""
+    from llm_pretrain.errors import UsageError
+
+    tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
+    for name, param in model.canonical_named_parameters():
+        if name not in full_state:
+            raise UsageError(f"weights {source} have no parameter {name!r}")
+        value = full_state[name]
+        value = value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)
+        expected = full_shape(param, tp_degree)
+        if list(value.shape) != expected:
+            raise UsageError(f"weights {source}: {name} has shape {list(value.shape)}, the model needs {expected}")
+        param.set_value(paddle.to_tensor(local_slice(value, param, tp_rank, tp_degree), dtype=param.dtype))

@@ -1,0 +1,103 @@
+"""Every argument file in configs/ parses, validates and fits its parallel layout, and is named after it.
+
+File names are `configs/<family>/pretrain-<model>-<strategy>.json` with the strategy part
+derived from the file's own degrees by llm_pretrain.trainer.strategy_name. As in
+PaddleNLP's table, a run uses 8 GPUs: a derived sharding degree (sharding set,
+sharding_parallel_degree -1) is 8 / (tp x pp). A file whose explicit degrees need more
+than 8 GPUs implies their product (16 for the two 13B pipeline files, i.e. two nodes).
+
+Files name hub models (facebook/llama-7b, ...) that are not on this machine: their
+tokenizer is not local, so the model keeps its own vocabulary; the tiny CPU files use
+the embedded corpus under data/embedded/ (relative to the repository root).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+
+from llm_pretrain.arguments import parse_arguments, validate_arguments
+from llm_pretrain.distributed import plan_layout
+from llm_pretrain.trainer import build_model_config, check_model_fits_layout, check_strategy, strategy_name
+from models.config import FAMILIES
+from models.registry import ARCHITECTURES
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPUS_PER_RUN = 8
+FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "*", "*.json")))
+NAME = re.compile(r"^pretrain-(?P<model>[a-z0-9_.]+)-(?P<strategy>[a-z0-9_]+)\.json$")
+
+
+def _degree(value: int) -> int:
+    return 1 if value == -1 else value
+
+
+def world_size(args) -> int:
+    """8 GPUs, or the product of the file's explicit degrees when that is more."""
+    explicit = _degree(args.tensor_parallel_degree) * _degree(args.pipeline_parallel_degree)
+    if args.sharding:
+        sharding = args.sharding_parallel_degree if args.sharding_parallel_degree != -1 else args.sharding_degree
+        explicit *= _degree(sharding)
+    return GPUS_PER_RUN if GPUS_PER_RUN % explicit == 0 else explicit
+
+
+def test_there_are_files_for_every_family():
+    families = {os.path.basename(os.path.dirname(f)) for f in FILES}
+    assert families >= set(FAMILIES)
+    for family in set(FAMILIES):
+        assert os.path.isfile(os.path.join(REPO_ROOT, "configs", family, f"pretrain-{family}_tiny-dp.json")) \
+            or family == "llama"  # configs/llama/pretrain-llama_tiny-dp.json belongs to the CPU quick start
+
+
+@pytest.mark.parametrize("path", FILES, ids=[os.path.relpath(f, REPO_ROOT) for f in FILES])
+def test_config_file(path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)  # tiny files use paths relative to the repository root
+    args, warnings = parse_arguments([path])
+    validate_arguments(args)
+    assert all("has no effect" in w for w in warnings)  # only PaddleNLP keys we accept but do not act on
+    assert args.model_name_or_path in ARCHITECTURES, "configs use built-in architectures"
+    layout = plan_layout(args, world_size(args))
+    config, weights_file, _ = build_model_config(args, layout, "cpu")
+    assert weights_file is None
+    check_model_fits_layout(config, layout)
+    check_strategy(args, config, layout)
+
+    name = os.path.basename(path)
+    match = NAME.match(name)
+    assert match, f"{name} is not pretrain-<model>-<strategy>.json"
+    strategy = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
+                             layout.sharding_stage, layout.virtual_pp_degree)
+    assert match["strategy"] == strategy
+    family = os.path.basename(os.path.dirname(path))
+    assert config.family == family or (family == "llama" and config.family == "baichuan")
+
+
+def test_tiny_files_run_on_cpu_with_the_embedded_corpus():
+    for path in FILES:
+        if "_tiny-" not in path:
+            continue
+        args, _ = parse_arguments([path])
+        assert args.device == "cpu" and not (args.bf16 or args.fp16 or args.use_flash_attention)
+        assert args.input_dir == "data/embedded/data" and args.tokenizer_name_or_path == "data/embedded/tokenizer"
+        assert args.model_name_or_path.endswith("-tiny")
+
+
+def test_table_files_keep_paddlenlp_recipes():
+    """A few values straight from PaddleNLP 2.8's files (llm/llama, llm/baichuan, llm/qwen)."""
+    def read(rel):
+        return parse_arguments([os.path.join(REPO_ROOT, "configs", rel)])[0]
+
+    llama7b = read("llama/pretrain-llama_7b-tp2sd4_stage2.json")
+    assert (llama7b.per_device_train_batch_size, llama7b.gradient_accumulation_steps,
+            llama7b.max_seq_length) == (2, 8, 2048)
+    assert llama7b.bf16 and llama7b.use_flash_attention and llama7b.sharding == "stage2"
+    baichuan13b = read("baichuan/pretrain-baichuan2_13b-sd8_stage2.json")
+    assert baichuan13b.recompute and baichuan13b.warmup_steps == 1000 and baichuan13b.max_seq_length == 4096
+    qwen_pp = read("qwen/pretrain-qwen_7b-pp4tp2sd1_stage1.json")
+    assert (qwen_pp.pipeline_parallel_degree, qwen_pp.tensor_parallel_degree, qwen_pp.gradient_accumulation_steps) \
+        == (4, 2, 16)
+    llama_pp = read("llama/pretrain-llama_13b-pp4tp2sd2_stage1.json")
+    assert llama_pp.sequence_parallel and llama_pp.fp16 and llama_pp.initializer_range == 0.002

@@ -1,0 +1,174 @@
+"""The architecture registry: every entry resolves, real hyperparameters, parameter counts, config.json reading."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llm_pretrain.errors import UsageError
+from models.config import FAMILIES
+from models.registry import ARCHITECTURES, config_from_dict, known_model_names, parameter_count, resolve_model
+
+REQUIRED = [
+    "facebook/llama-7b", "facebook/llama-13b", "facebook/llama-65b",
+    "meta-llama/Llama-2-7b", "meta-llama/Llama-2-7b-chat", "meta-llama/Llama-2-13b", "meta-llama/Llama-2-13b-chat",
+    "meta-llama/Llama-2-70b",
+    "baichuan-inc/Baichuan-7B", "baichuan-inc/Baichuan-13B-Base", "baichuan-inc/Baichuan-13B-Chat",
+    "baichuan-inc/Baichuan2-7B-Base", "baichuan-inc/Baichuan2-7B-Chat", "baichuan-inc/Baichuan2-13B-Base",
+    "baichuan-inc/Baichuan2-13B-Chat",
+    "FlagAlpha/Llama2-Chinese-7b-Chat", "FlagAlpha/Llama2-Chinese-13b-Chat", "idea-ccnl/ziya-llama-13b-v1",
+    "linly-ai/chinese-llama-2-7b", "linly-ai/chinese-llama-2-13b",
+    "qwen/qwen-7b", "qwen/qwen-7b-chat", "qwen/qwen-14b", "qwen/qwen-14b-chat",
+    "bigscience/bloom-7b1", "bigscience/bloomz-7b1", "bigscience/bloomz-7b1-mt", "bigscience/bloom",
+    "gpt3-125M-en", "gpt3-350M-en", "gpt3-760M-en", "gpt3-1.3B-en", "gpt3-2.7B-en", "gpt3-6.7B-en", "gpt3-13B-en",
+    "gpt3-175B-en", "gpt2-medium-en",
+    "llama-tiny", "llama-small", "baichuan-tiny", "qwen-tiny", "gpt3-tiny", "bloom-tiny",
+]
+
+
+def test_every_required_entry_exists_and_resolves():
+    assert set(REQUIRED) <= set(known_model_names())
+    for name in known_model_names():
+        config, weights = resolve_model(name)
+        assert weights is None and config.family in FAMILIES
+        assert config.hidden_size % config.num_attention_heads == 0
+        assert config.num_attention_heads % config.num_key_value_heads == 0
+        assert config.architecture_dict() == ARCHITECTURES[name].architecture_dict()
+    # a copy: changing it leaves the registry alone
+    config, _ = resolve_model("facebook/llama-7b")
+    config.vocab_size = 1
+    assert ARCHITECTURES["facebook/llama-7b"].vocab_size == 32000
+
+
+def _get(name):
+    return resolve_model(name)[0]
+
+
+def test_real_hyperparameters():
+    l70 = _get("meta-llama/Llama-2-70b")
+    assert (l70.hidden_size, l70.num_hidden_layers, l70.num_attention_heads, l70.num_key_value_heads,
+            l70.intermediate_size, l70.max_position_embeddings, l70.norm_eps) == (8192, 80, 64, 8, 28672, 4096, 1e-5)
+    l13 = _get("facebook/llama-13b")
+    assert (l13.hidden_size, l13.num_hidden_layers, l13.intermediate_size, l13.norm_eps) == (5120, 40, 13824, 1e-6)
+    assert _get("idea-ccnl/ziya-llama-13b-v1").vocab_size == 39424
+    assert _get("linly-ai/chinese-llama-2-7b").vocab_size == 40076
+
+    b7, b13 = _get("baichuan-inc/Baichuan-7B"), _get("baichuan-inc/Baichuan-13B-Base")
+    assert (b7.vocab_size, b7.position_embedding, b7.norm_head) == (64000, "rope", False)
+    assert (b13.vocab_size, b13.position_embedding, b13.intermediate_size, b13.hidden_size) == \
+        (64000, "alibi", 13696, 5120)
+    for name in ("baichuan-inc/Baichuan2-7B-Base", "baichuan-inc/Baichuan2-13B-Chat"):
+        assert _get(name).vocab_size == 125696 and _get(name).norm_head
+    assert _get("baichuan-inc/Baichuan2-13B-Base").position_embedding == "alibi"
+    assert _get("baichuan-inc/Baichuan2-7B-Chat").position_embedding == "rope"
+
+    q7, q14 = _get("qwen/qwen-7b"), _get("qwen/qwen-14b")
+    assert (q7.vocab_size, q7.intermediate_size, q7.qkv_bias, q7.linear_bias) == (151936, 11008, True, False)
+    assert (q14.hidden_size, q14.num_hidden_layers, q14.intermediate_size) == (5120, 40, 13696)
+    assert q14.vocab_size == 152064  # Qwen-14B's config.json (Qwen-7B: 151936)
+
+    bloom7, bloom = _get("bigscience/bloomz-7b1-mt"), _get("bigscience/bloom")
+    assert (bloom7.hidden_size, bloom7.num_hidden_layers, bloom7.num_attention_heads, bloom7.vocab_size) == \
+        (4096, 30, 32, 250880)
+    assert (bloom.hidden_size, bloom.num_hidden_layers, bloom.num_attention_heads) == (14336, 70, 112)
+    assert bloom.embedding_layernorm and bloom.tie_word_embeddings and bloom.hidden_act == "gelu_tanh"
+
+    gpt2m, gpt13 = _get("gpt2-medium-en"), _get("gpt3-13B-en")
+    assert (gpt2m.hidden_size, gpt2m.num_hidden_layers, gpt2m.num_attention_heads, gpt2m.vocab_size) == \
+        (1024, 24, 16, 50304)
+    assert (gpt13.hidden_size, gpt13.num_hidden_layers, gpt13.intermediate_size) == (5120, 40, 20480)
+    assert gpt13.hidden_act == "gelu_tanh" and gpt13.position_embedding == "learned" and gpt13.norm_eps == 1e-5
+
+
+# Published parameter counts (embeddings and head included).
+KNOWN_COUNTS = {
+    "facebook/llama-7b": 6_738_415_616,
+    "facebook/llama-13b": 13_015_864_320,
+    "facebook/llama-65b": 65_285_660_672,
+    "meta-llama/Llama-2-70b": 68_976_648_192,
+    "baichuan-inc/Baichuan2-7B-Base": 7_505_973_248,
+    "baichuan-inc/Baichuan2-13B-Base": 13_896_668_160,
+    "qwen/qwen-7b": 7_721_324_544,
+    "bigscience/bloom-7b1": 7_069_016_064,
+    "bigscience/bloom": 176_247_271_424,
+    "gpt3-175B-en": 175e9,  # the paper's round number (its vocabulary and context differ slightly)
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_COUNTS))
+def test_parameter_counts_within_one_percent(name):
+    assert parameter_count(_get(name)) == pytest.approx(KNOWN_COUNTS[name], rel=0.01)
+
+
+def test_parameter_count_matches_the_model():
+    """The formula against the parameters the decoder actually creates (lazily, no memory)."""
+    from models.paddlenlp_interop import canonical_shapes
+
+    names = [n for n in known_model_names() if "tiny" in n or n in ("meta-llama/Llama-2-70b", "qwen/qwen-14b",
+                                                                       "gpt3-1.3B-en", "bigscience/bloom-7b1")]
+    for name in names:
+        config = _get(name)
+        assert parameter_count(config) == sum(int(np.prod(s)) for s in canonical_shapes(config).values()), name
+    assert parameter_count(_get("facebook/llama-7b")) == 6_738_415_616  # exact, not just within 1%
+
+
+def test_tiny_presets_split_two_ways():
+    for family in FAMILIES:
+        config = _get(f"{family}-tiny")
+        assert config.family == family and config.hidden_size == 64 and config.num_hidden_layers == 2
+        assert config.num_attention_heads == 4 and config.vocab_size == 256
+        for size in (config.num_attention_heads, config.num_key_value_heads, config.vocab_size,
+                     config.intermediate_size):
+            assert size % 2 == 0
+    tiny = _get("baichuan-tiny")
+    assert tiny.position_embedding == "alibi" and tiny.norm_head
+
+
+def test_unknown_name_lists_the_built_in_ones():
+    with pytest.raises(UsageError, match="qwen/qwen-7b"):
+        resolve_model("qwen/qwen-700b")
+
+
+def test_reads_paddlenlp_and_hugging_face_configs(tmp_path):
+    qwen = {"model_type": "qwen", "architectures": ["QWenForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32, "kv_channels": 128,
+            "layer_norm_epsilon": 1e-6, "max_position_embeddings": 8192, "seq_length": 8192, "no_bias": True,
+            "rotary_emb_base": 10000}
+    assert config_from_dict(qwen, "q").architecture_dict() == _get("qwen/qwen-7b").architecture_dict()
+    # Hugging Face Baichuan2-13B: no max_position_embeddings (ALiBi), vocabulary 125696 (NormHead)
+    baichuan = {"model_type": "baichuan", "vocab_size": 125696, "hidden_size": 5120, "intermediate_size": 13696,
+                "num_hidden_layers": 40, "num_attention_heads": 40, "model_max_length": 4096, "rms_norm_eps": 1e-6}
+    assert config_from_dict(baichuan, "b").architecture_dict() == \
+        _get("baichuan-inc/Baichuan2-13B-Base").architecture_dict()
+    bloom = {"model_type": "bloom", "n_layer": 30, "n_head": 32, "hidden_size": 4096, "vocab_size": 250880,
+             "layer_norm_epsilon": 1e-5}
+    assert config_from_dict(bloom, "b").architecture_dict() == _get("bigscience/bloom-7b1").architecture_dict()
+    gpt = {"model_type": "gpt", "vocab_size": 50304, "hidden_size": 5120, "num_hidden_layers": 40,
+           "num_attention_heads": 40, "intermediate_size": 20480, "max_position_embeddings": 1024,
+           "hidden_act": "gelu", "layer_norm_eps": 1e-12}  # PaddleNLP's GPT ignores the epsilon (fixed 1e-5)
+    assert config_from_dict(gpt, "g").architecture_dict() == _get("gpt3-13B-en").architecture_dict()
+    # PaddleNLP's LLaMA class running Baichuan-13B
+    llama_alibi = {"model_type": "llama", "alibi": True, "vocab_size": 64000, "hidden_size": 5120,
+                   "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 40,
+                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "seq_length": 4096, "use_recompute": True}
+    assert config_from_dict(llama_alibi, "l").architecture_dict() == \
+        _get("baichuan-inc/Baichuan-13B-Base").architecture_dict()
+    # run-time keys of a PaddleNLP config.json never leak into the architecture
+    assert config_from_dict({**llama_alibi, "sequence_parallel": True}, "l").sequence_parallel is False
+    # a directory with such a config.json and no weights is an architecture
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    assert resolve_model(str(tmp_path)) == (_get("qwen/qwen-7b"), None)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"model_type": "t5"}, "model_type"),
+    ({"family": "mamba"}, "family"),
+    ({"model_type": "qwen", "hidden_size": 64, "num_attention_heads": 4, "kv_channels": 8}, "kv_channels"),
+    ({"model_type": "gpt", "hidden_activation": "relu"}, "hidden_activation"),
+    ({"model_type": "llama", "rope_scaling_type": "ntk"}, "rope_scaling_type"),
+])
+def test_unsupported_configs_are_usage_errors(raw, message):
+    with pytest.raises(UsageError, match=message):
+        config_from_dict(raw, "config.json")

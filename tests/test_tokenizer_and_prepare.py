@@ -1,0 +1,192 @@
+"""Local tokenizers (sentencepiece, tokenizer.json, vocab.json + merges.txt) and scripts/prepare_data.py."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llm_pretrain.data import IndexedDataset, best_fitting_dtype, prepare_jsonl
+from llm_pretrain.errors import UsageError
+from llm_pretrain.tokenizer import load_tokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREPARE = os.path.join(REPO_ROOT, "scripts", "prepare_data.py")
+TEXTS = [
+    "Return the sum of a and b.",
+    "Open the file and return a stream.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Split the string at the first occurrence of sep, and return a 3-tuple.",
+    "Raise ValueError when the value is not found.",
+    "",
+    "Ünïcödé text and numbers 12345 are fine too.",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizers_dir(tmp_path_factory):
+    """One small tokenizer of each kind, trained offline in well under a second."""
+    import sentencepiece as spm
+    from tokenizers import ByteLevelBPETokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    (root / "sp").mkdir()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXTS), model_prefix=str(root / "sp" / "tokenizer"), vocab_size=400,
+        hard_vocab_limit=False, model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1, minloglevel=2)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    (root / "hf").mkdir()
+    bpe.save(str(root / "hf" / "tokenizer.json"))
+    (root / "bpe").mkdir()
+    bpe.save_model(str(root / "bpe"))  # vocab.json + merges.txt
+    return root
+
+
+@pytest.mark.parametrize("relative, eos", [
+    ("sp", 2), ("sp/tokenizer.model", 2), ("hf", 0), ("hf/tokenizer.json", 0), ("bpe", 0), ("bpe/vocab.json", 0),
+])
+def test_load_each_kind(tokenizers_dir, relative, eos):
+    tok = load_tokenizer(str(tokenizers_dir / relative))
+    assert tok.eos_token_id == eos
+    assert 256 <= tok.vocab_size <= 400
+    for text in TEXTS[:7] + ["something entirely new: 数据 ∑"]:
+        ids = tok.encode(text)
+        assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+        assert eos not in ids  # encode adds no special tokens
+    assert tok.encode_batch(TEXTS[:3]) == [tok.encode(t) for t in TEXTS[:3]]
+
+
+def test_eos_from_tokenizer_config(tokenizers_dir, tmp_path):
+    import shutil
+
+    shutil.copy(tokenizers_dir / "hf" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    assert load_tokenizer(str(tmp_path)).eos_token_id == 0
+
+
+def test_tokenizer_errors(tokenizers_dir, tmp_path):
+    with pytest.raises(UsageError, match=r"^tokenizer_name_or_path: .*nowhere does not exist"):
+        load_tokenizer(str(tmp_path / "nowhere"))
+    looked_for = (r"looked for tokenizer\.model or \*\.model \(sentencepiece\), tokenizer\.json, "
+                  r"or vocab\.json \+ merges\.txt")
+    with pytest.raises(UsageError, match=r"^tokenizer_name_or_path: no tokenizer in .*" + looked_for):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.model").write_bytes(b"definitely not a protobuf")
+    with pytest.raises(UsageError, match=r"^tokenizer_name_or_path: cannot load sentencepiece tokenizer"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.model").unlink()
+    (tmp_path / "a.model").write_bytes(b"x")
+    (tmp_path / "b.model").write_bytes(b"x")
+    with pytest.raises(UsageError, match=r"several sentencepiece models \(a\.model, b\.model\)"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--tokenizer: .*vocab\.json needs both"):
+        only_vocab = tmp_path / "v"
+        only_vocab.mkdir()
+        (only_vocab / "vocab.json").write_text("{}")
+        load_tokenizer(str(only_vocab / "vocab.json"), key="--tokenizer")
+    with pytest.raises(UsageError, match=r"^tokenizer_name_or_path: not set"):
+        load_tokenizer("")
+
+
+def test_best_fitting_dtype():
+    assert best_fitting_dtype(512) == np.uint16 and best_fitting_dtype(65499) == np.uint16
+    assert best_fitting_dtype(65500) == np.int32 and best_fitting_dtype(152064) == np.int32
+
+
+# ----------------------------------------------------------------------------- prepare_data
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "docs.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(TEXTS):
+            f.write(json.dumps({"id": i, "text": f"{i}: {text}"}, ensure_ascii=False) + "\n")
+        f.write("\n")  # blank lines are skipped
+    return path
+
+
+def run_prepare(*args, cwd):
+    return subprocess.run([sys.executable, PREPARE, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_prepare_data_two_workers_equals_one(tokenizers_dir, jsonl, tmp_path):
+    # From another directory, with a relative output prefix: the script finds its own package.
+    two = run_prepare("--input", jsonl, "--tokenizer", tokenizers_dir / "sp", "--output_prefix",
+                      "out/two_text_document", "--workers", 2, "--chunk_size", 7, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert f"{len(TEXTS)} documents" in two.stdout.strip().splitlines()[-1]
+    one = prepare_jsonl([str(jsonl)], str(tokenizers_dir / "sp"), str(tmp_path / "one"), workers=1, progress=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / "out" / f"two_text_document{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
+
+    data = IndexedDataset(str(tmp_path / "out" / "two_text_document"))
+    tok = load_tokenizer(str(tokenizers_dir / "sp"))
+    assert data.dtype == np.uint16 and data.num_documents == len(TEXTS) == one["documents"]
+    for i, text in enumerate(TEXTS):
+        assert data[i][-1] == tok.eos_token_id
+        assert list(data[i][:-1]) == tok.encode(f"{i}: {text}")
+
+
+def test_prepare_data_options(tokenizers_dir, jsonl, tmp_path):
+    result = prepare_jsonl([str(jsonl), str(jsonl)], str(tokenizers_dir / "hf"), str(tmp_path / "x"),
+                           append_eos=False, progress=False)
+    data = IndexedDataset(str(tmp_path / "x"))
+    tok = load_tokenizer(str(tokenizers_dir / "hf"))
+    assert result["documents"] == data.num_documents == 2 * len(TEXTS)
+    assert list(data[len(TEXTS) + 3]) == tok.encode(f"3: {TEXTS[3]}")  # no EOS; second file after the first
+    (tmp_path / "body.jsonl").write_text('{"body": "hello there"}\n')
+    prepare_jsonl([str(tmp_path / "body.jsonl")], str(tokenizers_dir / "bpe"), str(tmp_path / "y"),
+                  json_key="body", progress=False)
+    assert list(IndexedDataset(str(tmp_path / "y"))[0]) == tok.encode("hello there") + [0]
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n', r"line 3: invalid JSON"),
+    ('{"text": "fine"}\n{"title": "no text"}\n', r"line 2: no key 'text' \(keys: title\); choose it with --json_key"),
+    ('{"text": 5}\n', r"line 1: 'text' is int, not text"),
+    ('["text"]\n', r"line 1: no key 'text'"),
+    ("\n\n", r"no documents in"),
+])
+def test_prepare_data_bad_input_is_one_line_exit_2(tokenizers_dir, tmp_path, content, pattern):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    result = run_prepare("--input", bad, "--tokenizer", tokenizers_dir / "sp", "--output_prefix", tmp_path / "out",
+                         "--workers", 2, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --input: ") and re.search(pattern, lines[0])
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]  # nothing half-written
+
+
+def test_prepare_data_missing_file_and_tokenizer(tokenizers_dir, jsonl, tmp_path):
+    missing = run_prepare("--input", tmp_path / "nope.jsonl", "--tokenizer", tokenizers_dir / "sp",
+                          "--output_prefix", tmp_path / "o", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --input: ") and "nope.jsonl" in missing.stderr
+    for tokenizer, pattern in ((tmp_path, "error: --tokenizer: no tokenizer in"),
+                               (tmp_path / "gone", "error: --tokenizer: ")):
+        result = run_prepare("--input", jsonl, "--tokenizer", tokenizer, "--output_prefix", tmp_path / "o",
+                             cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.startswith(pattern)
+        assert len(result.stderr.strip().splitlines()) == 1
+    usage = run_prepare("--input", jsonl, cwd=tmp_path)
+    assert usage.returncode == 2 and usage.stderr.startswith("error: the following arguments are required")
+
+
+def test_prepare_requires_eos_unless_disabled(tmp_path, jsonl):
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_prefix=str(tmp_path / "noeos"),
+                                   vocab_size=60, hard_vocab_limit=False, eos_id=-1, minloglevel=2,
+                                   num_threads=1)
+    with pytest.raises(UsageError, match=r"^--tokenizer: .*no end-of-text token; .*--no_append_eos"):
+        prepare_jsonl([str(jsonl)], str(tmp_path / "noeos.model"), str(tmp_path / "o"), progress=False)
+    result = prepare_jsonl([str(jsonl)], str(tmp_path / "noeos.model"), str(tmp_path / "o"), append_eos=False,
+                           progress=False)
+    assert result["documents"] == len(TEXTS)

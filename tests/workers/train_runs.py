@@ -1,0 +1,23 @@
+"""Run several trainings one after the other in this process (tests launch it once per layout).
+
+    python tests/workers/train_runs.py runs.json
+    python -m paddle.distributed.launch --nproc_per_node 2 tests/workers/train_runs.py runs.json
+
+runs.json is a list of argument lists for llm_pretrain/run_pretrain.py, e.g.
+[["base.json", "--tensor_parallel_degree", "2", "--output_dir", "out/tp2"], ...].
+Every run of one launch must have the same parallel layout (fleet is initialized once).
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from llm_pretrain.run_pretrain import main  # noqa: E402
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    for argv in runs:
+        main([str(a) for a in argv])
