@@ -49,6 +49,9 @@ Patches (line numbers: Paddle 3.3.1 sources under paddle/distributed/):
 10. Fused communication buffers (stage-1 sharding tensor_fusion, split_param,
    comm_overlap): device type "cpu" with GPU's alignment
    (fleet/utils/tensor_fusion_helper.py:64-78 asserts gpu/npu/xpu).
+11. Recompute inside PipelineLayer (`recompute_hybrid`, recompute_hybrid.py:135-141)
+   asserts a gpu/xpu/custom device although the RNG states it saves are the CPU
+   generator's on CPU (plain `recompute` accepts "cpu", recompute.py:412-417).
 
 Not covered (not used by the toolkit): fp16 collectives over gloo (fp16
 all_reduce returns inf), all_to_all (MoE), mp_async_allreduce /
@@ -98,6 +101,7 @@ def apply_cpu_compat() -> None:
     _patch_batched_p2p_order()
     _patch_group_sharded()
     _patch_tensor_fusion_device()
+    _patch_recompute_hybrid_device()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -648,3 +652,17 @@ def _patch_tensor_fusion_device():
         return "cpu" if paddle.get_device() == "cpu" else upstream()
 
     fusion.get_current_device_type = get_current_device_type
+
+
+# --------------------------------------------------------------------------- 11. recompute in a pipeline
+
+
+def _patch_recompute_hybrid_device():
+    import importlib
+
+    recompute_hybrid = importlib.import_module("paddle.distributed.fleet.recompute.recompute_hybrid")
+
+    _edit_source(
+        recompute_hybrid._HPRecomputeFunction.forward,
+        ('), f"Recompute with RNG is not support', ') or cur_device == "cpu", f"Recompute with RNG is not support'),
+    )

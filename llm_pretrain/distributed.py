@@ -169,6 +169,12 @@ def build_strategy(layout: Layout, args: Arguments):
             pipeline[field] = value
         else:
             hybrid.setdefault(section, {})[field] = value
+    if args.sequence_parallel and layout.tensor_parallel_degree > 1:
+        # Partial send/recv ships 1/tp of an activation per tensor-parallel rank and all-gathers it
+        # after the hop, which assumes the ranks hold the same activation. Under sequence
+        # parallelism each holds its own chunk of the tokens, so it would silently mix them
+        # (p2p_communication.py:264-269 only checks divisibility): always send whole tensors.
+        pipeline["enable_partial_send_recv"] = False
     strategy.hybrid_configs = hybrid
     if layout.pipeline_parallel_degree > 1:
         strategy.pipeline_configs = pipeline
@@ -255,29 +261,56 @@ def all_reduce_mean_over_replicas(value: float, layout: Layout) -> float:
 def record_grad_norm(optimizer):
     """A function returning the global gradient norm (before clipping) of the last optimizer step.
 
-    fleet's hybrid-parallel clip computes it across every group (tensor, pipeline, sharding,
-    data); we wrap that one instance's reduction to keep the value rather than recompute it.
-    Returns None when the optimizer has no such clip (no clipping, or group-sharded stage 2/3).
+    The distributed clips compute it across every group (tensor, pipeline, sharding, data): for
+    fleet's hybrid-parallel clip we wrap that one instance's reduction to keep the value; the
+    group-sharded clip (stages 2/3) keeps no such value, so we add the same sum over the
+    sharding group (one scalar all-reduce per step). Returns None when there is no clip.
     """
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelClipGrad,
     )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedClipGrad
 
     clip, inner = None, optimizer
     while inner is not None and clip is None:
         candidate = getattr(inner, "_grad_clip", None)
-        clip = candidate if isinstance(candidate, HybridParallelClipGrad) else None
-        inner = getattr(inner, "_inner_opt", None)
+        clip = candidate if isinstance(candidate, (HybridParallelClipGrad, GroupShardedClipGrad)) else None
+        inner = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)
     if clip is None:
         return None
     last = {}
-    reduce_norm = clip._global_norm
 
-    def recording_global_norm(sum_square_distributed, sum_square_replicated):
-        reduce_norm(sum_square_distributed, sum_square_replicated)
-        last["norm"] = math.sqrt(float(sum_square_distributed) + float(sum_square_replicated))
+    if isinstance(clip, HybridParallelClipGrad):
+        reduce_norm = clip._global_norm
 
-    clip._global_norm = recording_global_norm
+        def recording_global_norm(sum_square_distributed, sum_square_replicated):
+            reduce_norm(sum_square_distributed, sum_square_replicated)
+            # Each is a 0-d or [1]-shaped tensor, reduced in place over the groups by the call above.
+            squares = [float(t.numpy().sum()) for t in (sum_square_distributed, sum_square_replicated)]
+            last["norm"] = math.sqrt(sum(squares))
+
+        clip._global_norm = recording_global_norm
+    else:
+        clip_grads = clip._dygraph_clip
+
+        def recording_clip(params_grads):
+            # As GroupShardedClipGrad: stage-3 slices (and stage-2 owned parameters) are summed over
+            # the sharding group; parameters left whole ("unslice") are the same on every rank.
+            sliced = paddle.zeros([], dtype="float32")
+            whole = 0.0
+            for param, grad in params_grads:
+                if grad is None or getattr(param, "need_clip", True) is False:
+                    continue
+                square = paddle.sum(paddle.square(grad.astype("float32")))
+                if hasattr(param, "unslice"):
+                    whole += float(square)
+                else:
+                    sliced += square
+            dist.all_reduce(sliced, group=clip._group)
+            last["norm"] = math.sqrt(float(sliced) + whole)
+            return clip_grads(params_grads)
+
+        clip._dygraph_clip = recording_clip
     return lambda: last.get("norm")
 
 

@@ -276,6 +276,11 @@ def global_grad_norm(parameters) -> float:
     return math.sqrt(float(paddle.add_n(squares))) if squares else 0.0
 
 
+def scalar(tensor) -> float:
+    """A one-element tensor as a float (fleet's pipeline returns losses of shape [1])."""
+    return float(tensor.numpy().reshape(-1)[0])
+
+
 def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
                clip_grad_norm=None) -> tuple[float, float | None]:
     """Forward/backward over the micro-batches, then one optimizer step. Returns (mean loss, grad norm).
@@ -287,7 +292,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer.
         inputs = paddle.concat([x for x, _ in micro_batches])
         labels = paddle.concat([y for _, y in micro_batches])
-        loss = float(model.train_batch([inputs, labels], optimizer, scaler=precision.scaler))
+        loss = scalar(model.train_batch([inputs, labels], optimizer, scaler=precision.scaler))
         schedule.step()
         return loss, clip_grad_norm() if clip_grad_norm else None
     total_loss = paddle.zeros([], dtype="float32")
@@ -323,7 +328,7 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
         if is_pipeline(model):
             inputs = paddle.concat([x for x, _ in micro_batches])
             labels = paddle.concat([y for _, y in micro_batches])
-            losses.append(float(model.eval_batch([inputs, labels], compute_loss=True)))
+            losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
         else:
             losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
     model.train()

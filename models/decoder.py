@@ -238,6 +238,9 @@ class LMHead(nn.Layer):
             self.weight = self.create_parameter([config.hidden_size, config.vocab_size // config.tensor_parallel_degree],
                                                 default_initializer=nn.initializer.Constant(0.0))
             pl.tag_split(self.weight, 1)
+            # As fleet's parallel layers do for their slices: otherwise fleet.distributed_model
+            # broadcasts it from tensor-parallel rank 0 and the grad clip counts it as replicated.
+            self.weight.is_distributed = config.tensor_parallel_degree > 1
         # A plain list, so that the tied weight stays registered only under the embedding.
         self._tied_weight = [tied_embedding_weight] if tied_embedding_weight is not None else []
 
