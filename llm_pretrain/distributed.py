@@ -131,18 +131,28 @@ PARALLEL_CONFIG_OPTIONS: dict[str, dict[str, tuple[str, str, bool]]] = {
     "sharding_parallel_config": {
         "enable_stage1_tensor_fusion": ("sharding_configs", "tensor_fusion", True),
         "enable_stage1_overlap": ("sharding_configs", "comm_overlap", True),
-        "split_param": ("sharding_configs", "split_param", True),
         "enable_release_grads": ("sharding_configs", "release_gradients", True),
         "enable_fuse_optimizer_states": ("sharding_configs", "enable_fuse_optimizer_states", True),
     },
 }
 
 
+# Options PaddleNLP knows that give wrong results with Paddle 3.3.1: refused, with the reason.
+REFUSED_PARALLEL_CONFIG_OPTIONS = {
+    ("sharding_parallel_config", "split_param"): (
+        "Paddle 3.3.1's split-parameter stage 1 (DygraphShardingOptimizerV2) drifts from a single process "
+        "from the second step on: clear_grad(set_to_zero=True) detaches param.grad from the fused buffer, "
+        "so later steps lose gradients; use plain stage1"),
+}
+
+
 def parallel_config_settings(args: Arguments) -> list[tuple[str, str, bool]]:
-    """The strategy fields set by the option strings; an unknown option is a UsageError."""
+    """The strategy fields set by the option strings; an unknown or refused option is a UsageError."""
     settings = []
     for key, options in PARALLEL_CONFIG_OPTIONS.items():
         for option in getattr(args, key).replace(",", " ").split():
+            if (key, option) in REFUSED_PARALLEL_CONFIG_OPTIONS:
+                raise UsageError(f"{key}: {option!r} is refused: {REFUSED_PARALLEL_CONFIG_OPTIONS[key, option]}")
             if option not in options:
                 raise UsageError(f"{key}: unknown option {option!r}; allowed: {', '.join(sorted(options))}")
             settings.append(options[option])
@@ -232,8 +242,10 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
         from paddle.distributed.sharding import group_sharded_parallel
 
         if layout.tensor_parallel_degree > 1:
-            model = fleet.distributed_model(model)  # broadcasts inputs over the tensor-parallel group
-            optimizer = fleet.distributed_optimizer(optimizer)
+            # As PaddleNLP: the tensor-parallel wrapper alone (it syncs replicated weights and
+            # inputs over the tensor-parallel group); the optimizer stays plain for the sharding
+            # wrapper, whose stage-2 clip is then fleet's hybrid one (norms over every group).
+            model = fleet.meta_parallel.TensorParallel(model, hcg, strategy=None)
         level = "os_g" if layout.sharding_stage == 2 else "p_g_os"
         dp_group = hcg.get_data_parallel_group() if layout.data_parallel_degree > 1 else None
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level=level,

@@ -139,6 +139,9 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     if layout.sharding_stage in (2, 3) and pp > 1:
         raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with pipeline_parallel_degree "
                          f"{pp} (use stage1 with pipeline parallelism)")
+    if layout.sharding_stage == 3 and tp > 1:
+        raise UsageError(f"sharding: stage3 cannot be combined with tensor_parallel_degree {tp}: Paddle's stage-3 "
+                         "gradient clip sums norms over the sharding group only (as PaddleNLP, use stage1 or stage2)")
     if pp > 1 and args.gradient_accumulation_steps < pp:
         raise UsageError(f"gradient_accumulation_steps: {args.gradient_accumulation_steps} is smaller than "
                          f"pipeline_parallel_degree {pp}; the pipeline needs at least {pp} micro-batches per step")

@@ -154,7 +154,7 @@ class Attention(nn.Layer):
 
     def forward(self, hidden):
         q, k, v = self.project_qkv(hidden)
-        if self.config.recompute and self.config.recompute_granularity == "core_attn" and self.training:
+        if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 
             out = recompute(self.core_attention, q, k, v, use_reentrant=False)
@@ -203,6 +203,7 @@ class DecoderLayer(nn.Layer):
         self.layer_index = layer_index
         self.input_layernorm = pl.norm(config, config.hidden_size)
         self.self_attn = Attention(config)
+        self.self_attn.layer_index = layer_index  # for no_recompute_layers under "core_attn"
         self.post_attention_layernorm = pl.norm(config, config.hidden_size)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
@@ -220,9 +221,13 @@ class DecoderLayer(nn.Layer):
         return hidden + self.dropout(self.mlp(self.post_attention_layernorm(hidden)))
 
     def _recompute(self, granularity: str) -> bool:
-        config = self.config
-        return (config.recompute and self.training and config.recompute_granularity == granularity
-                and self.layer_index not in config.no_recompute_layers)
+        return self.training and recomputes(self.config, granularity, self.layer_index)
+
+
+def recomputes(config: ModelConfig, granularity: str, layer_index: int) -> bool:
+    """Whether decoder layer `layer_index` recomputes the part named by `granularity` in backward."""
+    return (config.recompute and config.recompute_granularity == granularity
+            and layer_index not in config.no_recompute_layers)
 
 
 class LMHead(nn.Layer):

@@ -333,12 +333,6 @@ def test_corrupt_index_is_a_usage_error(tmp_path):
 
 
 # ----------------------------------------------------------------------------- embedded corpus
-@pytest.fixture(scope="session")
-def embedded_corpus(tmp_path_factory):
-    """The embedded corpus, built once per test session (about 3 s)."""
-    return ensure_embedded_corpus(str(tmp_path_factory.mktemp("embedded")))
-
-
 def test_embedded_corpus_contents(embedded_corpus):
     from llm_pretrain.tokenizer import load_tokenizer
     import json

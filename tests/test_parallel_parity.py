@@ -1,0 +1,195 @@
+"""Every parallel layout trains exactly like one process: same losses, grad norms and final weights.
+
+References run once in one plain process (tiny LLaMA with 8 layers, and each other family's
+tiny preset with 4 layers). Each test is one `paddle.distributed.launch` that runs several
+trainings with the same degrees, each compared with its reference (tolerance 1e-5, fp32):
+
+    2 processes: dp2 | tp2 (+ SP, recompute granularities, resume, every family)
+                 pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3 and Bloom)
+                 sharding degree 2, stages 1/2/3 (each alone and with recompute, resume)
+                 two nodes of one process each (dp2)
+    4 processes: dp2 x tp2 | pp2 x tp2 | sharding2 x tp2 | pp4 with 2 virtual stages | sharding2 x dp2
+
+The global batch is always 8 samples: gradient_accumulation_steps = 4 / data replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launch_utils import REPO_ROOT, free_port
+from parity_utils import (
+    TRAIN_RUNS, argv, assert_same_training, base_arguments, run_launch, run_record, run_single, train_records,
+    write_json,
+)
+
+FAMILIES = ("qwen", "baichuan", "gpt3", "bloom")  # LLaMA is the main reference
+GRANULARITIES = ("full", "full_attn", "core_attn")
+
+
+@dataclass
+class Parity:
+    work: Path
+    files: dict[str, Path]        # model -> argument file
+    references: dict[str, Path]   # model -> single-process output_dir
+
+    def out(self, name: str) -> Path:
+        return self.work / "runs" / name
+
+    def run(self, name: str, model: str = "llama", **overrides) -> list[str]:
+        return argv(self.files[model], self.out(name), **overrides)
+
+    def check(self, names_and_models: list[tuple[str, str]]) -> None:
+        for name, model in names_and_models:
+            diffs = assert_same_training(self.references[model], self.out(name))
+            print(f"{name} vs single-process {model}: {diffs}")
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, embedded_corpus) -> Parity:
+    work = tmp_path_factory.mktemp("parity")
+    files = {"llama": write_json(work / "llama.json", base_arguments(embedded_corpus, work))}
+    for family in FAMILIES:
+        files[family] = write_json(work / f"{family}.json", base_arguments(
+            embedded_corpus, work, model_name_or_path=f"{family}-tiny", num_hidden_layers=4))
+    setup = Parity(work, files, {model: work / "single" / model for model in files})
+    runs = [argv(files[model], setup.references[model]) for model in files]
+    runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g) for g in GRANULARITIES]
+    run_single(runs, work, "single")
+    return setup
+
+
+def test_recompute_in_one_process_changes_nothing(parity):
+    parity.check([(f"single-recompute-{g}", "llama") for g in GRANULARITIES])
+
+
+def test_dp2(parity):
+    """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
+    run_launch(2, [
+        parity.run("dp2", gradient_accumulation_steps=2),
+        parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3),
+        parity.run("dp2-resume", gradient_accumulation_steps=2),
+    ], parity.work, "dp2")
+    parity.check([("dp2", "llama"), ("dp2-resume", "llama")])
+    run = run_record(parity.out("dp2"))
+    assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
+    # tokens/card/sec counts every card: global tokens / 2 cards / step time.
+    record = train_records(parity.out("dp2"))[-1]
+    assert record["tokens_per_card_per_sec"] == pytest.approx(8 * 32 / 2 / record["step_time_s"], rel=1e-6)
+
+
+def test_tensor_parallel(parity):
+    tp = {"tensor_parallel_degree": 2}
+    runs = [
+        parity.run("tp2", **tp),
+        parity.run("tp2-sp", **tp, sequence_parallel=True),
+        parity.run("tp2-recompute-full", **tp, recompute=True, no_recompute_layers=[0, 5]),
+        parity.run("tp2-recompute-full_attn", **tp, recompute=True, recompute_granularity="full_attn"),
+        parity.run("tp2-sp-recompute-core_attn", **tp, sequence_parallel=True, recompute=True,
+                   recompute_granularity="core_attn"),
+        parity.run("tp2-resume", **tp, exit_interval=3),
+        parity.run("tp2-resume", **tp),
+        parity.run("qwen-tp2", "qwen", **tp),
+        parity.run("baichuan-tp2", "baichuan", **tp),  # ALiBi slopes sliced per rank, NormHead
+        parity.run("gpt3-tp2-sp", "gpt3", **tp, sequence_parallel=True),  # learned positions under SP
+        parity.run("bloom-tp2-sp", "bloom", **tp, sequence_parallel=True),  # ALiBi + embedding LayerNorm
+    ]
+    run_launch(2, runs, parity.work, "tp2")
+    parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
+                                               "tp2-sp-recompute-core_attn", "tp2-resume")]
+                 + [("qwen-tp2", "qwen"), ("baichuan-tp2", "baichuan"), ("gpt3-tp2-sp", "gpt3"),
+                    ("bloom-tp2-sp", "bloom")])
+    assert run_record(parity.out("tp2"))["strategy"] == "tp2"
+    assert [r["step"] for r in train_records(parity.out("tp2-resume"))] == [1, 2, 3, 4, 5]
+
+
+def test_pipeline_parallel(parity):
+    pp = {"pipeline_parallel_degree": 2}
+    runs = [
+        parity.run("pp2", **pp),
+        parity.run("pp2-recompute", **pp, recompute=True, pp_recompute_interval=2),
+        parity.run("pp2-recompute-full_attn", **pp, recompute=True, recompute_granularity="full_attn"),
+        parity.run("pp2-resume", **pp, exit_interval=2),
+        parity.run("pp2-resume", **pp),
+    ] + [parity.run(f"{family}-pp2", family, **pp) for family in FAMILIES]  # GPT-3, Bloom: tied embeddings
+    run_launch(2, runs, parity.work, "pp2")
+    parity.check([(name, "llama") for name in ("pp2", "pp2-recompute", "pp2-recompute-full_attn", "pp2-resume")]
+                 + [(f"{family}-pp2", family) for family in FAMILIES])
+    assert run_record(parity.out("pp2"))["strategy"] == "pp2"
+
+
+def test_sharding_stages(parity):
+    sd = {"gradient_accumulation_steps": 2}
+    runs = []
+    for stage, granularity in zip((1, 2, 3), GRANULARITIES):
+        runs += [parity.run(f"sd2-stage{stage}", sharding=f"stage{stage}", **sd),
+                 parity.run(f"sd2-stage{stage}-recompute", sharding=f"stage{stage}", recompute=True,
+                            recompute_granularity=granularity, **sd)]
+    for stage in (1, 3):
+        runs += [parity.run(f"sd2-stage{stage}-resume", sharding=f"stage{stage}", exit_interval=3, **sd),
+                 parity.run(f"sd2-stage{stage}-resume", sharding=f"stage{stage}", **sd)]
+    run_launch(2, runs, parity.work, "sd2")
+    names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute")]
+    parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]])
+    assert run_record(parity.out("sd2-stage2"))["strategy"] == "sd2_stage2"
+
+
+def test_dp2_tp2(parity):
+    run_launch(4, [parity.run("dp2tp2-sp", tensor_parallel_degree=2, sequence_parallel=True,
+                              gradient_accumulation_steps=2)], parity.work, "dp2tp2")
+    parity.check([("dp2tp2-sp", "llama")])
+    assert run_record(parity.out("dp2tp2-sp"))["strategy"] == "tp2dp2"
+
+
+def test_pp2_tp2(parity):
+    degrees = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
+    run_launch(4, [parity.run("pp2tp2", **degrees),
+                   parity.run("pp2tp2-sp-recompute", **degrees, sequence_parallel=True, recompute=True)],
+               parity.work, "pp2tp2")
+    parity.check([("pp2tp2", "llama"), ("pp2tp2-sp-recompute", "llama")])
+
+
+def test_sharding2_tp2(parity):
+    degrees = {"tensor_parallel_degree": 2, "gradient_accumulation_steps": 2}
+    run_launch(4, [parity.run("sd2tp2-stage1", sharding="stage1", **degrees),
+                   parity.run("sd2tp2-stage2", sharding="stage2", **degrees)], parity.work, "sd2tp2")
+    parity.check([("sd2tp2-stage1", "llama"), ("sd2tp2-stage2", "llama")])
+    assert run_record(parity.out("sd2tp2-stage1"))["strategy"] == "tp2sd2_stage1"
+
+
+def test_pp4_interleaved(parity):
+    run_launch(4, [parity.run("pp4vpp2", pipeline_parallel_degree=4, virtual_pp_degree=2)], parity.work, "pp4vpp2")
+    parity.check([("pp4vpp2", "llama")])
+    assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
+
+
+def test_sharding2_dp2(parity):
+    run_launch(4, [parity.run("sd2dp2-stage1", sharding="stage1", sharding_parallel_degree=2,
+                              gradient_accumulation_steps=1)], parity.work, "sd2dp2")
+    parity.check([("sd2dp2-stage1", "llama")])
+    run = run_record(parity.out("sd2dp2-stage1"))
+    assert run["strategy"] == "dp2sd2_stage1" and run["layout"]["data_parallel_degree"] == 2
+
+
+def test_two_nodes(parity):
+    """The same job as two 'nodes' of one process each on this machine, one launcher per node."""
+    runs_file = write_json(parity.work / "two-nodes.runs.json",
+                           [parity.run("two-nodes-dp2", gradient_accumulation_steps=2)])
+    master = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2", "--master", master,
+         "--nproc_per_node", "1", "--log_dir", str(parity.work / f"two-nodes.log{node}"), str(TRAIN_RUNS),
+         str(runs_file)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    parity.check([("two-nodes-dp2", "llama")])
+    assert run_record(parity.out("two-nodes-dp2"))["layout"]["world_size"] == 2

@@ -1,0 +1,108 @@
+"""The training spine end to end in one process: learning, metrics, checkpoints and resume, bad input."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from parity_utils import RUN_PRETRAIN, argv, base_arguments, final_weights, run_single, train_records, write_json
+
+
+def run_cli(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PADDLE_TRAINERS_NUM", None)
+    return subprocess.run([sys.executable, str(RUN_PRETRAIN), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_tiny_llama_learns_and_reports(embedded_corpus, tmp_path):
+    args_file = write_json(tmp_path / "tiny.json", base_arguments(
+        embedded_corpus, tmp_path, num_hidden_layers=2, max_seq_length=64, per_device_train_batch_size=8,
+        gradient_accumulation_steps=1, max_steps=60, warmup_steps=5, logging_steps=10, save_steps=0,
+        do_eval=True, eval_steps=30, eval_iters=2, learning_rate=0.003,
+        bf16=True, use_flash_attention=True))
+    out = tmp_path / "out"
+    result = run_cli(args_file, "--output_dir", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    records = train_records(out)
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.8, [r["loss"] for r in records]  # from ~6.2 (ln 512)
+    for record in records:
+        assert record["tokens_per_card_per_sec"] > 0 and record["peak_rss_mb"] > 50
+        assert record["tflops_per_card"] > 0 and record["grad_norm"] > 0 and record["learning_rate"] > 0
+        assert record["global_tokens_per_step"] == 8 * 64
+    # After the 5 warmup steps: cosine decay from the peak towards the minimum.
+    rates = [r["learning_rate"] for r in records]
+    assert 0.003 > rates[0] and all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] >= 0.0003
+
+    with open(out / "train_log.jsonl") as f:
+        events = [json.loads(line) for line in f]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [30, 60]
+    assert evals[0]["ppl"] == pytest.approx(np.exp(evals[0]["loss"]), rel=1e-6)
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["mean_tokens_per_card_per_sec"] > 0
+    assert summary["peak_rss_mb"] >= max(r["peak_rss_mb"] for r in records) - 1e-6
+    assert os.listdir(out / "visualdl")
+
+    # One parseable log line per logging step, a summary line; one warning per GPU-only option.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 6 and re.match(r"step 60/60 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad_norm [\d.]+ \| "
+                                        r"tokens/card/sec [\d.]+", lines[-1]), lines[-1]
+    assert "summary:" in result.stdout
+    for key in ("bf16", "use_flash_attention"):
+        assert result.stderr.count(f"warning: {key} has no effect on CPU") == 1, result.stderr
+
+
+def test_resume_is_exact_and_ignores_half_written_checkpoints(embedded_corpus, tmp_path):
+    """6 steps straight == 3 steps, stop, resume, 3 steps; debris of an interrupted save is skipped."""
+    args_file = write_json(tmp_path / "resume.json", base_arguments(
+        embedded_corpus, tmp_path, num_hidden_layers=2, max_steps=6, save_steps=3, save_total_limit=1,
+        hidden_dropout_prob=0.1))  # dropout: the RNG state must be restored too
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_single([argv(args_file, straight), argv(args_file, resumed, exit_interval=3)], tmp_path, "first")
+    assert sorted(os.listdir(resumed)) == ["checkpoint-3", "train_log.jsonl", "visualdl"]
+    assert [r["step"] for r in train_records(resumed)] == [1, 2, 3]
+
+    # A crash during a later save leaves a .partial directory, or one without its COMPLETE marker.
+    (resumed / "checkpoint-4.partial").mkdir()
+    (resumed / "checkpoint-4.partial" / "model_state.tp00_pp00.pdparams").write_bytes(b"garbage")
+    (resumed / "checkpoint-5").mkdir()
+    (resumed / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    run_single([argv(args_file, resumed)], tmp_path, "second")
+
+    ref, got = train_records(straight), train_records(resumed)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "learning_rate", "consumed_samples"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
+    with open(resumed / "train_log.jsonl") as f:
+        runs = [json.loads(line) for line in f if '"event": "run"' in line]
+    assert runs[-1]["start_step"] == 3
+    ref_weights, weights = final_weights(straight, 6), final_weights(resumed, 6)
+    assert all(np.array_equal(ref_weights[name], weights[name]) for name in ref_weights)
+    # save_total_limit 1 keeps only the newest complete checkpoint; our own .partial debris is
+    # cleared, a directory we did not write (no COMPLETE marker) is left alone.
+    assert sorted(p for p in os.listdir(resumed) if p.startswith("checkpoint")) == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_empty_data_is_a_one_line_error(embedded_corpus, tmp_path):
+    from llm_pretrain.data import write_documents
+
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    no_documents = tmp_path / "nodocs"
+    no_documents.mkdir()
+    write_documents(str(no_documents / "text_document"), [], np.uint16)
+    for input_dir, expected in ((empty_dir, "no prefix.bin + prefix.idx"), (no_documents, "")):
+        args_file = write_json(tmp_path / "empty.json", base_arguments(embedded_corpus, tmp_path,
+                                                                       input_dir=str(input_dir)))
+        result = run_cli(args_file, "--output_dir", tmp_path / "out")
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+        assert "input_dir" in result.stderr and str(input_dir) in result.stderr and expected in result.stderr
+    assert not (tmp_path / "out").exists()
