@@ -233,10 +233,17 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
     if not layout.distributed:
         return model, optimizer
     from paddle.distributed import fleet
-    from paddle.distributed.fleet.utils.sequence_parallel_utils import register_sequence_parallel_allreduce_hooks
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import (
+        is_sequence_parallel_parameter, register_sequence_parallel_allreduce_hooks,
+    )
 
     hcg = fleet.get_hybrid_communicate_group()
-    if getattr(model, "config", None) is not None and model.config.sequence_parallel:
+    # Replicated weights whose gradients are partial on each tensor-parallel rank (the norms under
+    # sequence parallelism, the replicated k/v projections when there are fewer kv heads than
+    # ranks): each one's hook all-reduces its accumulated gradient over the tensor-parallel group
+    # at every accumulation_steps-th backward, i.e. after the last micro-batch of a step (fleet's
+    # pipeline also runs one backward per micro-batch, accumulation_steps per step).
+    if any(is_sequence_parallel_parameter(p) for p in model.parameters()):
         register_sequence_parallel_allreduce_hooks(model, accumulation_steps, fuse_sequence_parallel_allreduce=False)
     if layout.sharding_stage in (2, 3):
         from paddle.distributed.sharding import group_sharded_parallel

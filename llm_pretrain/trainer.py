@@ -109,9 +109,19 @@ def _local_tokenizer_vocab_size(path: str) -> int | None:
 
 def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
     tp = layout.tensor_parallel_degree
-    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
         if getattr(config, key) % tp:
             raise UsageError(f"tensor_parallel_degree: {tp} does not divide the model's {key} {getattr(config, key)}")
+    # Key/value heads are split over the ranks when tp divides them, replicated (each rank keeps
+    # the one its query heads share) when they divide tp.
+    kv = config.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise UsageError(f"tensor_parallel_degree: {tp} and the model's num_key_value_heads {kv} must divide one "
+                         "another (kv heads are split over the ranks or replicated on them)")
+    if kv < tp and config.fuse_attention_qkv:
+        raise UsageError(f"fuse_attention_qkv: cannot be true when the model's num_key_value_heads {kv} is smaller "
+                         f"than tensor_parallel_degree {tp} (replicated kv heads need separate k/v projections); "
+                         "set fuse_attention_qkv false")
     if config.hidden_size % config.num_attention_heads:
         raise UsageError(f"model: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
                          f"{config.num_attention_heads}")

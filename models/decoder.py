@@ -95,15 +95,26 @@ class Attention(nn.Layer):
         q_size = config.num_attention_heads * head_dim
         kv_size = config.num_key_value_heads * head_dim
         self.num_heads = config.num_attention_heads // tp_degree  # heads on this rank
-        self.num_kv_heads = config.num_key_value_heads // tp_degree
+        # Fewer kv heads than tensor-parallel ranks (as Megatron): k/v are not split but
+        # replicated; each rank projects every kv head and keeps the one its q heads share.
+        self.replicated_kv = config.num_key_value_heads < tp_degree
+        if self.replicated_kv:
+            self.num_kv_heads = 1
+            self.kv_head = tp_rank // (tp_degree // config.num_key_value_heads)
+        else:
+            self.num_kv_heads = config.num_key_value_heads // tp_degree
         bias = config.qkv_bias or config.linear_bias
-        if config.fuse_attention_qkv:
+        if config.fuse_attention_qkv:  # (not with replicated kv: trainer.check_model_fits_layout)
             self.qkv_proj = pl.column_linear(config, config.hidden_size, q_size + 2 * kv_size, bias,
                                              parts=(q_size, kv_size, kv_size))
         else:
             self.q_proj = pl.column_linear(config, config.hidden_size, q_size, bias)
-            self.k_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
-            self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
+            if self.replicated_kv:
+                self.k_proj = pl.replicated_linear(config.hidden_size, kv_size, bias, partial_grads=True)
+                self.v_proj = pl.replicated_linear(config.hidden_size, kv_size, bias, partial_grads=True)
+            else:
+                self.k_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
+                self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
         self.o_proj = pl.row_linear(config, q_size, config.hidden_size, config.linear_bias)
         if config.position_embedding == "alibi":
             slopes = alibi_slopes(config.num_attention_heads)
@@ -118,6 +129,13 @@ class Attention(nn.Layer):
         if self.config.fuse_attention_qkv:
             qkv = self.qkv_proj(hidden)
             q, k, v = paddle.split(qkv, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], axis=-1)
+        elif self.replicated_kv:
+            q = self.q_proj(hidden)
+            # Every kv head from the replicated projections (input gathered, its gradient summed
+            # over the ranks), then the columns of this rank's kv head.
+            x = pl.replicated_input(self.config, hidden)
+            cols = slice(self.kv_head * d, (self.kv_head + 1) * d)
+            k, v = self.k_proj(x)[..., cols], self.v_proj(x)[..., cols]
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q = q.reshape([-1, seq, self.num_heads, d])

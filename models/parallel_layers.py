@@ -87,12 +87,22 @@ def row_linear(config: ModelConfig, in_features: int, out_features: int, bias: b
     return layer
 
 
-def replicated_linear(in_features: int, out_features: int, bias: bool) -> nn.Layer:
-    """A linear layer every tensor-parallel rank holds whole."""
+def replicated_linear(in_features: int, out_features: int, bias: bool, partial_grads: bool = False) -> nn.Layer:
+    """A linear layer every tensor-parallel rank holds whole.
+
+    `partial_grads`: each rank uses a different part of the output (the replicated key/value
+    heads of grouped-query attention with fewer kv heads than ranks), so each rank's weight
+    gradients are partial. They are marked like the norms under sequence parallelism, and
+    fleet's hooks sum them over the tensor-parallel group (llm_pretrain/distributed.py
+    wrap_for_training). Feed such a layer through `replicated_input`.
+    """
     layer = nn.Linear(in_features, out_features, weight_attr=_weight_attr(), bias_attr=None if bias else False)
-    tag_split(layer.weight, None)
-    if bias:
-        tag_split(layer.bias, None)
+    for param in layer.parameters():
+        tag_split(param, None)
+        if partial_grads:
+            from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
+
+            mark_as_sequence_parallel_parameter(param)
     return layer
 
 
@@ -159,6 +169,18 @@ def tensor_parallel_input(config: ModelConfig, x):
     from paddle.distributed.fleet.layers.mpu import mp_ops
 
     return mp_ops._c_identity(x, group=_model_parallel_group())
+
+
+def replicated_input(config: ModelConfig, x):
+    """The input of a `replicated_linear(partial_grads=True)`: forward, every token on every rank
+    (gathered from the chunks under sequence parallelism); backward, the input gradient summed
+    over the tensor-parallel ranks (and reduce-scattered back to the chunks under sequence
+    parallelism), since each rank's gradient only covers the part of the output it used."""
+    if _sequence_parallel(config):
+        from paddle.distributed.fleet.utils.sequence_parallel_utils import AllGatherOp
+
+        return AllGatherOp.apply(x)
+    return tensor_parallel_input(config, x)
 
 
 def _model_parallel_group():

@@ -1,14 +1,16 @@
 """Every parallel layout trains exactly like one process: same losses, grad norms and final weights.
 
-References run once in one plain process (tiny LLaMA with 8 layers, and each other family's
-tiny preset with 4 layers). Each test is one `paddle.distributed.launch` that runs several
+References run once in one plain process (the tiny preset of every family with 8 layers). Each test is one `paddle.distributed.launch` that runs several
 trainings with the same degrees, each compared with its reference (tolerance 1e-5, fp32):
 
-    2 processes: dp2 | tp2 (+ SP, recompute granularities, resume, every family)
+    2 processes: dp2 (every family, resume)
+                 tp2 (+ SP, recompute granularities, resume; every family with and without SP)
                  pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3 and Bloom)
-                 sharding degree 2, stages 1/2/3 (each alone and with recompute, resume)
+                 sharding degree 2, stages 1/2/3 (each alone and with recompute, resume; every
+                 family in every stage, with recompute)
                  two nodes of one process each (dp2)
-    4 processes: dp2 x tp2 | pp2 x tp2 | sharding2 x tp2 | pp4 with 2 virtual stages | sharding2 x dp2
+    4 processes: dp2 x tp2 | pp2 x tp2 | sharding2 x tp2 | pp4 with 2 virtual stages (every
+                 family) | sharding2 x dp2
 
 The global batch is always 8 samples: gradient_accumulation_steps = 4 / data replicas.
 """
@@ -57,7 +59,7 @@ def parity(tmp_path_factory, embedded_corpus) -> Parity:
     files = {"llama": write_json(work / "llama.json", base_arguments(embedded_corpus, work))}
     for family in FAMILIES:
         files[family] = write_json(work / f"{family}.json", base_arguments(
-            embedded_corpus, work, model_name_or_path=f"{family}-tiny", num_hidden_layers=4))
+            embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
     setup = Parity(work, files, {model: work / "single" / model for model in files})
     runs = [argv(files[model], setup.references[model]) for model in files]
     runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g) for g in GRANULARITIES]
@@ -75,8 +77,9 @@ def test_dp2(parity):
         parity.run("dp2", gradient_accumulation_steps=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3),
         parity.run("dp2-resume", gradient_accumulation_steps=2),
-    ], parity.work, "dp2")
-    parity.check([("dp2", "llama"), ("dp2-resume", "llama")])
+    ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES],
+        parity.work, "dp2")
+    parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES])
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
     # tokens/card/sec counts every card: global tokens / 2 cards / step time.
@@ -95,16 +98,16 @@ def test_tensor_parallel(parity):
                    recompute_granularity="core_attn"),
         parity.run("tp2-resume", **tp, exit_interval=3),
         parity.run("tp2-resume", **tp),
-        parity.run("qwen-tp2", "qwen", **tp),
-        parity.run("baichuan-tp2", "baichuan", **tp),  # ALiBi slopes sliced per rank, NormHead
-        parity.run("gpt3-tp2-sp", "gpt3", **tp, sequence_parallel=True),  # learned positions under SP
-        parity.run("bloom-tp2-sp", "bloom", **tp, sequence_parallel=True),  # ALiBi + embedding LayerNorm
     ]
+    # Baichuan: ALiBi slopes sliced per rank and NormHead; GPT-3: learned positions under SP;
+    # Bloom: ALiBi and the embedding LayerNorm under SP.
+    for family in FAMILIES:
+        runs += [parity.run(f"{family}-tp2", family, **tp),
+                 parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
     run_launch(2, runs, parity.work, "tp2")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
-                 + [("qwen-tp2", "qwen"), ("baichuan-tp2", "baichuan"), ("gpt3-tp2-sp", "gpt3"),
-                    ("bloom-tp2-sp", "bloom")])
+                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES for sp in ("", "-sp")])
     assert run_record(parity.out("tp2"))["strategy"] == "tp2"
     assert [r["step"] for r in train_records(parity.out("tp2-resume"))] == [1, 2, 3, 4, 5]
 
@@ -134,9 +137,13 @@ def test_sharding_stages(parity):
     for stage in (1, 3):
         runs += [parity.run(f"sd2-stage{stage}-resume", sharding=f"stage{stage}", exit_interval=3, **sd),
                  parity.run(f"sd2-stage{stage}-resume", sharding=f"stage{stage}", **sd)]
+    for i, family in enumerate(FAMILIES):  # every family in every stage, with some recompute
+        runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
+                            recompute_granularity=GRANULARITIES[(i + stage) % 3], **sd) for stage in (1, 2, 3)]
     run_launch(2, runs, parity.work, "sd2")
     names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute")]
-    parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]])
+    parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]]
+                 + [(f"{family}-sd2-stage{stage}", family) for family in FAMILIES for stage in (1, 2, 3)])
     assert run_record(parity.out("sd2-stage2"))["strategy"] == "sd2_stage2"
 
 
@@ -164,8 +171,10 @@ def test_sharding2_tp2(parity):
 
 
 def test_pp4_interleaved(parity):
-    run_launch(4, [parity.run("pp4vpp2", pipeline_parallel_degree=4, virtual_pp_degree=2)], parity.work, "pp4vpp2")
-    parity.check([("pp4vpp2", "llama")])
+    degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
+    run_launch(4, [parity.run("pp4vpp2", **degrees)]
+               + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES], parity.work, "pp4vpp2")
+    parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES])
     assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
 
 
