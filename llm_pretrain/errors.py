@@ -6,6 +6,7 @@ value and what is allowed. Entry points catch it, print `error: <message>`
 to stderr and exit with code 2 -- never a traceback.
 """
 
+import argparse
 import sys
 
 USAGE_EXIT_CODE = 2
@@ -19,3 +20,10 @@ def exit_with_usage_error(error: UsageError) -> None:
     message = " ".join(str(error).split())  # always one line
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(USAGE_EXIT_CODE)
+
+
+class UsageArgumentParser(argparse.ArgumentParser):
+    """argparse for the scripts: a bad command line is one line `error: ...` and exit code 2."""
+
+    def error(self, message):
+        exit_with_usage_error(UsageError(f"{message} (see --help)"))

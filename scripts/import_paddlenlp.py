@@ -17,25 +17,17 @@ Bad input is one line `error: ...` with exit code 2.
 import argparse
 import os
 import sys
-import warnings
 
 # Run as a script: make the repository root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm_pretrain.errors import UsageError, exit_with_usage_error  # noqa: E402
-
-# `import paddle` warns about a C++ build cache that only matters for compiling custom ops;
-# it would make the one-line error output two lines.
-warnings.filterwarnings("ignore", message="No ccache found")
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error  # noqa: E402
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, like every other usage error
-        exit_with_usage_error(UsageError(f"{message} (see --help)"))
 
 
 def main(argv) -> int:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = UsageArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paddlenlp_dir", help="PaddleNLP model directory (config.json + weights)")
     parser.add_argument("out_dir", help="directory to write the imported model into")
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")

@@ -16,16 +16,12 @@ import sys
 # Run as a script: make the repository root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm_pretrain.errors import UsageError, exit_with_usage_error  # noqa: E402
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error  # noqa: E402
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, like every other usage error
-        exit_with_usage_error(UsageError(f"{message} (see --help)"))
 
 
 def parse_args(argv):
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = UsageArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True, help="JSON-lines file (repeat for several)")
     parser.add_argument("--tokenizer", required=True, help="local tokenizer directory or file")
     parser.add_argument("--output_prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
