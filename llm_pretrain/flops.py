@@ -44,12 +44,13 @@ Choices, and why:
 
 MFU is model TFLOPs per card divided by the card's peak dense throughput for
 the run's dtype (`PEAK_TFLOPS`). A CPU has no datasheet figure here: its peak
-is measured on the spot by `measure_cpu_peak_tflops()`, a timed fp32 matrix
-product.
+is measured on the spot by `measure_cpu_peak_tflops()`: the best timed fp32
+matrix product of Paddle and NumPy on all cores (see `cpu_matmul_benchmark`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -252,12 +253,51 @@ def _best_tflops(matmul, size: int, min_seconds: float, min_repeats: int = 2) ->
     return 2 * size**3 / best / 1e12
 
 
+@contextlib.contextmanager
+def _all_cores_for_blas(threads: int):
+    """Paddle's (MKL/OpenMP) and NumPy's BLAS thread pools at `threads` for the block, then back.
+
+    Both run with fewer by default: importing Paddle pins OMP_NUM_THREADS to 1 when it is
+    unset (paddle/base/__init__.py, __bootstrap__), and Paddle's CPU matmul then runs on
+    one core; NumPy's OpenBLAS takes its thread count from the environment when it loads.
+    NumPy's pool is raised through threadpoolctl when that is installed (it is optional).
+    Yields the thread counts the two libraries ran with (None: not known).
+    """
+    from paddle.base import core
+
+    counts = {"paddle_threads": threads, "numpy_threads": None}
+    limiter = contextlib.nullcontext()
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+
+        limiter = threadpool_limits(limits=threads, user_api="blas")
+    except ImportError:
+        threadpool_info = None
+    core.set_num_threads(threads)
+    try:
+        with limiter:
+            if threadpool_info is not None:
+                pools = [p["num_threads"] for p in threadpool_info() if "numpy" in p.get("filepath", "")]
+                counts["numpy_threads"] = max(pools) if pools else None
+            yield counts
+    finally:
+        core.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # what Paddle runs with otherwise
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_benchmark(size: int = 2048, min_seconds: float = 0.5) -> dict:
-    """Timed fp32 n x n matrix products with Paddle and with NumPy's BLAS, in this process.
+    """Timed fp32 n x n matrix products with Paddle and with NumPy's BLAS, in this process, on every core.
 
-    Returns {"paddle_tflops", "numpy_tflops", "peak_tflops" (the better of both),
-    "size", "cpus"}. Cached per process and size: the machine does not change.
+    Returns {"paddle_tflops", "numpy_tflops", "peak_tflops" (the better of both), "library" (the
+    one that reached it), "size", "cpus", "paddle_threads", "numpy_threads", "cpu_vendor",
+    "mkl_debug_cpu_type"}. Cached per process and size: the machine does not change.
+
+    Paddle's CPU matmul is Intel MKL (the mklml library bundled with the wheel). On AMD CPUs
+    that MKL picks a generic SSE kernel, about 3x slower than its AVX2 one, unless
+    MKL_DEBUG_CPU_TYPE=5 was in the environment when MKL loaded (Paddle 3.3.1 on a 2-core
+    AMD EPYC: 0.025 TFLOPs on one core as is, 0.12-0.15 on both cores with the variable; NumPy's
+    OpenBLAS: 0.15-0.18). The peak is the best of both libraries, so it is what the hardware can
+    do; how close a run gets to it depends on how Paddle was set up (benchmarks/cpu_speed.md).
     """
     import numpy as np
     import paddle
@@ -268,14 +308,34 @@ def cpu_matmul_benchmark(size: int = 2048, min_seconds: float = 0.5) -> dict:
     previous_device = paddle.get_device()
     paddle.set_device("cpu")
     try:
-        a, b = paddle.to_tensor(a_np), paddle.to_tensor(b_np)
-        # .numpy() of one element forces the product to finish (CPU kernels are synchronous anyway).
-        paddle_tflops = _best_tflops(lambda: paddle.matmul(a, b)[0, 0].numpy(), size, min_seconds)
+        with _all_cores_for_blas(cpu_count()) as threads:
+            a, b = paddle.to_tensor(a_np), paddle.to_tensor(b_np)
+            # .numpy() of one element forces the product to finish (CPU kernels are synchronous anyway).
+            paddle_tflops = _best_tflops(lambda: paddle.matmul(a, b)[0, 0].numpy(), size, min_seconds)
+            numpy_tflops = _best_tflops(lambda: a_np @ b_np, size, min_seconds)
     finally:
         paddle.set_device(previous_device)
-    numpy_tflops = _best_tflops(lambda: a_np @ b_np, size, min_seconds)
     return {"paddle_tflops": paddle_tflops, "numpy_tflops": numpy_tflops,
-            "peak_tflops": max(paddle_tflops, numpy_tflops), "size": size, "cpus": cpu_count()}
+            "peak_tflops": max(paddle_tflops, numpy_tflops),
+            "library": "paddle" if paddle_tflops >= numpy_tflops else "numpy", "size": size, "cpus": cpu_count(),
+            **threads, "cpu_vendor": cpu_vendor(), "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE")}
+
+
+def cpuinfo_field(key: str) -> str | None:
+    """The first `key : value` of /proc/cpuinfo ("vendor_id", "model name", ...); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_vendor() -> str | None:
+    """"GenuineIntel", "AuthenticAMD", ... (None off Linux)."""
+    return cpuinfo_field("vendor_id")
 
 
 def measure_cpu_peak_tflops(size: int = 2048) -> float:

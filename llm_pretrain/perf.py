@@ -253,14 +253,7 @@ def _version(name: str) -> str | None:
 
 
 def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return flops.cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def format_environment(env: dict, warmup_steps: int | None) -> str:

@@ -52,6 +52,11 @@ def alibi_slopes(num_heads: int) -> list[float]:
     return slopes
 
 
+def causal_mask(seq_length: int):
+    """[seq, seq] float32: 0 where a query may attend (key position <= query position), -inf elsewhere."""
+    return paddle.triu(paddle.full([seq_length, seq_length], float("-inf"), dtype="float32"), diagonal=1)
+
+
 # ----------------------------------------------------------------------------- blocks
 class Embeddings(nn.Layer):
     """Word embeddings (+ learned positions for GPT-3) (+ LayerNorm for Bloom)."""
@@ -159,12 +164,14 @@ class Attention(nn.Layer):
             )
             return out.reshape([batch, seq, -1])
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))  # [batch, heads, seq, d]
-        scores = paddle.matmul(q.astype("float32"), k.astype("float32"), transpose_y=True) / math.sqrt(q.shape[-1])
+        # Scale q (batch x seq x heads x d values; as PaddleNLP) rather than the scores (batch x heads x
+        # seq x seq), and mask by adding 0/-inf: on CPU a full-size `where` + `full_like` and their
+        # gradients cost more than these products (benchmarks/cpu_speed.md).
+        scores = paddle.matmul(q.astype("float32") / math.sqrt(q.shape[-1]), k.astype("float32"), transpose_y=True)
         if self.config.position_embedding == "alibi":
             positions = paddle.arange(seq, dtype="float32")
             scores = scores + self.alibi_slopes[None, :, None, None] * positions[None, None, None, :]
-        causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
-        scores = paddle.where(causal, scores, paddle.full_like(scores, float("-inf")))
+        scores = scores + causal_mask(seq)
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v).transpose([0, 2, 1, 3])

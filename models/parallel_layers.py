@@ -156,7 +156,9 @@ class RMSNorm(nn.Layer):
 
             return fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1)[0]
         x32 = x.astype("float32")
-        variance = x32.pow(2).mean(-1, keepdim=True)
+        # paddle.square, not pow(2): Paddle's CPU pow kernel (and its gradient) is several times
+        # slower; same values (benchmarks/cpu_speed.md).
+        variance = paddle.square(x32).mean(-1, keepdim=True)
         x32 = paddle.rsqrt(variance + self.eps) * x32
         return x32.astype(self.weight.dtype) * self.weight
 

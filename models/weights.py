@@ -9,6 +9,7 @@ compare against, and what users expect when they change strategy mid-project.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -69,8 +70,21 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
-def initial_value(name: str, shape: list[int], initializer_range: float, seed: int):
-    """Biases 0, norm weights 1, every other weight ~ N(0, initializer_range) (PaddleNLP's init)."""
+# PaddleNLP draws the output projection of each residual branch (attention o_proj, MLP down_proj)
+# with std initializer_range / sqrt(2 * layers) for LLaMA/Baichuan (LlamaPretrainedModel._init_weights),
+# Qwen (c_proj) and GPT-3 (out_proj, linear2), as GPT-2 does; Bloom draws them like every other weight.
+SCALED_OUTPUT_INIT_FAMILIES = ("llama", "baichuan", "qwen", "gpt3")
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+
+
+def weight_std(name: str, config) -> float:
+    if config.family in SCALED_OUTPUT_INIT_FAMILIES and name.endswith(OUTPUT_PROJECTIONS):
+        return config.initializer_range / math.sqrt(2 * config.num_hidden_layers)
+    return config.initializer_range
+
+
+def initial_value(name: str, shape: list[int], std: float, seed: int):
+    """Biases 0, norm weights 1, every other weight ~ N(0, std) (see `weight_std`)."""
     leaf = name.rsplit(".", 1)
     owner = leaf[0].rsplit(".", 1)[-1] if len(leaf) == 2 else ""
     if name.endswith("bias"):
@@ -79,7 +93,7 @@ def initial_value(name: str, shape: list[int], initializer_range: float, seed: i
         return paddle.ones(shape, dtype="float32")
     saved = paddle.get_rng_state()
     paddle.seed(_param_seed(seed, name))
-    value = paddle.normal(mean=0.0, std=initializer_range, shape=shape)
+    value = paddle.normal(mean=0.0, std=std, shape=shape)
     paddle.set_rng_state(saved)
     return value
 
@@ -89,7 +103,7 @@ def init_weights(model, config, seed: int) -> None:
     """Give every parameter its layout-independent initial value."""
     tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
     for name, param in model.canonical_named_parameters():
-        value = initial_value(name, full_shape(param, tp_degree), config.initializer_range, seed)
+        value = initial_value(name, full_shape(param, tp_degree), weight_std(name, config), seed)
         param.set_value(local_slice(value, param, tp_rank, tp_degree).astype(param.dtype))
 
 

@@ -24,7 +24,7 @@ import pytest
 from models.config import make_config
 from models.decoder import CausalLM
 from models.paddlenlp_interop import from_paddlenlp_state
-from models.weights import load_full_weights
+from models.weights import init_weights, load_full_weights
 
 paddlenlp_transformers = pytest.importorskip("paddlenlp.transformers")
 
@@ -182,3 +182,33 @@ def test_baichuan2_norm_head_against_normalized_head():
     # and the head really is normalized in our model: the same weights without norm_head differ
     plain = build_ours(config.replace(norm_head=False), state)
     assert np.abs(our_outputs(plain, input_ids, labels)[0] - logits).max() > 0.1
+
+
+@pytest.mark.parametrize("case", ["llama_gqa", "baichuan13b_alibi", "qwen", "gpt3", "bloom"])
+def test_initial_weights_are_drawn_like_paddlenlp(case):
+    """Each of our initial weight matrices has the spread PaddleNLP's own initialization gives it:
+    N(0, initializer_range), the residual output projections (o_proj, down_proj) scaled by
+    1/sqrt(2 * layers) in every family but Bloom."""
+    class_name, config_name, kwargs, config = CASES[case]
+    paddle.seed(0)
+    reference = getattr(paddlenlp_transformers, class_name)(getattr(paddlenlp_transformers, config_name)(**kwargs))
+    theirs = from_paddlenlp_state(config, reference.config.to_dict(), reference.state_dict())
+    model = CausalLM(config)
+    init_weights(model, config, seed=0)
+    ours = {name: param.numpy() for name, param in model.canonical_named_parameters()}
+    scaled = []
+    for name, value in theirs.items():
+        value = value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)
+        if value.ndim != 2:
+            continue
+        expected_std = value.std()
+        if case == "bloom" and expected_std == 0:
+            # PaddleNLP 2.8.1's BloomPretrainedModel._init_weights zeroes the *weight* of every Linear
+            # that has a bias (bloom/modeling.py: `layer.weight.set_value(paddle.zeros(...))` under
+            # `if bias is not None`); Hugging Face's Bloom zeroes the bias. We draw the weight.
+            expected_std = config.initializer_range
+        assert ours[name].std() == pytest.approx(expected_std, rel=0.1), name
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            scaled.append(ours[name].std() / config.initializer_range)
+    expected = 1.0 if case == "bloom" else 0.5  # 2 layers: 1/sqrt(4)
+    assert scaled and np.allclose(scaled, expected, rtol=0.1), scaled
