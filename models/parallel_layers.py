@@ -96,12 +96,12 @@ def replicated_linear(in_features: int, out_features: int, bias: bool, partial_g
     fleet's hooks sum them over the tensor-parallel group (llm_pretrain/distributed.py
     wrap_for_training). Feed such a layer through `replicated_input`.
     """
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
+
     layer = nn.Linear(in_features, out_features, weight_attr=_weight_attr(), bias_attr=None if bias else False)
     for param in layer.parameters():
         tag_split(param, None)
         if partial_grads:
-            from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
-
             mark_as_sequence_parallel_parameter(param)
     return layer
 

@@ -74,9 +74,9 @@ class CausalLMPipeline(PipelineLayer):
         self.config = config
         self.is_first_stage = hcg.get_stage_id() == 0
         if tied and not self.is_first_stage and TIED_EMBEDDING in self.shared_layers:
-            # (Middle stages hold no copy.) The last stage's copy of the tied embedding is a replica: fleet's global-norm clip
-            # must count its gradient once (PipelineLayer's own marking compares parameter names
-            # with the attribute name and never matches).
+            # The last stage's copy of the tied embedding (middle stages hold none) is a replica:
+            # fleet's global-norm clip must count its gradient once (PipelineLayer's own marking
+            # compares parameter names with the attribute name and never matches).
             for param in self.shared_layers[TIED_EMBEDDING].parameters():
                 param.is_firstly_shared = False
 
