@@ -130,6 +130,13 @@ ARCHITECTURES: dict[str, ModelConfig] = {
         "llama", vocab_size=256, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, intermediate_size=688, max_position_embeddings=2048,
     ),
+    # Real-size CPU preset: above Paddle's size thresholds (stage 3 slices parameters above 2**20
+    # elements, stage 2 keeps parameters above 2**23 out of its gradient buffer): MLP matrices
+    # 1024 x 2816 = 2.9M, embedding and head 8320 x 1024 = 8.5M elements.
+    "llama-real": make_config(
+        "llama", vocab_size=8320, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=1024,
+    ),
     "baichuan-tiny": _tiny("baichuan", position_embedding="alibi", norm_head=True),  # Baichuan2-13B style
     "qwen-tiny": _tiny("qwen"),
     "gpt3-tiny": _tiny("gpt3", intermediate_size=256),
