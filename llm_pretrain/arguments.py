@@ -107,7 +107,11 @@ class Arguments:
     adam_epsilon: float = _key(1e-08, "AdamW epsilon.", minimum=0)
     max_grad_norm: float = _key(1.0, "Global-norm gradient clipping (0: off).", minimum=0)
     optim: str = _key("adamw", "Optimizer.", choices=("adamw",))
-    seed: int = _key(42, "Seed of weights, data order and dropout.")
+    seed: int = _key(42, "Seed of weights, data order and dropout (0 to 4294967295).")
+    skip_nan_inf_steps: int = _key(
+        0, "Skip the update of up to N consecutive steps whose loss or gradient norm is NaN/Inf (as torchtitan's "
+        "skip_nan_inf, counted like Megatron's skipped iterations); 0: stop at the first one with exit code 3.",
+        minimum=0)
 
     # ---- precision and kernels (GPU only; on CPU: one warning, plain fp32) ----
     bf16: bool = _key(False, "bfloat16 mixed precision (GPU).")
@@ -132,6 +136,9 @@ class Arguments:
     tensor_parallel_config: str = _key("", "PaddleNLP tensor-parallel option string.")
     pipeline_parallel_config: str = _key("", "PaddleNLP pipeline-parallel option string.")
     sharding_parallel_config: str = _key("", "PaddleNLP sharding option string.")
+    distributed_timeout_minutes: Optional[float] = _key(
+        None, "GPU: timeout of NCCL collectives, so that a hung rank ends the job (Megatron's "
+        "--distributed-timeout-minutes; sets PADDLE_PG_TIMEOUT; default Paddle's 30 minutes).", minimum=0)
     sep_parallel_degree: int = _key(-1, "Segment parallelism: not supported (1 or -1 only).", choices=(-1, 1))
 
     # ---- recompute -------------------------------------------------------------
@@ -398,6 +405,8 @@ def validate_arguments(args: Arguments) -> None:
         value = getattr(args, name)
         if value == 0 or value < -1:
             raise UsageError(f"{name}: {value} is not allowed; use a positive degree (or -1 for the default)")
+    if not 0 <= args.seed < 2**32:  # np.random.RandomState's range (data order)
+        raise UsageError(f"seed: {args.seed} is not allowed; use an integer from 0 to 4294967295")
     if args.warmup_ratio > 1:
         raise UsageError(f"warmup_ratio: {args.warmup_ratio} is not allowed; use a fraction between 0 and 1")
     for name in ("adam_beta1", "adam_beta2"):

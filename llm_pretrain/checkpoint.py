@@ -1,4 +1,4 @@
-"""Checkpoints: output_dir/checkpoint-N, written so that a crash never destroys the previous one.
+"""Checkpoints: output_dir/checkpoint-N, written so that a run never trades a good checkpoint for a bad one.
 
 Layout of a checkpoint directory:
 
@@ -6,33 +6,55 @@ Layout of a checkpoint directory:
     model_state.tp00_pp00.pdparams      weights, one file per tensor/pipeline shard
     optimizer.tp00_pp00.pdopt           AdamW moments + learning-rate schedule, per shard
     rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
+    manifest.json                       size and sha256 of every file above, and which rank wrote it
     COMPLETE                            written last: only such directories are resumed from
 
-Every rank writes its own files into `checkpoint-N.partial/`; after a barrier
-rank 0 writes COMPLETE and renames the directory to `checkpoint-N` (an atomic
-rename on one filesystem), then deletes checkpoints beyond save_total_limit.
-A crash at any point leaves either the `.partial` directory (ignored, removed
-by the next save) or a complete checkpoint. Checkpoints live on a filesystem
-shared by all nodes, as with PaddleNLP.
+What goes into the files is `write_rank_files` / `load_rank_files`; the lifecycle
+around them treats the files generically (whatever a rank writes is listed in the
+manifest), so the file format can change without touching it:
+
+  * save (`Checkpointer.save`): every rank writes its files into `checkpoint-N.partial/`,
+    fsyncs them and records their sizes and checksums; the ranks agree that every write
+    succeeded (one all-reduce); rank 0 writes trainer_state.json and manifest.json, then
+    COMPLETE, fsyncs the directory, renames it to `checkpoint-N` (atomic on one filesystem)
+    and fsyncs output_dir. A failure (disk full) on any rank removes the `.partial`
+    directory on every rank and is one line naming the checkpoint: the previous one is intact.
+  * rotation: save_total_limit keeps the newest N complete checkpoints, and never deletes
+    the newest one whose weights were finite (each manifest records it).
+  * resume (`find_resume_checkpoint` before fleet.init, `agree_on_checkpoint` after):
+    the newest complete checkpoint is verified (every file present with its size; the
+    checksums split over the ranks, each rank hashing the files of one share); a damaged
+    one is one warning naming the file, and the previous complete one is used.
+  * start: stale `.partial` directories are removed; an exclusive lock (`OutputDirLock`)
+    keeps a second run off the same output_dir.
+Checkpoints live on a filesystem shared by all nodes, as with PaddleNLP.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import pickle
 import random
 import re
 import shutil
+import socket
 
 import numpy as np
 import paddle
 
-from llm_pretrain.distributed import Layout, barrier
+from llm_pretrain.distributed import Layout, all_reduce_max, barrier
+from llm_pretrain.errors import DivergenceError, RunError, UsageError
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+RANK_MANIFEST = "manifest.rank{rank:05d}.json"  # each rank's entries, merged into MANIFEST by rank 0
+LOCK_FILE = ".lock"
 SPLIT_KEY = "__tensor_parallel_split__"  # in each model file: name -> [axis, fused part sizes, is replica]
 
 
@@ -109,15 +131,9 @@ def set_rng_states(states: dict) -> None:
         get_rng_state_tracker().set_states_tracker(states["tensor_parallel"])
 
 
-def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state: dict, layout: Layout,
-                    save_total_limit: int | None) -> str:
-    final = checkpoint_path(output_dir, step)
-    staging = final + ".partial"
-    if layout.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    barrier(layout)
-
+def write_rank_files(staging: str, model, optimizer, layout: Layout) -> list[str]:
+    """This rank's part of a checkpoint: writes its files into `staging`, returns their names."""
+    written = []
     if saves_model(layout):
         # Canonical names (those of the single-process model), so that shards can be merged
         # into full weights whatever the layout (see merge_checkpoint).
@@ -126,33 +142,330 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state:
         weights[SPLIT_KEY] = {name: [getattr(param, "tp_split_axis", None), getattr(param, "tp_split_parts", None),
                                      getattr(param, "is_firstly_shared", True) is False] for name, param in named}
         paddle.save(weights, os.path.join(staging, model_file(layout)))
+        written.append(model_file(layout))
     if saves_optimizer(layout):
         state = rename_optimizer_state(optimizer.state_dict(), _internal_to_canonical(model))
         paddle.save(state, os.path.join(staging, optimizer_file(layout)))
+        written.append(optimizer_file(layout))
     with open(os.path.join(staging, rng_file(layout)), "wb") as f:
         pickle.dump(rng_states(), f)
-    barrier(layout)
+    written.append(rng_file(layout))
+    return written
 
-    if layout.is_main:
-        with open(os.path.join(staging, TRAINER_STATE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        with open(os.path.join(staging, COMPLETE_MARKER), "w") as f:
-            f.write(f"{step}\n")
+
+def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state: dict, layout: Layout,
+                    save_total_limit: int | None) -> str:
+    """Write checkpoint-`step` now (see Checkpointer.save)."""
+    return Checkpointer(output_dir, layout, save_steps=0, save_total_limit=save_total_limit).save(
+        step, model, optimizer, trainer_state)
+
+
+# ----------------------------------------------------------------------------- files: fsync and checksums
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(path: str, rank: int) -> dict:
+    """Size and checksum of a file that is on disk (fsynced first)."""
+    fsync_file(path)
+    return {"size": os.path.getsize(path), "sha256": sha256_of(path), "rank": rank}
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _weights_are_finite(model) -> bool:
+    """Whether every local weight is finite (one reduction per parameter, one host read)."""
+    flags = [paddle.isfinite(param).all().astype("int32") for _, param in model.canonical_named_parameters()]
+    return bool(int(paddle.stack(flags).min())) if flags else True
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+class Checkpointer:
+    """Owns output_dir's checkpoints: cadence, staged verified writes, rotation.
+
+    The training loop asks `due(step, max_steps)` and calls `save(...)`; resuming is
+    `find_resume_checkpoint` + `agree_on_checkpoint` + `load`.
+    """
+
+    def __init__(self, output_dir: str, layout: Layout, save_steps: int, save_total_limit: int | None,
+                 exit_interval: int | None = None):
+        self.output_dir = output_dir
+        self.layout = layout
+        self.save_steps = save_steps
+        self.save_total_limit = save_total_limit
+        self.exit_interval = exit_interval
+
+    # -- cadence
+    def exit_due(self, step: int, max_steps: int) -> bool:
+        """exit_interval: stop (with a checkpoint) after every N-th step, except the last."""
+        return bool(self.exit_interval) and step % self.exit_interval == 0 and step < max_steps
+
+    def due(self, step: int, max_steps: int) -> bool:
+        every = bool(self.save_steps) and (step % self.save_steps == 0 or step == max_steps)
+        return every or self.exit_due(step, max_steps)
+
+    # -- writing
+    def save(self, step: int, model, optimizer, trainer_state: dict) -> str:
+        """checkpoint-`step`, complete and verified, or nothing (and the previous one untouched)."""
+        layout = self.layout
+        if all_reduce_max(0.0 if _weights_are_finite(model) else 1.0, layout):
+            raise DivergenceError(f"the weights after step {step} are not finite; checkpoint-{step} was not "
+                                  "written (the previous checkpoints hold finite weights)")
+        final = checkpoint_path(self.output_dir, step)
+        staging = final + ".partial"
+        failure = None
+        if layout.is_main:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                os.makedirs(staging)
+            except OSError as error:
+                failure = error
+        self._agree_or_raise(failure, step, staging)
+
+        try:
+            entries = {name: file_entry(os.path.join(staging, name), layout.rank)
+                       for name in write_rank_files(staging, model, optimizer, layout)}
+            _write_synced(os.path.join(staging, RANK_MANIFEST.format(rank=layout.rank)), json.dumps(entries))
+        except OSError as error:
+            failure = error
+        self._agree_or_raise(failure, step, staging)
+
+        if layout.is_main:
+            try:
+                self._finalize(staging, final, step, trainer_state)
+            except OSError as error:
+                failure = error
+        self._agree_or_raise(failure, step, staging)
+        if layout.is_main:
+            self.rotate()
+        barrier(layout)
+        return final
+
+    def _finalize(self, staging: str, final: str, step: int, trainer_state: dict) -> None:
+        """Rank 0: trainer_state.json, the merged manifest, COMPLETE, fsync, rename, fsync."""
+        _write_synced(os.path.join(staging, TRAINER_STATE), json.dumps(trainer_state, indent=2))
+        files = {TRAINER_STATE: file_entry(os.path.join(staging, TRAINER_STATE), 0)}
+        parts = sorted(name for name in os.listdir(staging) if re.fullmatch(r"manifest\.rank\d+\.json", name))
+        for part in parts:
+            with open(os.path.join(staging, part)) as f:
+                files.update(json.load(f))
+        for name in sorted(os.listdir(staging)):  # anything written without being listed: rank 0 vouches for it
+            if name not in files and name not in parts and os.path.isfile(os.path.join(staging, name)):
+                files[name] = file_entry(os.path.join(staging, name), 0)
+        manifest = {"step": step, "weights_finite": True, "files": dict(sorted(files.items()))}
+        _write_synced(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
+        for part in parts:
+            os.remove(os.path.join(staging, part))
+        _write_synced(os.path.join(staging, COMPLETE_MARKER), f"{step}\n")
+        fsync_dir(staging)
         if os.path.exists(final):  # the same step saved again: the new one replaces it
             shutil.rmtree(final)
         os.replace(staging, final)
-        _delete_old_checkpoints(output_dir, save_total_limit)
-    barrier(layout)
-    return final
+        fsync_dir(self.output_dir)
+
+    def _agree_or_raise(self, failure: OSError | None, step: int, staging: str) -> None:
+        """Every rank learns whether any rank failed (the all-reduce doubles as the barrier)."""
+        code = (failure.errno or 1) if failure is not None else 0
+        agreed = int(all_reduce_max(float(code), self.layout))
+        if not agreed:
+            return
+        if self.layout.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        previous = latest_checkpoint(self.output_dir)
+        if agreed == errno.ENOSPC:
+            what = "no space left on device"
+        elif failure is not None:
+            what = failure.strerror or str(failure)
+        else:
+            what = f"another rank failed to write its files ({os.strerror(agreed)})"
+        intact = (f"the previous checkpoint {os.path.basename(previous)} is intact" if previous
+                  else "there is no previous checkpoint")
+        raise CheckpointWriteError(f"cannot write checkpoint-{step} in {self.output_dir}: {what}; "
+                                   f"{os.path.basename(staging)} was removed and {intact}")
+
+    # -- rotation
+    def rotate(self) -> None:
+        """Keep the newest save_total_limit complete checkpoints and the newest one with finite weights."""
+        if not self.save_total_limit:
+            return
+        checkpoints = complete_checkpoints(self.output_dir)
+        keep = {path for _, path in checkpoints[-self.save_total_limit:]}
+        finite = [path for _, path in checkpoints if _manifest_says_finite(path)]
+        if finite:
+            keep.add(finite[-1])
+        for _, path in checkpoints:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- reading
+    def load(self, path: str, model, optimizer) -> dict:
+        load_rank_files(path, model, optimizer, self.layout)
+        return read_trainer_state(path)
 
 
-def _delete_old_checkpoints(output_dir: str, save_total_limit: int | None) -> None:
-    for name in os.listdir(output_dir):  # leftovers of crashed saves
-        if name.startswith("checkpoint-") and name.endswith(".partial"):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-    if save_total_limit:
-        for _, path in complete_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(path, ignore_errors=True)
+class CheckpointWriteError(RunError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+
+def _manifest_says_finite(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return bool(json.load(f).get("weights_finite"))
+    except (OSError, ValueError):
+        return False
+
+
+def remove_stale_partials(output_dir: str) -> list[str]:
+    """Remove `checkpoint-N.partial` directories left by interrupted saves (rank 0, at start)."""
+    removed = []
+    if os.path.isdir(output_dir):
+        for name in sorted(os.listdir(output_dir)):
+            if name.startswith("checkpoint-") and name.endswith(".partial"):
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
+def remove_checkpoints(output_dir: str) -> list[str]:
+    """overwrite_output_dir: every checkpoint of an earlier run goes before this run's first save."""
+    removed = []
+    if os.path.isdir(output_dir):
+        for name in sorted(os.listdir(output_dir)):
+            path = os.path.join(output_dir, name)
+            if name.startswith("checkpoint-") and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(name)
+    return removed
+
+
+# ----------------------------------------------------------------------------- verification and resume
+def verify_checkpoint(path: str, checksum_share=None) -> str | None:
+    """None if the checkpoint is usable, else what is wrong (naming the file).
+
+    Every file listed in the manifest must exist with its recorded size; the checksums of the
+    entries for which `checksum_share(entry)` is true are recomputed (all when None).
+    A checkpoint without a manifest (written before manifests existed) is checked for
+    trainer_state.json only.
+    """
+    if not is_complete(path):
+        return f"{path} is not complete (no {COMPLETE_MARKER} or {TRAINER_STATE})"
+    manifest_path = os.path.join(path, MANIFEST)
+    if os.path.isfile(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{manifest_path} is damaged (not a valid manifest)"
+        for name, entry in files.items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                return f"{file} is missing"
+            size = os.path.getsize(file)
+            if size != entry["size"]:
+                return f"{file} has {size} bytes, the manifest says {entry['size']}"
+        for name, entry in files.items():
+            if (checksum_share is None or checksum_share(entry)) and sha256_of(os.path.join(path, name)) != entry["sha256"]:
+                return f"{os.path.join(path, name)} does not match its checksum in the manifest"
+    try:
+        state = read_trainer_state(path)
+        state["global_step"], state["consumed_samples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{os.path.join(path, TRAINER_STATE)} is damaged (not valid JSON with global_step)"
+    return None
+
+
+def _share_of(rank: int, world_size: int):
+    """The manifest entries this rank re-hashes on resume: together the ranks hash every file once."""
+    return lambda entry: int(entry.get("rank", 0)) % world_size == rank
+
+
+def find_resume_checkpoint(output_dir: str, rank: int, world_size: int, start: int = 0,
+                           candidates: list[str] | None = None) -> tuple[int, list[str], list[str]]:
+    """Before fleet.init: (index into candidates of the newest usable one, candidates newest first, warnings).
+
+    The index is len(candidates) when none is usable.
+    """
+    if candidates is None:
+        candidates = [path for _, path in reversed(complete_checkpoints(output_dir))]
+    warnings = []
+    for index in range(start, len(candidates)):
+        problem = verify_checkpoint(candidates[index], _share_of(rank, world_size))
+        if problem is None:
+            return index, candidates, warnings
+        older = candidates[index + 1] if index + 1 < len(candidates) else None
+        warnings.append(f"checkpoint {candidates[index]} is damaged: {problem}; "
+                        + (f"trying the previous one, {older}" if older else "no older complete checkpoint"))
+    return len(candidates), candidates, warnings
+
+
+def agree_on_checkpoint(index: int, candidates: list[str], layout: Layout) -> tuple[int, list[str]]:
+    """After fleet.init: the newest checkpoint that every rank found intact (each verified its own share)."""
+    warnings = []
+    while True:
+        agreed = int(all_reduce_max(float(index), layout))
+        index, _, more = find_resume_checkpoint("", layout.rank, layout.world_size, agreed, candidates)
+        warnings += more
+        if int(all_reduce_max(float(index), layout)) == agreed:
+            return agreed, warnings
+
+
+# ----------------------------------------------------------------------------- the output_dir lock
+class OutputDirLock:
+    """An exclusive flock on output_dir/.lock held for the whole run; the file names the holder."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self._fd = None
+
+    def acquire(self) -> "OutputDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = os.read(fd, 1000).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(f"output_dir: {os.path.dirname(self.path)} is in use by another run ({holder}); "
+                             "wait for it to finish or choose another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def _internal_to_canonical(model) -> dict[str, str]:
@@ -190,8 +503,8 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
-    """Restore this rank's weights, optimizer and RNG state; returns the trainer state."""
+def load_rank_files(path: str, model, optimizer, layout: Layout) -> None:
+    """Restore this rank's weights, optimizer and RNG state from its files of a checkpoint."""
     weights = paddle.load(os.path.join(path, model_file(layout)))
     with paddle.no_grad():
         for name, param in model.canonical_named_parameters():
@@ -201,6 +514,11 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
     optimizer.set_state_dict(rename_optimizer_state(optimizer_state, canonical_to_internal))
     with open(os.path.join(path, rng_file(layout)), "rb") as f:
         set_rng_states(pickle.load(f))
+
+
+def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
+    """Restore this rank's state; returns the trainer state."""
+    load_rank_files(path, model, optimizer, layout)
     return read_trainer_state(path)
 
 

@@ -27,3 +27,20 @@ class UsageArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         exit_with_usage_error(UsageError(f"{message} (see --help)"))
+
+
+class RunError(Exception):
+    """A run that cannot go on (not bad input): one line `error: <message>`, exit code `exit_code`."""
+
+    exit_code = 1
+
+
+class DivergenceError(RunError):
+    """A non-finite loss, gradient norm or weight: the run stops without saving that state."""
+
+    exit_code = 3
+
+
+def exit_with_run_error(error: RunError) -> None:
+    print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    sys.exit(error.exit_code)

@@ -8,13 +8,18 @@ divided by the number of cards and the wall time of those steps.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import resource
 import statistics
 import time
 
 import paddle
+
+from llm_pretrain.errors import RunError
 
 TRAIN_LOG = "train_log.jsonl"
 
@@ -39,15 +44,47 @@ def format_train_line(record: dict, max_steps: int) -> str:
     )
 
 
-class MetricsLog:
-    """Writes records on the main rank; every other rank's calls do nothing."""
+def drop_torn_last_line(path: str) -> bool:
+    """Cut a half-written last line (a crash or a full disk during a write) off a JSON-lines file."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return False
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return False
+        keep = 0  # the end of the last whole line
+        for start in range(max(0, size - (1 << 20)), -1, -(1 << 20)):
+            f.seek(start)
+            chunk = f.read(min(1 << 20, size - start))
+            if b"\n" in chunk:
+                keep = start + chunk.rindex(b"\n") + 1
+                break
+        f.truncate(keep)
+    return True
 
-    def __init__(self, output_dir: str, enabled: bool, use_visualdl: bool = True):
+
+class MetricsLog:
+    """Appends records to train_log.jsonl on the main rank, whole lines only; other ranks' calls do nothing.
+
+    Each record is one write of one complete line; a write that fails part way (disk full) is
+    cut off again, so the file never holds a half line. A torn last line left by a crash is
+    dropped when the log is opened. `fresh` (overwrite_output_dir) starts an empty log.
+    """
+
+    def __init__(self, output_dir: str, enabled: bool, use_visualdl: bool = True, fresh: bool = False):
         self.enabled = enabled
         self.path = os.path.join(output_dir, TRAIN_LOG)
         self._writer = None
+        self._fd = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
+            if fresh and os.path.exists(self.path):
+                os.remove(self.path)
+            self.dropped_torn_line = drop_torn_last_line(self.path)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             if use_visualdl:
                 from visualdl import LogWriter
 
@@ -57,17 +94,30 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"event": record.pop("event"), "time": round(time.time(), 3), **record}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode())
         if self._writer is not None and record["event"] in ("train", "eval"):
             prefix = "train" if record["event"] == "train" else record.get("split", "eval")
             for key, value in record.items():
                 if key not in ("event", "time", "step", "split") and isinstance(value, (int, float)):
                     self._writer.add_scalar(tag=f"{prefix}/{key}", value=value, step=record["step"])
 
+    def _append(self, line: bytes) -> None:
+        size = os.fstat(self._fd).st_size
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            raise RunError(f"cannot write {self.path}: {error.strerror or error}") from None
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def summarize(step_records: list[dict], warmup_steps: int) -> dict:
@@ -94,3 +144,101 @@ def format_summary(summary: dict) -> str:
         f" (excluding {summary['warmup_steps_excluded']} warm-up steps), {memory}, final loss "
         + (f"{summary['final_loss']:.6f}" if summary["final_loss"] is not None else "n/a")
     )
+
+
+class MetricsLogger:
+    """Owns the run's records: accumulates steps, writes one train record per logging step
+    (loss averaged over the interval and the data replicas), eval records and the summary,
+    and prints the matching lines (through a progress bar when stderr is a terminal).
+
+    Every rank calls it (the loss and peak memory are reduced over ranks); rank 0 writes.
+    """
+
+    def __init__(self, output_dir: str, layout, device: str, *, max_steps: int, logging_steps: int,
+                 flops_per_token: float, global_tokens_per_step: int, start_step: int,
+                 disable_tqdm: bool | None, fresh: bool = False):
+        self.log = MetricsLog(output_dir, enabled=layout.is_main, fresh=fresh)
+        self.layout, self.device = layout, device
+        self.max_steps, self.logging_steps, self.start_step = max_steps, logging_steps, start_step
+        self.flops_per_token, self.global_tokens_per_step = flops_per_token, global_tokens_per_step
+        self.records: list[dict] = []
+        self._losses, self._norms, self._time = [], [], 0.0
+        self.progress = _progress_bar(max_steps, start_step, disable_tqdm, layout.is_main)
+
+    def write(self, record: dict) -> None:
+        self.log.write(record)
+
+    def say(self, line: str) -> None:
+        if self.layout.is_main:
+            self.progress.write(line)
+
+    def step(self, step: int, loss: float, grad_norm: float | None, learning_rate: float, step_time: float,
+             consumed_samples: int) -> None:
+        from llm_pretrain.distributed import all_reduce_max, all_reduce_mean_over_replicas
+
+        self._losses.append(loss)
+        self._norms.append(grad_norm)
+        self._time += step_time
+        self.progress.update(1)
+        if step % self.logging_steps and step != self.max_steps:
+            return
+        steps = len(self._losses)
+        tokens_per_card_per_sec = self.global_tokens_per_step * steps / self.layout.world_size / self._time
+        record = {
+            "event": "train", "step": step,
+            "loss": all_reduce_mean_over_replicas(sum(self._losses) / steps, self.layout),
+            "learning_rate": learning_rate,
+            "grad_norm": None if None in self._norms else sum(self._norms) / steps,
+            "tokens_per_card_per_sec": tokens_per_card_per_sec,
+            "step_time_s": self._time / steps,
+            "global_tokens_per_step": self.global_tokens_per_step,
+            "tflops_per_card": self.flops_per_token * tokens_per_card_per_sec / 1e12,
+            "consumed_samples": consumed_samples,
+            **{key: all_reduce_max(value, self.layout) for key, value in peak_memory_mb(self.device).items()},
+        }
+        self.records.append(dict(record))
+        self.log.write(record)
+        self.say(format_train_line(self.records[-1], self.max_steps))
+        self._losses, self._norms, self._time = [], [], 0.0
+
+    def evaluation(self, split: str, step: int, loss: float) -> None:
+        record = {"event": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        self.log.write(dict(record))
+        self.say(f"eval {split} at step {step} | loss {loss:.6f} | ppl {record['ppl']:.3f}")
+
+    def finish(self) -> dict:
+        """The summary record (written and printed); closes the log."""
+        self.progress.close()
+        records = self.records
+        summary = summarize(records, warmup_steps=min(3, len(records) // 5) * self.logging_steps + self.start_step)
+        self.log.write({"event": "summary", **summary})
+        self.log.close()
+        if self.layout.is_main and records:
+            print(format_summary(summary), flush=True)
+        return summary
+
+    def close(self) -> None:
+        self.progress.close()
+        self.log.close()
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def write(self, line):
+        print(line, flush=True)
+
+    def close(self):
+        pass
+
+
+def _progress_bar(max_steps: int, start_step: int, disable_tqdm: bool | None, is_main: bool):
+    import sys
+
+    disabled = disable_tqdm if disable_tqdm is not None else not sys.stderr.isatty()
+    if disabled or not is_main:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True)

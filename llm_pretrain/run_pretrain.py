@@ -3,7 +3,10 @@
     python llm_pretrain/run_pretrain.py configs/llama/pretrain-llama_tiny-dp.json [--key value ...]
     python -m paddle.distributed.launch --gpus 0,1,2,3,4,5,6,7 llm_pretrain/run_pretrain.py <file.json>
 
-Bad input is reported as one line `error: ...` with exit code 2.
+Exit codes: 0 finished, or stopped cleanly by SIGTERM/SIGINT with a checkpoint; 2 bad input (one line
+`error: ...`, before any expensive work); 3 divergence (a non-finite loss or gradient norm; nothing
+saved from that state); 1 other failures that are reported as one line (a checkpoint that cannot be
+written, a dead rank); 130 a second Ctrl-C. A Python traceback means a bug.
 """
 
 import os
@@ -12,7 +15,7 @@ import sys
 # Run as a script: make the repository root importable (llm_pretrain/ and models/).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm_pretrain.errors import UsageError, exit_with_usage_error  # noqa: E402
+from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_with_usage_error  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +25,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         print("Keys:\n" + format_key_help())
         return 0 if argv else 2
+    from llm_pretrain.run_control import die_with_parent, launched
+
+    if launched():
+        die_with_parent()  # no orphans: a worker ends when its launcher is killed
     try:
         from llm_pretrain.arguments import parse_arguments
 
@@ -32,6 +39,12 @@ def main(argv: list[str]) -> int:
         train(args, warnings, args_file)
     except UsageError as error:
         exit_with_usage_error(error)
+    except RunError as error:
+        exit_with_run_error(error)
+    except KeyboardInterrupt:
+        print("error: interrupted (a second Ctrl-C); nothing was saved since the last checkpoint",
+              file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -25,16 +25,19 @@ import numpy as np
 import paddle
 
 from llm_pretrain import checkpoint as ckpt
+from llm_pretrain.checkpoint import Checkpointer, OutputDirLock
 from llm_pretrain.arguments import Arguments, arguments_to_dict
 from llm_pretrain.data import build_pretraining_datasets, check_data_inputs
 from llm_pretrain.distributed import (
-    Layout, all_reduce_max, all_reduce_mean_over_replicas, barrier, init_distributed,
+    Layout, all_reduce_mean_over_replicas, barrier, init_distributed,
     launcher_world_size, parallel_config_settings, plan_layout, record_grad_norm, select_device, wrap_for_training,
 )
-from llm_pretrain.errors import UsageError
+from llm_pretrain.data.integrity import check_data_integrity, damaged_sample_index_files
+from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
-from llm_pretrain.metrics import MetricsLog, format_summary, format_train_line, peak_memory_mb, summarize
+from llm_pretrain.metrics import MetricsLogger
 from llm_pretrain.optim import build_optimizer, build_schedule
+from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.registry import resolve_model
@@ -101,10 +104,62 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
 
 def _local_tokenizer_vocab_size(path: str) -> int | None:
     if not os.path.exists(path):
+        if looks_like_a_path(path):
+            raise UsageError(f"tokenizer_name_or_path: {path} does not exist (a local tokenizer directory or file "
+                             "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
         return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
     from llm_pretrain.tokenizer import load_tokenizer
 
     return load_tokenizer(path).vocab_size
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A local path rather than a hub/registry name such as "facebook/llama-7b" or "llama-tiny"."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
+            or name.endswith((".model", ".json", ".txt")))
+
+
+# Above this the run is refused even when no memory estimate is possible (the longest contexts
+# pretrained today are 128K-1M tokens; PaddleNLP's presets stop at 32K).
+MAX_SEQ_LENGTH_CEILING = 1 << 20
+
+
+def device_memory_bytes(device: str) -> int:
+    if device == "gpu":
+        return paddle.device.cuda.get_device_properties().total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def activation_floor_bytes(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> int:
+    """A lower bound of one micro-batch's activation memory: the float32 logits (vocab split over
+    tensor-parallel ranks) and, without flash attention, one layer's attention probabilities.
+    Deliberately an underestimate: it only refuses lengths that cannot possibly fit."""
+    batch, seq = args.per_device_train_batch_size, args.max_seq_length
+    tp = layout.tensor_parallel_degree
+    logits = batch * seq * config.vocab_size // tp * 4
+    flash = args.use_flash_attention and device == "gpu"
+    attention = 0 if flash else batch * config.num_attention_heads // tp * seq * seq * 4
+    return logits + attention
+
+
+def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:
+    """Values that would fail late (after the model and data are built, or in the OOM killer)."""
+    from llm_pretrain.data import parse_split
+
+    if args.do_train and parse_split(args.split)[0] == 0:
+        raise UsageError(f"split: '{args.split}' gives training no documents; give the first (train) share a "
+                         "positive value, e.g. '949,50,1'")
+    if args.skip_nan_inf_steps and layout.pipeline_parallel_degree > 1:
+        raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
+                         "applies the optimizer step before the loss and gradient norm can be checked)")
+    if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
+        raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
+    need, have = activation_floor_bytes(args, config, layout, device), device_memory_bytes(device)
+    if need > have:
+        raise UsageError(f"max_seq_length: {args.max_seq_length} cannot fit: one micro-batch of "
+                         f"{args.per_device_train_batch_size} needs at least {need / 2**30:.1f} GiB of activations "
+                         f"(logits and attention scores) and the {device} has {have / 2**30:.1f} GiB; lower "
+                         "max_seq_length or per_device_train_batch_size")
 
 
 def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
@@ -162,24 +217,62 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     parallel_config_settings(args)
 
 
-def resolve_resume(args: Arguments) -> str | None:
-    """The checkpoint to resume from: resume_from_checkpoint, else the newest complete one in output_dir."""
+def launcher_rank() -> int:
+    """This process's global rank as the launcher numbers it (known before fleet.init)."""
+    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+
+def find_resume(args: Arguments, world_size: int) -> tuple[int, list[str]]:
+    """The checkpoint candidates (newest first) and the index of the newest one this rank found intact.
+
+    resume_from_checkpoint names one checkpoint (no fallback); otherwise every complete
+    checkpoint in output_dir is a candidate (none with overwrite_output_dir). Damaged ones
+    are one warning each, naming the file. The ranks agree after fleet.init (agree_on_checkpoint).
+    """
     if args.resume_from_checkpoint:
-        if not ckpt.is_complete(args.resume_from_checkpoint):
-            raise UsageError(f"resume_from_checkpoint: {args.resume_from_checkpoint} is not a complete checkpoint "
-                             f"(it needs {ckpt.TRAINER_STATE} and {ckpt.COMPLETE_MARKER})")
-        return args.resume_from_checkpoint
+        problem = ckpt.verify_checkpoint(args.resume_from_checkpoint)
+        if problem:
+            raise UsageError(f"resume_from_checkpoint: {args.resume_from_checkpoint} cannot be used: {problem}")
+        return 0, [args.resume_from_checkpoint]
     if args.overwrite_output_dir:
-        return None
-    return ckpt.latest_checkpoint(args.output_dir)
+        return 0, []
+    index, candidates, warnings = ckpt.find_resume_checkpoint(args.output_dir, launcher_rank(), world_size)
+    for message in warnings:
+        warn(message)
+    if candidates and index == len(candidates):
+        raise UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint is "
+                         "damaged, see the warnings above); set overwrite_output_dir to start over")
+    return index, candidates
 
 
-def check_checkpoint_matches(path: str, layout: Layout) -> None:
-    saved = ckpt.read_trainer_state(path)["layout"]
+# Architecture keys that may differ on resume (they do not change the weights' meaning or shapes).
+RESUME_MAY_CHANGE = ("initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig | None = None,
+                             args: Arguments | None = None) -> list[str]:
+    """UsageError when the checkpoint cannot continue this run; returns warnings for changed keys."""
+    state = ckpt.read_trainer_state(path)
+    saved = state.get("layout")
     current = layout_summary(layout)
     if saved != current:
         raise UsageError(f"checkpoint {path} was saved with layout {saved}; resume it with the same layout "
                          f"(now {current}) or set overwrite_output_dir to start over")
+    if config is None or args is None:
+        return []
+    saved_config, now = state.get("model_config", {}), config.architecture_dict()
+    for key in now:
+        if key not in RESUME_MAY_CHANGE and key in saved_config and saved_config[key] != now[key]:
+            raise UsageError(f"resume: checkpoint {path} has {key} {saved_config[key]}, this run {now[key]}; "
+                             "resume with the same model or set overwrite_output_dir to start over")
+    saved_args, now_args = state.get("args", {}), arguments_to_dict(args)
+    if "max_seq_length" in saved_args and saved_args["max_seq_length"] != args.max_seq_length:
+        raise UsageError(f"max_seq_length: checkpoint {path} was trained with {saved_args['max_seq_length']}, this "
+                         f"run has {args.max_seq_length}; resume with the same value or set overwrite_output_dir")
+    ignored = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm"}
+    changed = [f"{key} {saved_args[key]!r} -> {value!r}" for key, value in now_args.items()
+               if key in saved_args and key not in ignored and saved_args[key] != value]
+    return [f"resuming {path} with changed keys: {', '.join(changed)}"] if changed else []
 
 
 def layout_summary(layout: Layout) -> dict:
@@ -285,10 +378,15 @@ def device_name(device: str) -> str:
 
 # ----------------------------------------------------------------------------- steps
 def global_grad_norm(parameters) -> float:
+    return math.sqrt(float(grad_square_sum(parameters)))
+
+
+def grad_square_sum(parameters):
+    """Sum of the squared gradients as a device tensor (no host sync)."""
     # paddle.square, not `** 2`: on CPU the pow kernel is ~40x slower (55 ms vs 1.3 ms a step for 3M
     # parameters, benchmarks/cpu_speed.md), and this norm is extra work PaddleNLP's Trainer does not do.
     squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in parameters if p.grad is not None]
-    return math.sqrt(float(paddle.add_n(squares))) if squares else 0.0
+    return paddle.add_n(squares) if squares else paddle.zeros([], dtype="float32")
 
 
 def scalar(tensor) -> float:
@@ -296,20 +394,59 @@ def scalar(tensor) -> float:
     return float(tensor.numpy().reshape(-1)[0])
 
 
+@dataclass
+class StepResult:
+    """One optimizer step as every rank agreed on it."""
+
+    loss: float
+    grad_norm: float | None
+    nonfinite: str | None = None  # what was not finite on some rank ("loss", "gradient norm"); then no update
+    stop_requested: bool = False  # some rank received SIGTERM/SIGINT
+
+
+def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout) -> tuple[np.ndarray, list]:
+    """The step's flags (loss non-finite, gradients non-finite, stop requested) max-reduced over all
+    ranks, read to the host together with the loss: the step's one host sync.
+
+    `loss` and `grad_squares` are device tensors (grad_squares may be None)."""
+    flags = [~paddle.isfinite(loss.reshape([]))]
+    flags.append(~paddle.isfinite(grad_squares.reshape([])) if check_grads and grad_squares is not None
+                 else paddle.to_tensor(False))
+    flags.append(paddle.to_tensor(stop_requested))
+    flags = paddle.stack(flags).astype("float32")
+    if layout.distributed:
+        import paddle.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    values = [loss.reshape([1]).astype("float32"), flags]
+    if grad_squares is not None:
+        values.append(grad_squares.reshape([1]).astype("float32"))
+    host = paddle.concat(values).numpy()
+    return host, [what for what, flag in zip(("loss", "gradient norm"), host[1:3]) if flag]
+
+
 def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
-               clip_grad_norm=None) -> tuple[float, float | None]:
-    """Forward/backward over the micro-batches, then one optimizer step. Returns (mean loss, grad norm).
+               clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False) -> StepResult:
+    """Forward/backward over the micro-batches, then one optimizer step, unless some rank's loss or
+    gradients are not finite (then the gradients are dropped and the weights stay as they were).
 
     The grad norm is the global norm before clipping: computed here in a single process, read
-    from fleet's clip in a distributed run (None where neither is available)."""
+    from fleet's clip in a distributed run (None where neither is available). Under fp16 the
+    loss scaler skips its own overflow steps, so only the loss is checked there."""
+    layout = layout or Layout()
+    check_grads = precision.scaler is None
     micro_batches = list(micro_batches)
     if is_pipeline(model):
-        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer.
+        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer,
+        # so the check comes after the update: a non-finite step stops the run before any save.
         inputs = paddle.concat([x for x, _ in micro_batches])
         labels = paddle.concat([y for _, y in micro_batches])
-        loss = scalar(model.train_batch([inputs, labels], optimizer, scaler=precision.scaler))
+        loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
         schedule.step()
-        return loss, clip_grad_norm() if clip_grad_norm else None
+        grad_norm = clip_grad_norm() if clip_grad_norm else None
+        norm = paddle.to_tensor(grad_norm if grad_norm is not None else 0.0, dtype="float32")
+        host, nonfinite = agree_on_step(loss.astype("float32"), norm, stop_requested, check_grads, layout)
+        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]))
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -320,13 +457,21 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
                 loss = model(input_ids, labels)
             precision.backward(loss / len(micro_batches))
         total_loss += loss.detach().astype("float32")
-    grad_norm = None if clip_grad_norm else global_grad_norm(parameters)
+    # In a single process the squares give the grad norm; distributed, fleet's clip computes the
+    # global norm inside the optimizer step and the local squares only feed the finiteness flag.
+    grad_squares = grad_square_sum(parameters) if check_grads or not clip_grad_norm else None
+    host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout)
+    loss_value, stop = float(host[0]), bool(host[3])
+    if nonfinite:
+        optimizer.clear_grad()
+        return StepResult(loss_value, None, ", ".join(nonfinite), stop)
+    grad_norm = None if clip_grad_norm else math.sqrt(float(host[4]))
     precision.step(optimizer)
     optimizer.clear_grad()
     schedule.step()
     if clip_grad_norm:
         grad_norm = clip_grad_norm()
-    return float(total_loss) / len(micro_batches), grad_norm
+    return StepResult(loss_value, grad_norm, None, stop)
 
 
 def is_pipeline(model) -> bool:
@@ -360,18 +505,35 @@ def build_model(config: ModelConfig, layout: Layout):
 
 # ----------------------------------------------------------------------------- the run
 def train(args: Arguments, argument_warnings: list[str], args_file: str | None = None) -> dict:
+    with contextlib.ExitStack() as run:
+        stop = run.enter_context(StopRequest())  # SIGTERM/SIGINT from here on: stop at a step boundary
+        return _train(args, argument_warnings, args_file, stop, run)
+
+
+def _train(args: Arguments, argument_warnings: list[str], args_file: str | None, stop: StopRequest,
+           run: contextlib.ExitStack) -> dict:
     # 1. Everything that can be wrong, before any expensive work.
     device = select_device(args)
     layout = plan_layout(args, launcher_world_size())
     config, weights_file, model_notes = build_model_config(args, layout, device)
     check_model_fits_layout(config, layout)
     check_strategy(args, config, layout)
+    check_startup(args, config, layout, device)
     check_data_inputs(args.input_dir, args.split)
-    resume_from = resolve_resume(args) if args.do_train else None
-    if resume_from:
-        check_checkpoint_matches(resume_from, layout)
+    # The token scan reads every .bin once (then cached): one process per node does it.
+    check_data_integrity(args.input_dir, config.vocab_size, args.data_cache,
+                         scan_tokens=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
+    if launcher_rank() == 0:
+        run.callback(take_output_dir(args).release)  # the lock: one run per output_dir
+    resume_index, resume_candidates = find_resume(args, layout.world_size) if args.do_train else (0, [])
+    if resume_candidates[resume_index:]:
+        model_notes += check_checkpoint_matches(resume_candidates[resume_index], layout, config, args)
 
     # 2. Processes and groups.
+    if device == "gpu" and args.distributed_timeout_minutes:
+        # ProcessGroupNCCL is created with this timeout (paddle/distributed/collective.py:176, read from
+        # the environment at paddle/distributed/parallel.py:747): a hung rank ends the job in bounded time.
+        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
     layout = init_distributed(layout, device, args)
     if layout.is_main:
         for message in argument_warnings + gpu_only_warnings(args, device) + model_notes:
@@ -405,131 +567,137 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     datasets = _build_datasets_rank0_first(args, num_samples, layout)
     train_data, valid_data, test_data = datasets
 
-    # 4. Resume.
-    start_step, consumed_samples = 0, 0
-    if resume_from:
-        state = ckpt.load_checkpoint(resume_from, unwrapped_model, optimizer, layout)
+    # 4. Checkpoints: resume from the newest one every rank found intact.
+    checkpointer = Checkpointer(args.output_dir, layout, args.save_steps, args.save_total_limit, args.exit_interval)
+    if layout.is_main and args.overwrite_output_dir and not args.resume_from_checkpoint:
+        for name in ckpt.remove_checkpoints(args.output_dir):
+            warn(f"overwrite_output_dir: removed {os.path.join(args.output_dir, name)} of an earlier run")
+    start_step, consumed_samples, resume_from = 0, 0, None
+    if resume_candidates:
+        resume_index, more_warnings = ckpt.agree_on_checkpoint(resume_index, resume_candidates, layout)
+        for message in more_warnings:
+            warn(message)
+        if resume_index == len(resume_candidates):
+            raise UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint "
+                             "is damaged, see the warnings above); set overwrite_output_dir to start over")
+        resume_from = resume_candidates[resume_index]
+        state = checkpointer.load(resume_from, unwrapped_model, optimizer)
         start_step, consumed_samples = state["global_step"], state["consumed_samples"]
 
-    metrics = MetricsLog(args.output_dir, enabled=layout.is_main)
     flops_per_token = training_flops_per_token(config, args.max_seq_length)
-    global_tokens_per_step = train_plan.global_batch_size * args.max_seq_length
+    metrics = MetricsLogger(args.output_dir, layout, device, max_steps=args.max_steps,
+                            logging_steps=args.logging_steps, flops_per_token=flops_per_token,
+                            global_tokens_per_step=train_plan.global_batch_size * args.max_seq_length,
+                            start_step=start_step, disable_tqdm=args.disable_tqdm,
+                            fresh=args.overwrite_output_dir and not resume_from)
+    run.callback(metrics.close)
     name = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
                          layout.sharding_stage, layout.virtual_pp_degree, layout.data_parallel_degree)
     metrics.write({
         "event": "run", "model": args.model_name_or_path, "family": config.family, "args_file": args_file,
         "strategy": name, "layout": layout_summary(layout), "seq_length": args.max_seq_length,
         "global_batch_size": train_plan.global_batch_size, "max_steps": args.max_steps, "start_step": start_step,
+        "resumed_from": resume_from,
         "device": device, "device_name": device_name(device),
         "dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(precision.dtype, "fp32"),
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
     })
-    if layout.is_main:
-        resumed = f", resumed from {resume_from}" if resume_from else ""
-        print(f"training {args.model_name_or_path} ({config.family}, {sum(int(np.prod(p.shape)) for p in parameters):,}"
-              f" parameters on rank 0) with {name} on {layout.world_size} {device} process(es), "
-              f"global batch {train_plan.global_batch_size} x {args.max_seq_length} tokens{resumed}", flush=True)
+    resumed = f", resumed from {resume_from}" if resume_from else ""
+    metrics.say(f"training {args.model_name_or_path} ({config.family}, "
+                f"{sum(int(np.prod(p.shape)) for p in parameters):,} parameters on rank 0) with {name} on "
+                f"{layout.world_size} {device} process(es), global batch {train_plan.global_batch_size} x "
+                f"{args.max_seq_length} tokens{resumed}")
 
-    # 5. The loop.
-    step_records: list[dict] = []
-    interval_losses, interval_norms, interval_time = [], [], 0.0
-    progress = _progress_bar(args, layout, start_step)
+    # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
+    heartbeat = Heartbeat(layout.rank)
+    skipped_in_a_row = 0
     step = start_step
     while args.do_train and step < args.max_steps:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
         batches = train_plan.micro_batches(train_data, consumed_samples, config.vocab_size)
-        loss, grad_norm = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm)
+        try:
+            result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm,
+                                layout, stop.requested)
+        except (RuntimeError, OSError, ConnectionError) as error:
+            if not layout.distributed:
+                raise
+            raise RunError(heartbeat.describe_failure(layout.world_size, step, error)) from error
         if device == "gpu":
             paddle.device.synchronize()
-        interval_time += time.perf_counter() - step_start
+        step_time = time.perf_counter() - step_start
         step += 1
         consumed_samples += train_plan.global_batch_size
-        interval_losses.append(loss)
-        interval_norms.append(grad_norm)
-        progress.update(1)
+        heartbeat.beat(step)
 
-        if step % args.logging_steps == 0 or step == args.max_steps:
-            steps_in_interval = len(interval_losses)
-            tokens_per_card_per_sec = global_tokens_per_step * steps_in_interval / layout.world_size / interval_time
-            record = {
-                "event": "train", "step": step,
-                "loss": all_reduce_mean_over_replicas(sum(interval_losses) / steps_in_interval, layout),
-                "learning_rate": learning_rate,
-                "grad_norm": None if None in interval_norms else sum(interval_norms) / steps_in_interval,
-                "tokens_per_card_per_sec": tokens_per_card_per_sec,
-                "step_time_s": interval_time / steps_in_interval,
-                "global_tokens_per_step": global_tokens_per_step,
-                "tflops_per_card": flops_per_token * tokens_per_card_per_sec / 1e12,
-                "consumed_samples": consumed_samples,
-                **{key: all_reduce_max(value, layout) for key, value in peak_memory_mb(device).items()},
-            }
-            step_records.append(dict(record))
-            metrics.write(record)
-            if layout.is_main:
-                progress.write(format_train_line(step_records[-1], args.max_steps))
-            interval_losses, interval_norms, interval_time = [], [], 0.0
+        if result.nonfinite:
+            skipped_in_a_row += 1
+            if skipped_in_a_row > args.skip_nan_inf_steps:
+                raise DivergenceError(
+                    f"divergence at step {step}: the {result.nonfinite} is not finite (NaN/Inf) "
+                    f"(loss {result.loss}); stopped without saving this state"
+                    + (f" after skipping {args.skip_nan_inf_steps} step(s) in a row" if args.skip_nan_inf_steps
+                       else "") + "; lower the learning rate or resume from an earlier checkpoint")
+            metrics.say(f"warning: step {step}: the {result.nonfinite} is not finite; update skipped "
+                        f"({skipped_in_a_row} of at most {args.skip_nan_inf_steps} in a row, skip_nan_inf_steps)")
+            metrics.write({"event": "skipped", "step": step, "nonfinite": result.nonfinite})
+        else:
+            skipped_in_a_row = 0
+            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
-            _log_evaluation(model, valid_data, "valid", step, eval_plan, args, config, layout, metrics, progress)
+            metrics.evaluation("valid", step, evaluate(model, valid_data, eval_plan, args.eval_iters,
+                                                       config.vocab_size, layout))
 
-        exiting = bool(args.exit_interval) and step % args.exit_interval == 0 and step < args.max_steps
-        if (args.save_steps and (step % args.save_steps == 0 or step == args.max_steps)) or exiting:
+        stopping = result.stop_requested and step < args.max_steps
+        if checkpointer.due(step, args.max_steps) or stopping:
             trainer_state = {"global_step": step, "consumed_samples": consumed_samples,
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
                              "model_config": config.architecture_dict()}
-            ckpt.save_checkpoint(args.output_dir, step, unwrapped_model, optimizer, trainer_state, layout,
-                                 args.save_total_limit)
-        if exiting:
-            if layout.is_main:
-                progress.write(f"stopping after step {step} (exit_interval); run the same command again to resume")
+            checkpointer.save(step, unwrapped_model, optimizer, trainer_state)
+        if stopping:
+            metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
+                        f"checkpoint-{step} saved; run the same command to resume")
             break
-    progress.close()
+        if checkpointer.exit_due(step, args.max_steps):
+            metrics.say(f"stopping after step {step} (exit_interval); run the same command again to resume")
+            break
 
     if args.do_predict and test_data is not None:
-        _log_evaluation(model, test_data, "test", step, eval_plan, args, config, layout, metrics, progress)
+        metrics.evaluation("test", step, evaluate(model, test_data, eval_plan, args.eval_iters,
+                                                  config.vocab_size, layout))
+    return metrics.finish()
 
-    summary = summarize(step_records, warmup_steps=min(3, len(step_records) // 5) * args.logging_steps + start_step)
-    metrics.write({"event": "summary", **summary})
-    metrics.close()
-    if layout.is_main and step_records:
-        print(format_summary(summary), flush=True)
-    return summary
+
+def take_output_dir(args: Arguments) -> OutputDirLock:
+    """Rank 0, before any work: output_dir created and writable, locked, debris of crashed saves removed."""
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = OutputDirLock(args.output_dir).acquire()
+    except OSError as error:
+        raise UsageError(f"output_dir: cannot create or write {args.output_dir} "
+                         f"({error.strerror or error})") from None
+    for name in ckpt.remove_stale_partials(args.output_dir):
+        warn(f"removed {os.path.join(args.output_dir, name)} (left by an interrupted save)")
+    return lock
 
 
 def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):
     """The first process on each node builds (and caches) the sample indices; the others then load them."""
     kwargs = dict(input_dir=args.input_dir, split=args.split, seq_length=args.max_seq_length, seed=args.seed,
                   num_samples=num_samples, data_cache=args.data_cache, skip_warmup=args.skip_warmup)
-    datasets = build_pretraining_datasets(**kwargs) if layout.local_rank == 0 else None
+    datasets = None
+    if layout.local_rank == 0:
+        datasets = build_pretraining_datasets(**kwargs)
+        damaged = damaged_sample_index_files(datasets)
+        if damaged:  # written atomically, so damaged later on disk: rebuild once
+            warn(f"the cached sample index {damaged[0]} is damaged (values out of range); rebuilding it")
+            for path in damaged:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            datasets = build_pretraining_datasets(**kwargs)
+            if damaged_sample_index_files(datasets):
+                raise UsageError(f"data_cache: the sample index {damaged[0]} is still damaged after a rebuild")
     barrier(layout)
     return datasets if datasets is not None else build_pretraining_datasets(**kwargs)
-
-
-def _log_evaluation(model, dataset, split, step, plan, args, config, layout, metrics, progress):
-    loss = evaluate(model, dataset, plan, args.eval_iters, config.vocab_size, layout)
-    record = {"event": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
-    metrics.write(dict(record))
-    if layout.is_main:
-        progress.write(f"eval {split} at step {step} | loss {loss:.6f} | ppl {record['ppl']:.3f}")
-
-
-class _NoProgress:
-    def update(self, n):
-        pass
-
-    def write(self, line):
-        print(line, flush=True)
-
-    def close(self):
-        pass
-
-
-def _progress_bar(args: Arguments, layout: Layout, start_step: int):
-    disabled = args.disable_tqdm if args.disable_tqdm is not None else not sys.stderr.isatty()
-    if disabled or not layout.is_main:
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
