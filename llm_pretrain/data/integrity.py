@@ -104,27 +104,32 @@ def check_data_integrity(input_dir: str, vocab_size: int, data_cache: str | None
 
 
 def damaged_sample_index_files(datasets) -> list[str]:
-    """Cache files of the datasets' sample indices whose values cannot be right (empty: all fine)."""
+    """Cached sample-index files whose values cannot be right, the damaged array's file first
+    (every file of an affected dataset is listed: they are rebuilt together). Empty: all fine."""
     damaged = []
     for dataset in datasets:
         if dataset is None:
             continue
         for part in getattr(dataset, "datasets", [dataset]):  # a BlendedDataset's parts, or the dataset
-            if hasattr(part, "sample_idx") and not _sample_index_is_valid(part):
-                damaged += part.cache_files
+            if hasattr(part, "sample_idx"):
+                bad = _damaged_array(part)
+                if bad is not None:
+                    files = [f for f in part.cache_files if f.endswith(f"_{bad}.npy")]
+                    damaged += files + [f for f in part.cache_files if f not in files]
     return damaged
 
 
-def _sample_index_is_valid(dataset) -> bool:
+def _damaged_array(dataset) -> str | None:
+    """Which of doc_idx / sample_idx / shuffle_idx holds impossible values (None: none)."""
     doc_idx, sample_idx, shuffle_idx = (np.asarray(a) for a in (dataset.doc_idx, dataset.sample_idx,
                                                                dataset.shuffle_idx))
-    num_documents = dataset.data.num_documents
-    if doc_idx.size == 0 or doc_idx.min() < 0 or doc_idx.max() >= num_documents:
-        return False
+    if doc_idx.size == 0 or doc_idx.min() < 0 or doc_idx.max() >= dataset.data.num_documents:
+        return "doc_idx"
     positions, offsets = sample_idx[:, 0].astype(np.int64), sample_idx[:, 1].astype(np.int64)
     if positions.min() < 0 or positions.max() >= len(doc_idx) or np.diff(positions).min(initial=0) < 0:
-        return False
-    lengths = dataset.data.document_sizes[doc_idx[positions]]
-    if offsets.min() < 0 or (offsets > lengths).any():
-        return False
-    return shuffle_idx.size == 0 or (int(shuffle_idx.min()) >= 0 and int(shuffle_idx.max()) < len(sample_idx) - 1)
+        return "sample_idx"
+    if offsets.min() < 0 or (offsets > dataset.data.document_sizes[doc_idx[positions]]).any():
+        return "sample_idx"
+    if shuffle_idx.size and (int(shuffle_idx.min()) < 0 or int(shuffle_idx.max()) >= len(sample_idx) - 1):
+        return "shuffle_idx"
+    return None
