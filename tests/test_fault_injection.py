@@ -197,11 +197,14 @@ def _wait_for_log(log_dir: Path, rank: int, marker: str, proc: subprocess.Popen,
 def test_two_process_sigterm_and_launcher_sigkill(reference, tmp_path):
     """SIGTERM to a launch: both ranks agree, save, exit 0; SIGKILL of a launcher: its workers die with it;
     the resumed dp2 run matches one process within the parity tolerance."""
-    args_file, single = reference
-    out = tmp_path / "dp2"
+    args_file, _ = reference
+    no_dropout = {"hidden_dropout_prob": 0.0}  # dropout streams differ per rank: parity needs none
+    out, single = tmp_path / "dp2", tmp_path / "single"
+    single_run = start_cli(*argv(args_file, single, **no_dropout))
+    dp2 = {**no_dropout, "gradient_accumulation_steps": 2}  # the same global batch of 8 as the single process
 
     logs = tmp_path / "launch_term"
-    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out), logs)
+    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out, **dp2), logs)
     try:
         _wait_for_log(logs, 0, "step 2/40", launcher)
         launcher.send_signal(signal.SIGTERM)
@@ -213,14 +216,18 @@ def test_two_process_sigterm_and_launcher_sigkill(reference, tmp_path):
     assert len(stop_lines) == 1, log0[-3000:] + launcher_output[-2000:]
     step = int(stop_lines[0].split()[3])
     assert f"checkpoint-{step} saved; run the same command to resume" in stop_lines[0]
-    assert "received SIGTERM" in log1 and "Traceback" not in log0 + log1, log1[-3000:]
+    assert "received SIGTERM" in log0 and "Traceback" not in log0 + log1, log1[-3000:]
+    # Rank 1 stopped at the same step boundary (the launcher signals the workers one after the
+    # other, 0.6 s apart: rank 1 may be done before its own signal arrives) and wrote its part.
     assert checkpoints(out) == [f"checkpoint-{step}"]
+    manifest = json.loads((out / f"checkpoint-{step}" / "manifest.json").read_text())
+    assert {entry["rank"] for entry in manifest["files"].values()} == {0, 1}
     # Paddle's launcher itself exits with the signal number (launch/controllers/controller.py:177).
     assert launcher.returncode == signal.SIGTERM, launcher_output[-2000:]
 
     # SIGKILL of the launcher mid-run: the workers get SIGKILL from the kernel (PR_SET_PDEATHSIG).
     logs = tmp_path / "launch_kill"
-    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out), logs)
+    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out, **dp2), logs)
     try:
         _wait_for_log(logs, 0, f"step {step + 2}/40", launcher)
         workers = _descendants(launcher.pid)
@@ -238,7 +245,8 @@ def test_two_process_sigterm_and_launcher_sigkill(reference, tmp_path):
     assert checkpoints(out) == [f"checkpoint-{step}"]  # nothing written by the killed run
 
     # Rerun to the end (resumes from the SIGTERM checkpoint) and compare with one process.
-    run_launch(2, [argv(args_file, out)], tmp_path, "resume")
+    run_launch(2, [argv(args_file, out, **dp2)], tmp_path, "resume")
+    assert single_run.wait(timeout=300) == 0, single_run.stdout.read()[-3000:]
     ref, got = train_records(single), train_records(out)
     # the killed run logged some steps again; the last record of each step is the one that counts
     last = {r["step"]: r for r in got}
