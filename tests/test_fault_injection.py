@@ -447,3 +447,24 @@ def test_startup_errors_before_any_work(embedded_corpus, tmp_path, overrides, fr
     for fragment in fragments:
         assert fragment.replace("FILE", str(tmp_path / "FILE")) in message, message
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- dead ranks
+def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
+    """A failed collective's message names the peer whose process is gone, with its last step."""
+    from llm_pretrain.run_control import Heartbeat
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    Heartbeat(0, str(tmp_path)).beat(7)
+    Heartbeat(2, str(tmp_path)).beat(7)
+    Heartbeat(1, str(tmp_path)).beat(5)
+    beat = json.loads((tmp_path / "heartbeat.1.json").read_text())
+    (tmp_path / "heartbeat.1.json").write_text(json.dumps({**beat, "pid": gone.pid}))  # rank 1's process died
+    message = Heartbeat(0, str(tmp_path)).describe_failure(3, 7, RuntimeError("Connection reset by peer\nmore"))
+    assert message.startswith("rank 0 failed in a collective during step 8 (Connection reset by peer)"), message
+    assert "rank 1 stopped first (exited; its last step was 5" in message
+    # Without a dead process the rank that fell behind is named.
+    (tmp_path / "heartbeat.1.json").write_text(json.dumps(beat))
+    message = Heartbeat(0, str(tmp_path)).describe_failure(3, 7, RuntimeError("timeout"))
+    assert "rank 1 stopped first (still running, not answering; its last step was 5" in message
