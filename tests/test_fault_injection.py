@@ -468,3 +468,53 @@ def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
     (tmp_path / "heartbeat.1.json").write_text(json.dumps(beat))
     message = Heartbeat(0, str(tmp_path)).describe_failure(3, 7, RuntimeError("timeout"))
     assert "rank 1 stopped first (still running, not answering; its last step was 5" in message
+
+
+# ----------------------------------------------------------------------------- rotation, overwrite, resume checks
+def test_rotation_keeps_the_newest_checkpoint_with_finite_weights(tmp_path):
+    from llm_pretrain.checkpoint import Checkpointer
+    from llm_pretrain.distributed import Layout
+
+    for step, finite in ((1, True), (2, True), (3, False), (4, False)):
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        (path / "trainer_state.json").write_text("{}")
+        (path / "manifest.json").write_text(json.dumps({"step": step, "weights_finite": finite, "files": {}}))
+        (path / "COMPLETE").write_text(f"{step}\n")
+    (tmp_path / "checkpoint-5.partial").mkdir()
+    Checkpointer(str(tmp_path), Layout(), save_steps=1, save_total_limit=1).rotate()
+    assert checkpoints(tmp_path) == ["checkpoint-2", "checkpoint-4", "checkpoint-5.partial"]
+
+
+def test_overwrite_output_dir_starts_afresh_and_resume_checks_the_model(embedded_corpus, tmp_path, capsys):
+    """In-process runs: overwrite_output_dir removes an older run's checkpoints and log before its first
+    save; resuming with another architecture or sequence length is refused, other changes are listed."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import Layout
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.trainer import build_model_config, check_checkpoint_matches, train
+
+    out = tmp_path / "out"
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=4, save_steps=2)
+    args, warnings = parse_arguments([str(args_file), "--output_dir", str(out)])
+    train(args, warnings)
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+
+    args, warnings = parse_arguments([str(args_file), "--output_dir", str(out), "--overwrite_output_dir", "true",
+                                      "--max_steps", "1", "--save_steps", "1"])
+    capsys.readouterr()
+    train(args, warnings)
+    assert checkpoints(out) == ["checkpoint-1"]
+    assert "overwrite_output_dir: removed" in capsys.readouterr().err
+    assert [r["event"] for r in log_lines(out)] == ["run", "train", "summary"]
+
+    checkpoint = str(out / "checkpoint-1")
+    for key, value in (("num_hidden_layers", 3), ("max_seq_length", 16)):
+        other, _ = parse_arguments([str(args_file), "--output_dir", str(out), f"--{key}", str(value)])
+        config, _, _ = build_model_config(other, Layout(), "cpu")
+        with pytest.raises(UsageError, match=key if key == "max_seq_length" else "num_hidden_layers 2, this run 3"):
+            check_checkpoint_matches(checkpoint, Layout(), config, other)
+    other, _ = parse_arguments([str(args_file), "--output_dir", str(out), "--learning_rate", "0.001"])
+    config, _, _ = build_model_config(other, Layout(), "cpu")
+    notes = check_checkpoint_matches(checkpoint, Layout(), config, other)
+    assert len(notes) == 1 and "learning_rate 0.003 -> 0.001" in notes[0] and "max_steps 1 -> 4" in notes[0], notes
