@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -474,6 +475,28 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     return StepResult(loss_value, grad_norm, None, stop)
 
 
+class DivergenceGuard:
+    """Counts consecutive non-finite steps: up to `allowed` are skipped, the next one stops the run."""
+
+    def __init__(self, allowed: int):
+        self.allowed = allowed
+        self.in_a_row = 0
+
+    def reset(self) -> None:
+        self.in_a_row = 0
+
+    def skip_or_stop(self, step: int, result: StepResult) -> str:
+        """The warning for a skipped step, or DivergenceError when no skip is left."""
+        self.in_a_row += 1
+        if self.in_a_row > self.allowed:
+            skipped = f" after skipping {self.allowed} step(s) in a row" if self.allowed else ""
+            raise DivergenceError(f"divergence at step {step}: the {result.nonfinite} is not finite (NaN/Inf) "
+                                  f"(loss {result.loss}); stopped without saving this state{skipped}; lower the "
+                                  "learning rate or resume from an earlier checkpoint")
+        return (f"warning: step {step}: the {result.nonfinite} is not finite; update skipped "
+                f"({self.in_a_row} of at most {self.allowed} in a row, skip_nan_inf_steps)")
+
+
 def is_pipeline(model) -> bool:
     return hasattr(model, "train_batch")
 
@@ -611,7 +634,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
 
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
-    skipped_in_a_row = 0
+    divergence = DivergenceGuard(args.skip_nan_inf_steps)
     step = start_step
     while args.do_train and step < args.max_steps:
         learning_rate = optimizer.get_lr()
@@ -620,9 +643,10 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         try:
             result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm,
                                 layout, stop.requested)
-        except (RuntimeError, OSError, ConnectionError) as error:
+        except (RuntimeError, OSError) as error:
             if not layout.distributed:
                 raise
+            traceback.print_exc()  # in case it is a bug rather than a lost peer
             raise RunError(heartbeat.describe_failure(layout.world_size, step, error)) from error
         if device == "gpu":
             paddle.device.synchronize()
@@ -631,19 +655,11 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
 
-        if result.nonfinite:
-            skipped_in_a_row += 1
-            if skipped_in_a_row > args.skip_nan_inf_steps:
-                raise DivergenceError(
-                    f"divergence at step {step}: the {result.nonfinite} is not finite (NaN/Inf) "
-                    f"(loss {result.loss}); stopped without saving this state"
-                    + (f" after skipping {args.skip_nan_inf_steps} step(s) in a row" if args.skip_nan_inf_steps
-                       else "") + "; lower the learning rate or resume from an earlier checkpoint")
-            metrics.say(f"warning: step {step}: the {result.nonfinite} is not finite; update skipped "
-                        f"({skipped_in_a_row} of at most {args.skip_nan_inf_steps} in a row, skip_nan_inf_steps)")
+        if result.nonfinite:  # the update was not applied; stop (exit code 3) unless skips are allowed
+            metrics.say(divergence.skip_or_stop(step, result))
             metrics.write({"event": "skipped", "step": step, "nonfinite": result.nonfinite})
         else:
-            skipped_in_a_row = 0
+            divergence.reset()
             metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
