@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch_utils import REPO_ROOT, TESTS_DIR, _descendants, _kill_session, free_port
+from launch_utils import REPO_ROOT, TESTS_DIR, _descendants, _kill_session
 from parity_utils import RUN_PRETRAIN, argv, base_arguments, final_weights, run_launch, train_records, write_json
 
 
