@@ -543,9 +543,9 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     check_strategy(args, config, layout)
     check_startup(args, config, layout, device)
     check_data_inputs(args.input_dir, args.split)
-    # The token scan reads every .bin once (then cached): one process per node does it.
+    # The integrity passes read every .idx and .bin once (then cached): one process per node does them.
     check_data_integrity(args.input_dir, config.vocab_size, args.data_cache,
-                         scan_tokens=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
+                         thorough=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
     if launcher_rank() == 0:
         run.callback(take_output_dir(args).release)  # the lock: one run per output_dir
     resume_index, resume_candidates = find_resume(args, layout.world_size) if args.do_train else (0, [])
