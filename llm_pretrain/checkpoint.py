@@ -271,15 +271,16 @@ class Checkpointer:
         for part in parts:
             with open(os.path.join(staging, part)) as f:
                 files.update(json.load(f))
-        for name in sorted(os.listdir(staging)):  # anything written without being listed: rank 0 vouches for it
-            if name not in files and name not in parts and os.path.isfile(os.path.join(staging, name)):
+        for name in _files_under(staging):  # anything written without being listed: rank 0 vouches for it
+            if name not in files and name not in parts:
                 files[name] = file_entry(os.path.join(staging, name), 0)
         manifest = {"step": step, "weights_finite": True, "files": dict(sorted(files.items()))}
         _write_synced(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
         for part in parts:
             os.remove(os.path.join(staging, part))
         _write_synced(os.path.join(staging, COMPLETE_MARKER), f"{step}\n")
-        fsync_dir(staging)
+        for root, _, _ in os.walk(staging, topdown=False):  # the entries of every directory, staging last
+            fsync_dir(root)
         if os.path.exists(final):  # the same step saved again: the new one replaces it
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -327,6 +328,14 @@ class Checkpointer:
 
 class CheckpointWriteError(RunError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+
+def _files_under(directory: str) -> list[str]:
+    """Every file below directory, as paths relative to it (a format may use subdirectories)."""
+    found = []
+    for root, _, names in os.walk(directory):
+        found += [os.path.relpath(os.path.join(root, name), directory) for name in names]
+    return sorted(found)
 
 
 def _manifest_says_finite(path: str) -> bool:
