@@ -35,6 +35,7 @@ from llm_pretrain.errors import UsageError
 from llm_pretrain.flops import training_flops_per_token
 from llm_pretrain.metrics import MetricsLog, format_summary, format_train_line, peak_memory_mb, summarize
 from llm_pretrain.optim import build_optimizer, build_schedule
+from llm_pretrain.precision import Precision, check_master_grad
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.registry import resolve_model
@@ -160,6 +161,7 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
                          f"per_device_train_batch_size {args.per_device_train_batch_size} under pipeline "
                          "parallelism (the pipeline's micro-batch size is fixed)")
     parallel_config_settings(args)
+    check_master_grad(args, layout)
 
 
 def resolve_resume(args: Arguments) -> str | None:
@@ -229,53 +231,28 @@ class BatchPlan:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.accumulation_steps * self.data_replicas
 
-    def micro_batches(self, dataset, first_sample: int, vocab_size: int):
-        """This replica's micro-batches of the global batch that starts at first_sample."""
+    def micro_batches(self, dataset, first_sample: int, vocab_size: int, device: str = "cpu") -> list:
+        """This replica's micro-batches (input_ids, labels) of the global batch that starts at first_sample."""
         per_replica = self.micro_batch_size * self.accumulation_steps
         start = first_sample + self.data_replica_rank * per_replica
         tokens = np.stack([dataset[i] for i in range(start, start + per_replica)]).astype("int64")
         if tokens.max() >= vocab_size:
             raise UsageError(f"input_dir: token id {tokens.max()} in the data is not below the model's vocab_size "
                              f"{vocab_size}; was the data prepared with another tokenizer?")
+        batches = []
         for i in range(self.accumulation_steps):
             chunk = tokens[i * self.micro_batch_size:(i + 1) * self.micro_batch_size]
-            yield paddle.to_tensor(chunk[:, :-1]), paddle.to_tensor(chunk[:, 1:])
+            batches.append((to_device(chunk[:, :-1], device), to_device(chunk[:, 1:], device)))
+        return batches
 
 
-# ----------------------------------------------------------------------------- precision
-class Precision:
-    """AMP on GPU (bf16/fp16, O1 autocast or O2 half weights with float32 master weights); fp32 on CPU."""
-
-    def __init__(self, args: Arguments, device: str):
-        self.dtype = ("bfloat16" if args.bf16 else "float16" if args.fp16 else None) if device == "gpu" else None
-        self.level = args.fp16_opt_level
-        self.args = args
-        self.scaler = None
-
-    def prepare(self, model, optimizer):
-        if self.dtype is None:
-            return model, optimizer
-        if self.level == "O2":
-            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=self.dtype,
-                                                   master_weight=True, master_grad=self.args.amp_master_grad)
-        if self.dtype == "float16":
-            self.scaler = paddle.amp.GradScaler(init_loss_scaling=self.args.scale_loss)
-        return model, optimizer
-
-    def autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return paddle.amp.auto_cast(True, level=self.level, dtype=self.dtype)
-
-    def backward(self, loss) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def step(self, optimizer) -> None:
-        if self.scaler:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
-            optimizer.step()
+def to_device(array: np.ndarray, device: str):
+    """A host array as a tensor on the run's device. On GPU through pinned (page-locked) host memory
+    and an asynchronous copy, so that the copy of the next batch overlaps the running step
+    (Tensor.cuda(blocking=False), paddle/base/dygraph/tensor_patch_methods.py)."""
+    if device != "gpu":
+        return paddle.to_tensor(array)
+    return paddle.to_tensor(array, place=paddle.CUDAPinnedPlace()).cuda(blocking=False)
 
 
 def device_name(device: str) -> str:
@@ -284,11 +261,14 @@ def device_name(device: str) -> str:
 
 
 # ----------------------------------------------------------------------------- steps
-def global_grad_norm(parameters) -> float:
+def global_grad_norm(parameters):
+    """The global gradient norm as a 0-d device tensor (read on the host only when logged)."""
     # paddle.square, not `** 2`: on CPU the pow kernel is ~40x slower (55 ms vs 1.3 ms a step for 3M
     # parameters, benchmarks/cpu_speed.md), and this norm is extra work PaddleNLP's Trainer does not do.
-    squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in parameters if p.grad is not None]
-    return math.sqrt(float(paddle.add_n(squares))) if squares else 0.0
+    # O2 with master gradients keeps the float32 gradient in main_grad (fleet's mix_precision_utils).
+    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in parameters]
+    squares = [paddle.sum(paddle.square(g.astype("float32"))) for g in grads if g is not None]
+    return paddle.sqrt(paddle.add_n(squares)) if squares else paddle.zeros([], dtype="float32")
 
 
 def scalar(tensor) -> float:
@@ -296,20 +276,36 @@ def scalar(tensor) -> float:
     return float(tensor.numpy().reshape(-1)[0])
 
 
-def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
-               clip_grad_norm=None) -> tuple[float, float | None]:
-    """Forward/backward over the micro-batches, then one optimizer step. Returns (mean loss, grad norm).
+@dataclass
+class StepResult:
+    """One optimizer step: device tensors, read on the host once per logging step."""
 
-    The grad norm is the global norm before clipping: computed here in a single process, read
-    from fleet's clip in a distributed run (None where neither is available)."""
+    loss: paddle.Tensor            # mean loss over the micro-batches
+    grad_norm: paddle.Tensor | None  # global norm before clipping, after unscaling (None: not available)
+    optimizer_stepped: bool        # False: the fp16 loss scaler found inf/nan on some rank and skipped the step
+
+
+def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
+               clip_grad_norm=None) -> StepResult:
+    """Forward/backward over the micro-batches, then one optimizer step.
+
+    The grad norm is the global norm before clipping, of the unscaled gradients: computed here
+    in a single process, read from fleet's clip in a distributed run (None where neither is
+    available). As PaddleNLP's Trainer, the LR schedule advances only when the optimizer
+    really stepped (an fp16 overflow skips both, on every rank alike)."""
     micro_batches = list(micro_batches)
     if is_pipeline(model):
-        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer.
+        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer
+        # (outside autocast: pipeline_parallel.py train_batch); the forwards run under the run's
+        # autocast, as paddlenlp/trainer/trainer.py training_pipeline_step.
         inputs = paddle.concat([x for x, _ in micro_batches])
         labels = paddle.concat([y for _, y in micro_batches])
-        loss = scalar(model.train_batch([inputs, labels], optimizer, scaler=precision.scaler))
-        schedule.step()
-        return loss, clip_grad_norm() if clip_grad_norm else None
+        with precision.autocast():
+            loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
+        stepped = precision.optimizer_was_run()
+        if stepped:
+            schedule.step()
+        return StepResult(loss.reshape([]), clip_grad_norm() if clip_grad_norm else None, stepped)
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -320,13 +316,13 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
                 loss = model(input_ids, labels)
             precision.backward(loss / len(micro_batches))
         total_loss += loss.detach().astype("float32")
-    grad_norm = None if clip_grad_norm else global_grad_norm(parameters)
-    precision.step(optimizer)
+    stepped = precision.step(optimizer)
+    # After the step: the scaler has unscaled the gradients in place (the optimizer does not change them).
+    grad_norm = clip_grad_norm() if clip_grad_norm else global_grad_norm(parameters)
     optimizer.clear_grad()
-    schedule.step()
-    if clip_grad_norm:
-        grad_norm = clip_grad_norm()
-    return float(total_loss) / len(micro_batches), grad_norm
+    if stepped:
+        schedule.step()
+    return StepResult(total_loss / len(micro_batches), grad_norm, stepped)
 
 
 def is_pipeline(model) -> bool:
@@ -334,18 +330,22 @@ def is_pipeline(model) -> bool:
 
 
 @paddle.no_grad()
-def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, layout: Layout) -> float:
+def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, layout: Layout,
+             precision: Precision | None = None) -> float:
     """Mean loss over the first `iterations` global batches of a split (the same samples every time)."""
     model.eval()
+    autocast = precision.autocast if precision else contextlib.nullcontext  # the run's autocast, as in training
     losses = []
     for i in range(iterations):
         micro_batches = list(plan.micro_batches(dataset, i * plan.global_batch_size, vocab_size))
         if is_pipeline(model):
             inputs = paddle.concat([x for x, _ in micro_batches])
             labels = paddle.concat([y for _, y in micro_batches])
-            losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
+            with autocast():
+                losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
         else:
-            losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
+            with autocast():
+                losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
     model.train()
     return all_reduce_mean_over_replicas(sum(losses) / len(losses), layout)
 
@@ -387,7 +387,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     schedule = build_schedule(args)
     optimizer = build_optimizer(args, model, schedule)
     precision = Precision(args, device)
-    model, optimizer = precision.prepare(model, optimizer)
+    model, optimizer = precision.prepare(model, optimizer, layout)
     unwrapped_model = model
     parameters = [p for _, p in unwrapped_model.canonical_named_parameters()]
     model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
@@ -436,22 +436,32 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     interval_losses, interval_norms, interval_time = [], [], 0.0
     progress = _progress_bar(args, layout, start_step)
     step = start_step
+    next_batches = None
     while args.do_train and step < args.max_steps:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
-        batches = train_plan.micro_batches(train_data, consumed_samples, config.vocab_size)
-        loss, grad_norm = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm)
+        batches = next_batches or train_plan.micro_batches(train_data, consumed_samples, config.vocab_size, device)
+        result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm)
+        # The next step's batch is read and copied while the device still computes this one.
+        next_batches = (train_plan.micro_batches(train_data, consumed_samples + train_plan.global_batch_size,
+                                                 config.vocab_size, device) if step + 1 < args.max_steps else None)
         if device == "gpu":
             paddle.device.synchronize()
         interval_time += time.perf_counter() - step_start
         step += 1
         consumed_samples += train_plan.global_batch_size
-        interval_losses.append(loss)
-        interval_norms.append(grad_norm)
+        interval_losses.append(result.loss)
+        interval_norms.append(result.grad_norm)
+        if not result.optimizer_stepped and layout.is_main:
+            warn(f"step {step}: the fp16 loss scale overflowed; the optimizer step and the LR schedule were skipped "
+                 "on every rank")
         progress.update(1)
 
         if step % args.logging_steps == 0 or step == args.max_steps:
             steps_in_interval = len(interval_losses)
+            # Losses and norms stayed on the device; read once per logging step.
+            interval_losses = [scalar(loss) for loss in interval_losses]
+            interval_norms = [None if norm is None else scalar(norm) for norm in interval_norms]
             tokens_per_card_per_sec = global_tokens_per_step * steps_in_interval / layout.world_size / interval_time
             record = {
                 "event": "train", "step": step,
@@ -472,7 +482,8 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
             interval_losses, interval_norms, interval_time = [], [], 0.0
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
-            _log_evaluation(model, valid_data, "valid", step, eval_plan, args, config, layout, metrics, progress)
+            _log_evaluation(model, valid_data, "valid", step, eval_plan, args, config, layout, metrics, progress,
+                            precision)
 
         exiting = bool(args.exit_interval) and step % args.exit_interval == 0 and step < args.max_steps
         if (args.save_steps and (step % args.save_steps == 0 or step == args.max_steps)) or exiting:
@@ -488,7 +499,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     progress.close()
 
     if args.do_predict and test_data is not None:
-        _log_evaluation(model, test_data, "test", step, eval_plan, args, config, layout, metrics, progress)
+        _log_evaluation(model, test_data, "test", step, eval_plan, args, config, layout, metrics, progress, precision)
 
     summary = summarize(step_records, warmup_steps=min(3, len(step_records) // 5) * args.logging_steps + start_step)
     metrics.write({"event": "summary", **summary})
@@ -507,8 +518,8 @@ def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):
     return datasets if datasets is not None else build_pretraining_datasets(**kwargs)
 
 
-def _log_evaluation(model, dataset, split, step, plan, args, config, layout, metrics, progress):
-    loss = evaluate(model, dataset, plan, args.eval_iters, config.vocab_size, layout)
+def _log_evaluation(model, dataset, split, step, plan, args, config, layout, metrics, progress, precision=None):
+    loss = evaluate(model, dataset, plan, args.eval_iters, config.vocab_size, layout, precision)
     record = {"event": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
     metrics.write(dict(record))
     if layout.is_main:
