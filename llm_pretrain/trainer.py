@@ -14,6 +14,7 @@ UsageErrors (exit code 2).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import random
@@ -93,7 +94,12 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         use_flash_attention=args.use_flash_attention and gpu,
         use_fused_rms_norm=args.use_fused_rms_norm and gpu,
         use_fused_rope=args.use_fused_rope and gpu,
+        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
+        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
     )
+    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
+        raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
+                         "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
     if args.continue_training and weights_file is None:
         notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
                      "(model_state.pdparams); starting from a random initialization")
@@ -381,7 +387,8 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     # 3. Model, optimizer, data.
     model = build_model(config, layout)
     if weights_file:
-        load_full_weights(model, config, paddle.load(weights_file), weights_file)
+        # On the host: every rank reads the file but copies only its own slice to the device.
+        load_full_weights(model, config, paddle.load(weights_file, return_numpy=True), weights_file)
     else:
         init_weights(model, config, args.seed)
     schedule = build_schedule(args)
