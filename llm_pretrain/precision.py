@@ -64,6 +64,11 @@ def wrap_loss_scaler(scaler, layout):
         from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedScaler
 
         scaler = GroupShardedScaler(scaler)  # paddlenlp/trainer/trainer.py:435
+    return fix_scale_update(scaler)
+
+
+def fix_scale_update(scaler):
+    """The scaler with `_update_loss_scale` as its scale update (see there)."""
     scaler._update = MethodType(_update_loss_scale, scaler)
     return scaler
 
@@ -112,6 +117,20 @@ def check_master_grad(args, layout) -> None:
             "group); use sharding over all ranks, or set amp_master_grad false")
 
 
+def keep_master_grads(model, optimizer, dtype: str):
+    """float32 gradients in param.main_grad, before fleet's wrappers (returns the optimizer to wrap).
+
+    As paddlenlp/trainer/trainer.py _wrap_model under pipeline, tensor parallelism and sharding
+    stage 1/2: fleet's mix_precision_utils hooks accumulate each gradient into main_grad, and an
+    optimizer steps on main_grad; fleet's hybrid optimizer, its clip, its gradient all-reduce, the
+    sequence-parallel hooks and the stage-2 gradient storage all read main_grad when it exists.
+    """
+    from paddle.distributed.fleet.utils import mix_precision_utils
+
+    mix_precision_utils.MixPrecisionLayer(model, dtype=dtype)  # registers the hooks; the wrapper is not used
+    return mix_precision_utils.MixPrecisionOptimizer(optimizer)
+
+
 class Precision:
     """The run's precision: autocast, O2 decoration, master gradients and the fp16 loss scaler.
 
@@ -138,13 +157,7 @@ class Precision:
                                                    master_weight=True,
                                                    master_grad=self.master_grad and not layout.distributed)
         if self.master_grad and layout.distributed:
-            # paddlenlp/trainer/trainer.py _wrap_model (pipeline, tensor parallel, sharding stage1/2):
-            # main_grad hooks on every parameter, an optimizer stepping on main_grad; fleet's
-            # hybrid optimizer, clip, gradient all-reduce and stage-2 storage all read main_grad.
-            from paddle.distributed.fleet.utils import mix_precision_utils
-
-            mix_precision_utils.MixPrecisionLayer(model, dtype=self.dtype)  # registers the hooks
-            optimizer = mix_precision_utils.MixPrecisionOptimizer(optimizer)
+            optimizer = keep_master_grads(model, optimizer, self.dtype)
         if self.dtype == "float16":
             scaler = paddle.amp.GradScaler(init_loss_scaling=self.args.scale_loss)
             if self.master_grad and layout.distributed:
