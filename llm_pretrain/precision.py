@@ -145,6 +145,7 @@ class Precision:
         self.master_grad = bool(args.amp_master_grad) and self.dtype is not None and self.level == "O2"
         self.args = args
         self.scaler = None
+        self.scaler_kind = "local"
 
     def prepare(self, model, optimizer, layout):
         """Before fleet's wrappers (wrap_for_training): O2 weights, master gradients, the scaler."""
@@ -164,8 +165,13 @@ class Precision:
                 from paddle.distributed.fleet.utils import mix_precision_utils
 
                 mix_precision_utils.MixPrecisionScaler(scaler)  # paddlenlp/trainer/trainer.py:417 (patches scaler)
-            self.scaler = wrap_loss_scaler(scaler, layout)
+            self.use_scaler(scaler, layout)
         return model, optimizer
+
+    def use_scaler(self, scaler, layout) -> None:
+        """Scale losses with this GradScaler, wrapped for the layout's cross-rank overflow check."""
+        self.scaler = wrap_loss_scaler(scaler, layout)
+        self.scaler_kind = loss_scaler_kind(layout)
 
     def autocast(self):
         """paddlenlp/trainer/trainer.py autocast_smart_context_manager."""
@@ -174,6 +180,18 @@ class Precision:
         white, black = amp_op_lists(self.level)
         return paddle.amp.auto_cast(True, custom_white_list=white, custom_black_list=black, level=self.level,
                                     dtype=self.dtype)
+
+    def unscale(self, optimizer) -> bool:
+        """Unscale the gradients now, before the step, where that is safe; True when they are unscaled.
+
+        Only a one-process scaler may: a layout's wrapped scaler checks overflow across the ranks
+        inside its step (calling GradScaler.unscale_ would run the local check instead)."""
+        if self.scaler is None:
+            return True
+        if self.scaler_kind != "local":
+            return False
+        self.scaler.unscale_(optimizer)
+        return True
 
     def backward(self, loss) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -322,9 +322,14 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
                 loss = model(input_ids, labels)
             precision.backward(loss / len(micro_batches))
         total_loss += loss.detach().astype("float32")
+    grad_norm = None
+    if not clip_grad_norm and precision.unscale(optimizer):
+        grad_norm = global_grad_norm(parameters)  # before the step: a one-process clip scales gradients in place
     stepped = precision.step(optimizer)
-    # After the step: the scaler has unscaled the gradients in place (the optimizer does not change them).
-    grad_norm = clip_grad_norm() if clip_grad_norm else global_grad_norm(parameters)
+    if clip_grad_norm:
+        grad_norm = clip_grad_norm()
+    elif grad_norm is None:
+        grad_norm = global_grad_norm(parameters)  # unscaled by the (cross-rank) scaler's step; no clip ran
     optimizer.clear_grad()
     if stepped:
         schedule.step()

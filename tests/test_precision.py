@@ -257,7 +257,6 @@ def _cpu_grad_scaler():
 
 
 def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow():
-    from llm_pretrain.precision import wrap_loss_scaler
     from llm_pretrain.trainer import global_grad_norm, train_step
 
     def run(scaled: bool, inject: bool):
@@ -268,7 +267,7 @@ def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow
         schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
         precision = _RecordingPrecision()
         if scaled:
-            precision.scaler = wrap_loss_scaler(_cpu_grad_scaler(), Layout())
+            precision.use_scaler(_cpu_grad_scaler(), Layout())
         hook = layer.weight.register_hook(lambda g: g * float("inf")) if inject else None
         batch = [(paddle.ones([2, 4]), paddle.ones([2, 4]))]
         weight = layer.weight.numpy().copy()

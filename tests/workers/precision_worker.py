@@ -30,7 +30,7 @@ from worker_common import dist, init_fleet, np, paddle, write_result
 from llm_pretrain.distributed import Layout, record_grad_norm, wrap_for_training
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain.precision import (
-    Precision, fix_scale_update, keep_master_grads, loss_scaler_kind, wrap_loss_scaler,
+    Precision, fix_scale_update, keep_master_grads, loss_scaler_kind,
 )
 from llm_pretrain.trainer import train_step
 from models.config import make_config
@@ -90,7 +90,7 @@ def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, injec
     model, optimizer = wrap_for_training(model, optimizer, layout, accumulation_steps=2)
     precision = Precision(SimpleNamespace(**{**vars(ARGS), "fp16": False}), "cpu")  # float32 autocast
     if scaler_mode == "wrapped":
-        precision.scaler = wrap_loss_scaler(cpu_grad_scaler(), layout)
+        precision.use_scaler(cpu_grad_scaler(), layout)
     elif scaler_mode == "plain":
         precision.scaler = fix_scale_update(cpu_grad_scaler())  # no cross-rank check
     clip_grad_norm = record_grad_norm(optimizer)
