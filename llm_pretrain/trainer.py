@@ -40,7 +40,7 @@ from llm_pretrain.precision import Precision, check_master_grad
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.registry import resolve_model
-from models.weights import init_weights, load_full_weights
+from models.weights import init_weights, load_weights_file
 
 GPU_ONLY_OPTIONS = {
     "bf16": "Paddle's CPU build has no bfloat16 kernels",
@@ -392,8 +392,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     # 3. Model, optimizer, data.
     model = build_model(config, layout)
     if weights_file:
-        # On the host: every rank reads the file but copies only its own slice to the device.
-        load_full_weights(model, config, paddle.load(weights_file, return_numpy=True), weights_file)
+        load_weights_file(model, config, weights_file)
     else:
         init_weights(model, config, args.seed)
     schedule = build_schedule(args)
