@@ -100,6 +100,9 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
     if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
         raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
                          "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
+    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
+        notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
+                     "use_fused_rms_norm is its fused kernel)")
     if args.continue_training and weights_file is None:
         notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
                      "(model_state.pdparams); starting from a random initialization")
