@@ -440,3 +440,28 @@ def test_continue_training_loads_on_the_host_and_reads_bf16(tmp_path, monkeypatc
     assert calls[0][1].get("return_numpy") is True  # host arrays; only each rank's slice goes to the device
     for name, p in target.named_parameters():
         np.testing.assert_array_equal(p.numpy(), bf16[name].astype("float32").numpy())
+
+
+def test_gpu_model_config_wires_the_fused_kernels(tmp_path):
+    """What build_model_config gives the model on a GPU (nothing here runs on one)."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import plan_layout
+    from llm_pretrain.trainer import build_model_config
+
+    def config_for(model, **keys):
+        argv = ["--model_name_or_path", model, "--input_dir", str(tmp_path), "--max_steps", "1"]
+        for key, value in keys.items():
+            argv += [f"--{key}", str(value).lower()]
+        args, _ = parse_arguments(argv)
+        return build_model_config(args, plan_layout(args, 1), "gpu")
+
+    config, _, notes = config_for("llama-tiny", use_flash_attention=True, use_fused_rope=True,
+                                  use_fast_layer_norm=True)
+    assert config.use_flash_attention and config.use_fused_rope and config.use_fused_swiglu
+    assert not config.use_fast_layer_norm and any("use_fast_layer_norm" in note for note in notes)
+    with pytest.raises(UsageError, match="use_fast_layer_norm: needs the fast_ln package"):
+        config_for("gpt3-tiny", use_fast_layer_norm=True)  # PaddleNLP's fast_ln op is not installed here
+    args, _ = parse_arguments(["--model_name_or_path", "llama-tiny", "--input_dir", str(tmp_path), "--max_steps", "1",
+                               "--use_fused_rope", "true"])
+    cpu_config, _, _ = build_model_config(args, plan_layout(args, 1), "cpu")
+    assert not (cpu_config.use_fused_rope or cpu_config.use_fused_swiglu)
