@@ -141,13 +141,14 @@ def test_safe_master_grad_combinations_are_accepted(degrees):
     check_master_grad(_amp_args(fp16_opt_level="O1"), _layout(data_parallel_degree=2))  # O1: nothing to keep
 
 
-def test_master_grad_refusal_comes_before_fleet_init(embedded_corpus, tmp_path, monkeypatch):
+def test_master_grad_refusal_comes_before_fleet_init(tmp_path, monkeypatch):
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.trainer import train
     from parity_utils import base_arguments, write_json
 
+    no_data = {"tokenizer": str(tmp_path / "no-tokenizer"), "input_dir": str(tmp_path)}  # refused before data checks
     args_file = write_json(tmp_path / "args.json", base_arguments(
-        embedded_corpus, tmp_path, bf16=True, fp16_opt_level="O2", amp_master_grad=True))
+        no_data, tmp_path, bf16=True, fp16_opt_level="O2", amp_master_grad=True))
     args, warnings = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")  # pure data parallelism over 2 processes
     with pytest.raises(UsageError, match="amp_master_grad: not supported with pure data parallelism"):
