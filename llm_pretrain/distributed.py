@@ -9,7 +9,6 @@ the device.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -278,7 +277,8 @@ def all_reduce_mean_over_replicas(value: float, layout: Layout) -> float:
 
 
 def record_grad_norm(optimizer):
-    """A function returning the global gradient norm (before clipping) of the last optimizer step.
+    """A function returning the global gradient norm (before clipping) of the last optimizer step,
+    as a 0-d device tensor: nothing here waits for the device; the loop reads it once per logging step.
 
     The distributed clips compute it across every group (tensor, pipeline, sharding, data): for
     fleet's hybrid-parallel clip we wrap that one instance's reduction to keep the value; the
@@ -305,8 +305,8 @@ def record_grad_norm(optimizer):
         def recording_global_norm(sum_square_distributed, sum_square_replicated):
             reduce_norm(sum_square_distributed, sum_square_replicated)
             # Each is a 0-d or [1]-shaped tensor, reduced in place over the groups by the call above.
-            squares = [float(t.numpy().sum()) for t in (sum_square_distributed, sum_square_replicated)]
-            last["norm"] = math.sqrt(sum(squares))
+            last["norm"] = paddle.sqrt(sum_square_distributed.astype("float32").sum()
+                                       + sum_square_replicated.astype("float32").sum())
 
         clip._global_norm = recording_global_norm
     else:
@@ -316,17 +316,17 @@ def record_grad_norm(optimizer):
             # As GroupShardedClipGrad: stage-3 slices (and stage-2 owned parameters) are summed over
             # the sharding group; parameters left whole ("unslice") are the same on every rank.
             sliced = paddle.zeros([], dtype="float32")
-            whole = 0.0
+            whole = paddle.zeros([], dtype="float32")
             for param, grad in params_grads:
                 if grad is None or getattr(param, "need_clip", True) is False:
                     continue
                 square = paddle.sum(paddle.square(grad.astype("float32")))
                 if hasattr(param, "unslice"):
-                    whole += float(square)
+                    whole += square
                 else:
                     sliced += square
             dist.all_reduce(sliced, group=clip._group)
-            last["norm"] = math.sqrt(float(sliced) + whole)
+            last["norm"] = paddle.sqrt(sliced + whole)
             return clip_grads(params_grads)
 
         clip._dygraph_clip = recording_clip

@@ -146,6 +146,10 @@ def format_summary(summary: dict) -> str:
     )
 
 
+def _as_float(value) -> float:
+    return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
+
+
 class MetricsLogger:
     """Owns the run's records: accumulates steps, writes one train record per logging step
     (loss averaged over the interval and the data replicas), eval records and the summary,
@@ -188,7 +192,8 @@ class MetricsLogger:
             "event": "train", "step": step,
             "loss": all_reduce_mean_over_replicas(sum(self._losses) / steps, self.layout),
             "learning_rate": learning_rate,
-            "grad_norm": None if None in self._norms else sum(self._norms) / steps,
+            # Norms may be device tensors (fleet's clip computes them in the step): read them here, once.
+            "grad_norm": None if None in self._norms else sum(_as_float(n) for n in self._norms) / steps,
             "tokens_per_card_per_sec": tokens_per_card_per_sec,
             "step_time_s": self._time / steps,
             "global_tokens_per_step": self.global_tokens_per_step,

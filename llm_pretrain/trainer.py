@@ -14,6 +14,7 @@ UsageErrors (exit code 2).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import random
@@ -38,11 +39,12 @@ from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
 from llm_pretrain.metrics import MetricsLogger
 from llm_pretrain.optim import build_optimizer, build_schedule
+from llm_pretrain.precision import Precision, check_master_grad
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.registry import resolve_model
-from models.weights import init_weights, load_full_weights
+from models.weights import init_weights, load_weights_file
 
 GPU_ONLY_OPTIONS = {
     "bf16": "Paddle's CPU build has no bfloat16 kernels",
@@ -96,7 +98,15 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         use_flash_attention=args.use_flash_attention and gpu,
         use_fused_rms_norm=args.use_fused_rms_norm and gpu,
         use_fused_rope=args.use_fused_rope and gpu,
+        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
+        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
     )
+    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
+        raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
+                         "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
+    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
+        notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
+                     "use_fused_rms_norm is its fused kernel)")
     if args.continue_training and weights_file is None:
         notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
                      "(model_state.pdparams); starting from a random initialization")
@@ -216,6 +226,7 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
                          f"per_device_train_batch_size {args.per_device_train_batch_size} under pipeline "
                          "parallelism (the pipeline's micro-batch size is fixed)")
     parallel_config_settings(args)
+    check_master_grad(args, layout)
 
 
 def launcher_rank() -> int:
@@ -323,53 +334,67 @@ class BatchPlan:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.accumulation_steps * self.data_replicas
 
-    def micro_batches(self, dataset, first_sample: int, vocab_size: int):
-        """This replica's micro-batches of the global batch that starts at first_sample."""
+    def host_batch(self, dataset, first_sample: int, vocab_size: int) -> np.ndarray:
+        """This replica's samples of the global batch that starts at first_sample (int64, on the host)."""
         per_replica = self.micro_batch_size * self.accumulation_steps
         start = first_sample + self.data_replica_rank * per_replica
         tokens = np.stack([dataset[i] for i in range(start, start + per_replica)]).astype("int64")
         if tokens.max() >= vocab_size:
             raise UsageError(f"input_dir: token id {tokens.max()} in the data is not below the model's vocab_size "
                              f"{vocab_size}; was the data prepared with another tokenizer?")
+        return tokens
+
+    def to_micro_batches(self, tokens: np.ndarray, device: str = "cpu") -> list:
+        """(input_ids, labels) tensors of each micro-batch of host_batch's samples."""
+        batches = []
         for i in range(self.accumulation_steps):
             chunk = tokens[i * self.micro_batch_size:(i + 1) * self.micro_batch_size]
-            yield paddle.to_tensor(chunk[:, :-1]), paddle.to_tensor(chunk[:, 1:])
+            batches.append((to_device(chunk[:, :-1], device), to_device(chunk[:, 1:], device)))
+        return batches
+
+    def micro_batches(self, dataset, first_sample: int, vocab_size: int, device: str = "cpu") -> list:
+        """This replica's micro-batches (input_ids, labels) of the global batch that starts at first_sample."""
+        return self.to_micro_batches(self.host_batch(dataset, first_sample, vocab_size), device)
 
 
-# ----------------------------------------------------------------------------- precision
-class Precision:
-    """AMP on GPU (bf16/fp16, O1 autocast or O2 half weights with float32 master weights); fp32 on CPU."""
+class BatchPrefetcher:
+    """Reads the next step's samples on a background thread while this step computes.
 
-    def __init__(self, args: Arguments, device: str):
-        self.dtype = ("bfloat16" if args.bf16 else "float16" if args.fp16 else None) if device == "gpu" else None
-        self.level = args.fp16_opt_level
-        self.args = args
-        self.scaler = None
+    Only the host work (memory-mapped reads, stacking) runs on the thread; the copy to the
+    device stays on the main thread (asynchronous from pinned memory on GPU, see to_device).
+    The step's own host sync (agree_on_step) would otherwise keep a read issued after the step
+    from overlapping the device's work."""
 
-    def prepare(self, model, optimizer):
-        if self.dtype is None:
-            return model, optimizer
-        if self.level == "O2":
-            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=self.dtype,
-                                                   master_weight=True, master_grad=self.args.amp_master_grad)
-        if self.dtype == "float16":
-            self.scaler = paddle.amp.GradScaler(init_loss_scaling=self.args.scale_loss)
-        return model, optimizer
+    def __init__(self, plan: BatchPlan, dataset, vocab_size: int, device: str):
+        from concurrent.futures import ThreadPoolExecutor
 
-    def autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return paddle.amp.auto_cast(True, level=self.level, dtype=self.dtype)
+        self.plan, self.dataset, self.vocab_size, self.device = plan, dataset, vocab_size, device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self.pending: tuple[int, object] | None = None
 
-    def backward(self, loss) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def step(self, optimizer) -> None:
-        if self.scaler:
-            self.scaler.step(optimizer)
-            self.scaler.update()
+    def get(self, first_sample: int, next_first_sample: int | None) -> list:
+        """The micro-batches starting at first_sample; starts reading those at next_first_sample."""
+        if self.pending and self.pending[0] == first_sample:
+            tokens = self.pending[1].result()
         else:
-            optimizer.step()
+            tokens = self.plan.host_batch(self.dataset, first_sample, self.vocab_size)
+        self.pending = None
+        if next_first_sample is not None:
+            self.pending = (next_first_sample, self.pool.submit(self.plan.host_batch, self.dataset,
+                                                                next_first_sample, self.vocab_size))
+        return self.plan.to_micro_batches(tokens, self.device)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def to_device(array: np.ndarray, device: str):
+    """A host array as a tensor on the run's device. On GPU through pinned (page-locked) host memory
+    and an asynchronous copy, so that the copy of the next batch overlaps the running step
+    (Tensor.cuda(blocking=False), paddle/base/dygraph/tensor_patch_methods.py)."""
+    if device != "gpu":
+        return paddle.to_tensor(array)
+    return paddle.to_tensor(array, place=paddle.CUDAPinnedPlace()).cuda(blocking=False)
 
 
 def device_name(device: str) -> str:
@@ -378,16 +403,19 @@ def device_name(device: str) -> str:
 
 
 # ----------------------------------------------------------------------------- steps
-def global_grad_norm(parameters) -> float:
-    return math.sqrt(float(grad_square_sum(parameters)))
-
-
 def grad_square_sum(parameters):
-    """Sum of the squared gradients as a device tensor (no host sync)."""
+    """Sum of the squared gradients as a 0-d device tensor (no host sync)."""
     # paddle.square, not `** 2`: on CPU the pow kernel is ~40x slower (55 ms vs 1.3 ms a step for 3M
     # parameters, benchmarks/cpu_speed.md), and this norm is extra work PaddleNLP's Trainer does not do.
-    squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in parameters if p.grad is not None]
+    # O2 with master gradients keeps the float32 gradient in main_grad (fleet's mix_precision_utils).
+    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in parameters]
+    squares = [paddle.sum(paddle.square(g.astype("float32"))) for g in grads if g is not None]
     return paddle.add_n(squares) if squares else paddle.zeros([], dtype="float32")
+
+
+def global_grad_norm(parameters):
+    """The global gradient norm as a 0-d device tensor."""
+    return paddle.sqrt(grad_square_sum(parameters))
 
 
 def scalar(tensor) -> float:
@@ -400,9 +428,12 @@ class StepResult:
     """One optimizer step as every rank agreed on it."""
 
     loss: float
-    grad_norm: float | None
+    # Global norm before clipping, of the unscaled gradients: a float, or a 0-d device tensor read
+    # when the step is logged (fleet's clip computes it inside the optimizer step); None: not available.
+    grad_norm: object
     nonfinite: str | None = None  # what was not finite on some rank ("loss", "gradient norm"); then no update
     stop_requested: bool = False  # some rank received SIGTERM/SIGINT
+    optimizer_stepped: bool = True  # False: no update (non-finite, or the fp16 scaler's overflow on some rank)
 
 
 def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout) -> tuple[np.ndarray, list]:
@@ -431,23 +462,31 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     """Forward/backward over the micro-batches, then one optimizer step, unless some rank's loss or
     gradients are not finite (then the gradients are dropped and the weights stay as they were).
 
-    The grad norm is the global norm before clipping: computed here in a single process, read
-    from fleet's clip in a distributed run (None where neither is available). Under fp16 the
-    loss scaler skips its own overflow steps, so only the loss is checked there."""
+    The grad norm is the global norm before clipping, of the unscaled gradients: computed here in
+    a single process, read from fleet's clip in a distributed run (None where neither is
+    available). Under fp16 the loss scaler skips its own overflow steps (on every rank alike), so
+    only the loss is checked there; as PaddleNLP's Trainer, the LR schedule advances only when the
+    optimizer really stepped."""
     layout = layout or Layout()
     check_grads = precision.scaler is None
     micro_batches = list(micro_batches)
     if is_pipeline(model):
-        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer,
-        # so the check comes after the update: a non-finite step stops the run before any save.
+        # fleet runs the 1F1B / interleaved schedule over the micro-batches and steps the optimizer
+        # (outside autocast: pipeline_parallel.py train_batch), so the check comes after the update:
+        # a non-finite step stops the run before any save. The forwards run under the run's
+        # autocast, as paddlenlp/trainer/trainer.py training_pipeline_step.
         inputs = paddle.concat([x for x, _ in micro_batches])
         labels = paddle.concat([y for _, y in micro_batches])
-        loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
-        schedule.step()
+        with precision.autocast():
+            loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
+        stepped = precision.optimizer_was_run()
+        if stepped:
+            schedule.step()
         grad_norm = clip_grad_norm() if clip_grad_norm else None
-        norm = paddle.to_tensor(grad_norm if grad_norm is not None else 0.0, dtype="float32")
-        host, nonfinite = agree_on_step(loss.astype("float32"), norm, stop_requested, check_grads, layout)
-        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]))
+        norm = grad_norm if grad_norm is not None else paddle.zeros([], dtype="float32")
+        host, nonfinite = agree_on_step(loss.astype("float32"), norm.reshape([]), stop_requested, check_grads,
+                                        layout)
+        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped)
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -458,21 +497,26 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
                 loss = model(input_ids, labels)
             precision.backward(loss / len(micro_batches))
         total_loss += loss.detach().astype("float32")
-    # In a single process the squares give the grad norm; distributed, fleet's clip computes the
-    # global norm inside the optimizer step and the local squares only feed the finiteness flag.
-    grad_squares = grad_square_sum(parameters) if check_grads or not clip_grad_norm else None
+    # In a single process the squares give the grad norm (unscaled first: a one-process clip scales
+    # the gradients in place during the step); distributed, fleet's clip computes the global norm
+    # inside the optimizer step and the local squares only feed the finiteness flag.
+    unscaled = precision.unscale(optimizer)
+    grad_squares = grad_square_sum(parameters) if unscaled and (check_grads or not clip_grad_norm) else None
     host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout)
     loss_value, stop = float(host[0]), bool(host[3])
     if nonfinite:
         optimizer.clear_grad()
-        return StepResult(loss_value, None, ", ".join(nonfinite), stop)
-    grad_norm = None if clip_grad_norm else math.sqrt(float(host[4]))
-    precision.step(optimizer)
-    optimizer.clear_grad()
-    schedule.step()
+        return StepResult(loss_value, None, ", ".join(nonfinite), stop, optimizer_stepped=False)
+    grad_norm = math.sqrt(float(host[4])) if grad_squares is not None and not clip_grad_norm else None
+    stepped = precision.step(optimizer)
     if clip_grad_norm:
         grad_norm = clip_grad_norm()
-    return StepResult(loss_value, grad_norm, None, stop)
+    elif grad_norm is None:
+        grad_norm = global_grad_norm(parameters)  # unscaled by the (cross-rank) scaler's step; no clip ran
+    optimizer.clear_grad()
+    if stepped:
+        schedule.step()
+    return StepResult(loss_value, grad_norm, None, stop, stepped)
 
 
 class DivergenceGuard:
@@ -502,18 +546,22 @@ def is_pipeline(model) -> bool:
 
 
 @paddle.no_grad()
-def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, layout: Layout) -> float:
+def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, layout: Layout,
+             precision: Precision | None = None) -> float:
     """Mean loss over the first `iterations` global batches of a split (the same samples every time)."""
     model.eval()
+    autocast = precision.autocast if precision else contextlib.nullcontext  # the run's autocast, as in training
     losses = []
     for i in range(iterations):
         micro_batches = list(plan.micro_batches(dataset, i * plan.global_batch_size, vocab_size))
         if is_pipeline(model):
             inputs = paddle.concat([x for x, _ in micro_batches])
             labels = paddle.concat([y for _, y in micro_batches])
-            losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
+            with autocast():
+                losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
         else:
-            losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
+            with autocast():
+                losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
     model.train()
     return all_reduce_mean_over_replicas(sum(losses) / len(losses), layout)
 
@@ -566,13 +614,13 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     # 3. Model, optimizer, data.
     model = build_model(config, layout)
     if weights_file:
-        load_full_weights(model, config, paddle.load(weights_file), weights_file)
+        load_weights_file(model, config, weights_file)
     else:
         init_weights(model, config, args.seed)
     schedule = build_schedule(args)
     optimizer = build_optimizer(args, model, schedule)
     precision = Precision(args, device)
-    model, optimizer = precision.prepare(model, optimizer)
+    model, optimizer = precision.prepare(model, optimizer, layout)
     unwrapped_model = model
     parameters = [p for _, p in unwrapped_model.canonical_named_parameters()]
     model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
@@ -636,10 +684,13 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     heartbeat = Heartbeat(layout.rank)
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     step = start_step
+    prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
+    run.callback(prefetcher.close)
     while args.do_train and step < args.max_steps:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
-        batches = train_plan.micro_batches(train_data, consumed_samples, config.vocab_size)
+        following = consumed_samples + train_plan.global_batch_size if step + 1 < args.max_steps else None
+        batches = prefetcher.get(consumed_samples, following)
         try:
             result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm,
                                 layout, stop.requested)
@@ -660,11 +711,14 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             metrics.write({"event": "skipped", "step": step, "nonfinite": result.nonfinite})
         else:
             divergence.reset()
+            if not result.optimizer_stepped:
+                metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
+                            "schedule were skipped on every rank")
             metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
             metrics.evaluation("valid", step, evaluate(model, valid_data, eval_plan, args.eval_iters,
-                                                       config.vocab_size, layout))
+                                                       config.vocab_size, layout, precision))
 
         stopping = result.stop_requested and step < args.max_steps
         if checkpointer.due(step, args.max_steps) or stopping:
@@ -682,7 +736,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
 
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, evaluate(model, test_data, eval_plan, args.eval_iters,
-                                                  config.vocab_size, layout))
+                                                  config.vocab_size, layout, precision))
     return metrics.finish()
 
 

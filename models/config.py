@@ -54,6 +54,8 @@ class ModelConfig:
     use_flash_attention: bool = False
     use_fused_rms_norm: bool = False
     use_fused_rope: bool = False
+    use_fused_swiglu: bool = False  # Paddle's swiglu kernel (GPU; PaddleNLP's LLaMA MLP uses it whenever present)
+    use_fast_layer_norm: bool = False  # PaddleNLP's fast_ln custom op for LayerNorm (GPU)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -77,6 +79,7 @@ class ModelConfig:
 RUNTIME_KEYS = (
     "seq_length", "tensor_parallel_degree", "sequence_parallel", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
+    "use_fused_swiglu", "use_fast_layer_norm",
 )
 
 # The switches that make a family; registry entries only give sizes on top.

@@ -31,6 +31,20 @@ def rotary_cos_sin(seq_length: int, head_dim: int, theta: float):
     return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
 
 
+_ROTARY_TABLES: dict = {}
+
+
+def rotary_tables(seq_length: int, head_dim: int, theta: float):
+    """`rotary_cos_sin`, built once per (sequence length, head size, theta) on the current device and
+    shared by every layer and every forward of this process (they are constants). Built in float32
+    outside autocast: under O2 the angles (position x frequency) would otherwise be rounded to half."""
+    key = (seq_length, head_dim, float(theta), paddle.get_device())
+    if key not in _ROTARY_TABLES:
+        with paddle.no_grad(), paddle.amp.auto_cast(False):
+            _ROTARY_TABLES[key] = rotary_cos_sin(seq_length, head_dim, theta)
+    return _ROTARY_TABLES[key]
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, axis=-1)
     return paddle.concat([-x2, x1], axis=-1)
@@ -50,6 +64,13 @@ def alibi_slopes(num_heads: int) -> list[float]:
         extra_base = 2 ** (-(2 ** -(math.log2(2 * closest_power) - 3)))
         slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest_power)]
     return slopes
+
+
+def alibi_bias(slopes, seq_length: int):
+    """[heads, 1, seq] float32: slope x key position, added to the scores of every query (softmax is
+    invariant to a per-query constant, so this equals slope x (key - query) under the causal mask)."""
+    positions = paddle.arange(seq_length, dtype="float32")
+    return slopes[:, None, None] * positions[None, None, :]
 
 
 def causal_mask(seq_length: int):
@@ -147,34 +168,56 @@ class Attention(nn.Layer):
         k = k.reshape([-1, seq, self.num_kv_heads, d])
         v = v.reshape([-1, seq, self.num_kv_heads, d])
         if self.config.position_embedding == "rope":
-            cos, sin = rotary_cos_sin(seq, d, self.config.rope_theta)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cos, sin = rotary_tables(seq, d, self.config.rope_theta)
+            if self.config.use_fused_rope:
+                # GPU kernel, as paddlenlp/transformers/llama/modeling.py LlamaAttention.forward (Paddle > 2.6:
+                # q and k with different head counts in one call). use_neox_rotary_style=False is the
+                # rotate-half layout of `apply_rotary` (halves of head_dim, tables [freqs, freqs]), not
+                # the interleaved pairs (paddle/incubate/nn/functional/fused_rotary_position_embedding.py).
+                from paddle.incubate.nn.functional import fused_rotary_position_embedding
+
+                q, k, _ = fused_rotary_position_embedding(q, k, None, sin=sin.astype(q.dtype), cos=cos.astype(q.dtype),
+                                                          use_neox_rotary_style=False)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
     def core_attention(self, q, k, v):
         """softmax(q k^T / sqrt(d) + bias + causal mask) v; [batch, seq, heads, head_dim] in and out."""
+        if self.config.use_flash_attention:
+            return self.flash_attention(q, k, v)
         batch, seq = q.shape[0], q.shape[1]
         if self.num_kv_heads != self.num_heads:  # grouped-query attention: share each kv head
             repeats = self.num_heads // self.num_kv_heads
             k = paddle.repeat_interleave(k, repeats, axis=2)
             v = paddle.repeat_interleave(v, repeats, axis=2)
-        if self.config.use_flash_attention and self.config.position_embedding != "alibi":
-            out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.config.attention_probs_dropout_prob, is_causal=True, training=self.training
-            )
-            return out.reshape([batch, seq, -1])
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))  # [batch, heads, seq, d]
         # Scale q (batch x seq x heads x d values; as PaddleNLP) rather than the scores (batch x heads x
         # seq x seq), and mask by adding 0/-inf: on CPU a full-size `where` + `full_like` and their
         # gradients cost more than these products (benchmarks/cpu_speed.md).
         scores = paddle.matmul(q.astype("float32") / math.sqrt(q.shape[-1]), k.astype("float32"), transpose_y=True)
         if self.config.position_embedding == "alibi":
-            positions = paddle.arange(seq, dtype="float32")
-            scores = scores + self.alibi_slopes[None, :, None, None] * positions[None, None, None, :]
+            scores = scores + alibi_bias(self.alibi_slopes, seq)[None]
         scores = scores + causal_mask(seq)
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v).transpose([0, 2, 1, 3])
+        return out.reshape([batch, seq, -1])
+
+    def flash_attention(self, q, k, v):
+        """The fused kernel (GPU), as paddlenlp/transformers/llama/modeling.py scaled_dot_product_attention.
+
+        k/v keep their kv heads: Paddle's flash_attn kernel shares them among the query heads itself
+        (grouped-query attention; paddle/nn/functional/sdpa.py scaled_dot_product_attention, enable_gqa,
+        repeats k/v only on its non-flash fallbacks). ALiBi goes in as an additive mask (bias plus
+        causal mask, [batch, heads, seq, seq] in q's dtype) instead of is_causal, as PaddleNLP does."""
+        batch, seq = q.shape[0], q.shape[1]
+        mask = None
+        if self.config.position_embedding == "alibi":
+            mask = (alibi_bias(self.alibi_slopes, seq) + causal_mask(seq))[None].astype(q.dtype)
+            mask = mask.expand([batch, self.num_heads, seq, seq])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.config.attention_probs_dropout_prob,
+                                             is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
 
     def forward(self, hidden):
@@ -214,6 +257,10 @@ class MLP(nn.Layer):
                 gate, up = self.gate_up_proj(x).chunk(2, axis=-1)
             else:
                 gate, up = self.gate_proj(x), self.up_proj(x)
+            if self.config.use_fused_swiglu:
+                # One kernel for silu(gate) * up (paddle/nn/functional/activation.py swiglu), as
+                # paddlenlp/transformers/llama/modeling.py LlamaMLP.forward.
+                return self.down_proj(F.swiglu(gate, up))
             return self.down_proj(F.silu(gate) * up)
         approximate = self.config.hidden_act == "gelu_tanh"
         return self.down_proj(F.gelu(self.up_proj(x), approximate=approximate))

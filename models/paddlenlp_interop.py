@@ -423,7 +423,12 @@ def check_exportable(config: ModelConfig) -> None:
 
 
 def _to_numpy(value) -> np.ndarray:
+    """A weight as a numpy array, half precision widened to float32 (exactly)."""
     if isinstance(value, np.ndarray):
+        if value.dtype == np.uint16:
+            # A bfloat16 weight read into numpy (paddle.load(return_numpy=True), as checkpoints are merged):
+            # its bit patterns as uint16. Widen to float32 before any arithmetic (the NormHead below).
+            return bfloat16_bits_to_float32(value)
         return value
     import paddle
 
@@ -432,6 +437,11 @@ def _to_numpy(value) -> np.ndarray:
             value = value.astype("float32")  # numpy has no bfloat16
         return value.numpy()
     return np.asarray(value)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as their uint16 bit patterns -> float32 (bfloat16 is float32's upper half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 # ----------------------------------------------------------------------------- config.json

@@ -129,7 +129,7 @@ def norm(config: ModelConfig, hidden_size: int) -> nn.Layer:
     if config.norm_type == "rmsnorm":
         layer = RMSNorm(hidden_size, config.norm_eps, fused=config.use_fused_rms_norm)
     else:
-        layer = nn.LayerNorm(hidden_size, epsilon=config.norm_eps)
+        layer = (FastLayerNorm if config.use_fast_layer_norm else nn.LayerNorm)(hidden_size, epsilon=config.norm_eps)
     for param in layer.parameters():
         tag_split(param, None)
         if _sequence_parallel(config):
@@ -161,6 +161,16 @@ class RMSNorm(nn.Layer):
         variance = paddle.square(x32).mean(-1, keepdim=True)
         x32 = paddle.rsqrt(variance + self.eps) * x32
         return x32.astype(self.weight.dtype) * self.weight
+
+
+class FastLayerNorm(nn.LayerNorm):
+    """LayerNorm through PaddleNLP's fast_ln custom GPU op (a separate package; its presence is
+    checked before training starts), as paddlenlp/transformers/gpt/modeling.py GPTLayerNorm."""
+
+    def forward(self, x):
+        import fast_ln
+
+        return fast_ln.fast_ln(x, self.weight, self.bias, self._epsilon)[0]
 
 
 def tensor_parallel_input(config: ModelConfig, x):

@@ -107,9 +107,21 @@ def init_weights(model, config, seed: int) -> None:
         param.set_value(local_slice(value, param, tp_rank, tp_degree).astype(param.dtype))
 
 
+def host_tensor(array: np.ndarray, dtype):
+    """A host array as a tensor of `dtype`. numpy has no bfloat16: Paddle gives bfloat16 weights to
+    numpy (paddle.load(return_numpy=True), Tensor.numpy()) as their uint16 bit patterns, which must
+    be reinterpreted, not converted as integers."""
+    if array.dtype == np.uint16:
+        return paddle.to_tensor(array).astype(dtype)  # uint16 -> bfloat16 bits -> dtype
+    return paddle.to_tensor(array, dtype=dtype)
+
+
 @paddle.no_grad()
 def load_full_weights(model, config, full_state: dict, source: str) -> None:
-    """Load full (unsharded) weights by canonical name; each rank keeps its slice."""
+    """Load full (unsharded) weights by canonical name; each rank keeps its slice.
+
+    `full_state` should hold host (numpy) arrays (paddle.load(..., return_numpy=True)): only this
+    rank's slice is copied to the device, never the whole checkpoint."""
     from llm_pretrain.errors import UsageError
 
     tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
@@ -121,4 +133,10 @@ def load_full_weights(model, config, full_state: dict, source: str) -> None:
         expected = full_shape(param, tp_degree)
         if list(value.shape) != expected:
             raise UsageError(f"weights {source}: {name} has shape {list(value.shape)}, the model needs {expected}")
-        param.set_value(paddle.to_tensor(local_slice(value, param, tp_rank, tp_degree), dtype=param.dtype))
+        param.set_value(host_tensor(np.ascontiguousarray(local_slice(value, param, tp_rank, tp_degree)), param.dtype))
+
+
+def load_weights_file(model, config, path: str) -> None:
+    """continue_training: full weights from a file, read on the host (return_numpy=True); each rank
+    copies only its slice to the device, never the whole checkpoint (26 GB for a 13B fp16 model)."""
+    load_full_weights(model, config, paddle.load(path, return_numpy=True), path)
