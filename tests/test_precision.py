@@ -146,7 +146,7 @@ def test_master_grad_refusal_comes_before_fleet_init(tmp_path, monkeypatch):
     from llm_pretrain.trainer import train
     from parity_utils import base_arguments, write_json
 
-    no_data = {"tokenizer": str(tmp_path / "no-tokenizer"), "input_dir": str(tmp_path)}  # refused before data checks
+    no_data = {"tokenizer": "facebook/llama-7b", "input_dir": str(tmp_path)}  # a hub name; refused before data checks
     args_file = write_json(tmp_path / "args.json", base_arguments(
         no_data, tmp_path, bf16=True, fp16_opt_level="O2", amp_master_grad=True))
     args, warnings = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])
