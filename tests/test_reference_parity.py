@@ -286,3 +286,17 @@ def test_initial_weights_are_drawn_like_paddlenlp(case):
             scaled.append(ours[name].std() / config.initializer_range)
     expected = 0.5 if get_family(config.family).scaled_output_init else 1.0  # 2 layers: 1/sqrt(4)
     assert scaled and np.allclose(scaled, expected, rtol=0.1), scaled
+
+
+def test_llama31_rope_scaling_is_what_makes_the_difference():
+    """The Llama 3.1 case matches only with the scaling: the same weights without it give other logits,
+    and our frequencies are Meta's apply_scaling ones (here computed by the loop above)."""
+    reference, raw_config, config = build_paddlenlp_model("llama31")
+    state = from_paddlenlp_state(config, raw_config, reference_state("llama31", reference))
+    input_ids, labels = inputs()
+    scaled = our_outputs(build_ours(config, state), input_ids, labels)[0]
+    plain = our_outputs(build_ours(config.replace(rope_scaling=None), state), input_ids, labels)[0]
+    assert np.abs(scaled - plain).max() > 1e-2
+    inv_freq = (1.0 / 500000.0 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)).astype(np.float32)
+    np.testing.assert_allclose(llama3_scaled_inv_freq(inv_freq, config.rope_scaling),
+                               _meta_apply_scaling(inv_freq, config.rope_scaling), rtol=1e-6)
