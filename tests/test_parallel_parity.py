@@ -1,12 +1,15 @@
 """Every parallel layout trains exactly like one process: same losses, grad norms and final weights.
 
 References run once in one plain process (the tiny preset of every family record with 8 layers,
-models/families/; plus llama3-tiny, Llama 3.1's rotary scaling, in the tp2 and pp2 launches). Each test is one `paddle.distributed.launch` that runs several
-trainings with the same degrees, each compared with its reference (tolerance 1e-5, fp32):
+models/families/; plus llama3-tiny, Llama 3.1's rotary scaling, in the tp2 and pp2 launches). Each
+test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
+compared with its reference (tolerance 1e-5, fp32); the pp2 and pp4vpp2 LLaMA runs also evaluate
+(eval batch 4 over training micro-batches of 2) and match the single process's eval losses:
 
     2 processes: dp2 (every family, resume)
-                 tp2 (+ SP, recompute granularities, resume; every family with and without SP)
-                 pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3 and Bloom)
+                 tp2 (+ SP, recompute granularities, resume; every family with and without SP;
+                      Qwen2 with one kv head: replicated)
+                 pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3, Bloom, Qwen2)
                  sharding degree 2, stages 1/2/3 (each alone and with recompute, resume; every
                  family in every stage, with recompute)
                  two nodes of one process each (dp2)
