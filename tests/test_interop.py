@@ -333,3 +333,35 @@ def test_import_hugging_face_safetensors(case, tmp_path):
     imported, weights_file = resolve_model(str(tmp_path / "ours"))
     assert imported.architecture_dict() == config.architecture_dict()
     assert_same_outputs(build_ours(imported, paddle.load(weights_file)), reference)
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_import_hugging_face_gpt2(prefix, tmp_path):
+    """Hugging Face GPT-2 (model_type "gpt2"): Conv1D [in, out] matrices, c_attn = [q | k | v], tied head;
+    the original checkpoints have no "transformer." prefix. Built by hand from PaddleNLP's GPT weights."""
+    from safetensors.numpy import save_file
+
+    reference, _, config = build_paddlenlp_model("gpt3", seed=31)
+    pd = {k: v.numpy() for k, v in reference.state_dict().items()}
+    hf = {f"{prefix}wte.weight": pd["gpt.embeddings.word_embeddings.weight"],
+          f"{prefix}wpe.weight": pd["gpt.embeddings.position_embeddings.weight"]}
+    for i in range(config.num_hidden_layers):
+        p, q = f"gpt.decoder.layers.{i}.", f"{prefix}h.{i}."
+        for leaf in ("weight", "bias"):
+            hf[q + "attn.c_attn." + leaf] = np.concatenate([pd[p + f"self_attn.{n}_proj.{leaf}"] for n in "qkv"], -1)
+            for theirs, ours in (("attn.c_proj", "self_attn.out_proj"), ("ln_1", "norm1"), ("ln_2", "norm2"),
+                                 ("mlp.c_fc", "linear1"), ("mlp.c_proj", "linear2")):
+                hf[q + theirs + "." + leaf] = pd[p + ours + "." + leaf]
+    hf[f"{prefix}ln_f.weight"], hf[f"{prefix}ln_f.bias"] = pd["gpt.decoder.norm.weight"], pd["gpt.decoder.norm.bias"]
+    (tmp_path / "hf").mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in hf.items()}, str(tmp_path / "hf" / "model.safetensors"))
+    hf_config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+                 "n_embd": config.hidden_size, "n_layer": config.num_hidden_layers,
+                 "n_head": config.num_attention_heads, "n_positions": config.max_position_embeddings, "n_inner": None,
+                 "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
+                 "attn_pdrop": 0.0, "embd_pdrop": 0.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    imported, weights_file = resolve_model(str(tmp_path / "ours"))
+    assert imported.architecture_dict() == config.architecture_dict()
+    assert_same_outputs(build_ours(imported, paddle.load(weights_file)), reference)

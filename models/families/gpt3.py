@@ -1,5 +1,8 @@
 """GPT-3 (and PaddleNLP's GPT-2 medium): LayerNorm, learned positions, 4h GELU MLP, biases, tied head.
 
+PaddleNLP's GPTForCausalLM (model_type "gpt") is the reference; Hugging Face's GPT-2 config.json and
+weights (model_type "gpt2", the same architecture) are read too.
+
 Sizes from the GPT-3 paper (Brown et al. 2020, table 2.1) except where PaddleNLP's own gpt3-*-en
 configs differ (16 heads for 1.3B, hidden 5120 for 13B), with PaddleNLP's vocabulary (50304;
 51200 for 175B) and context (1024). GELU is the tanh approximation, as GPT-2/3 and PaddleNLP's
@@ -40,7 +43,24 @@ ARCHITECTURES = {
 }
 
 
+# Hugging Face GPT-2's config.json keys (model_type "gpt2") in our names.
+HF_GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+                "layer_norm_epsilon": "norm_eps", "resid_pdrop": "hidden_dropout_prob",
+                "attn_pdrop": "attention_probs_dropout_prob"}
+
+
 def read_config(raw: dict, sizes: dict, source: str) -> dict:
+    if str(raw.get("model_type")).lower() == "gpt2":  # Hugging Face GPT-2: the same architecture, other keys
+        sizes.update({ours: raw[key] for key, ours in HF_GPT2_KEYS.items() if raw.get(key) is not None})
+        sizes.setdefault("intermediate_size", 4 * sizes.get("hidden_size", 0))  # n_inner null: 4 x n_embd
+        activation = raw.get("activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+            unsupported(source, f"activation_function {activation!r}")
+        if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+            unsupported(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn")
+        sizes["hidden_act"] = "gelu_tanh"
+        return sizes
     sizes["norm_eps"] = 1e-5  # PaddleNLP's GPT ignores the epsilon in its config
     activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu"))
     if activation not in ("gelu", "gelu_new"):
@@ -72,6 +92,31 @@ def gpt_table(fuse_qkv: bool = False) -> list:
     ]
 
 
+def hf_gpt2_table(prefix: str = "transformer.") -> list:
+    """Hugging Face GPT2LMHeadModel (import only). Its Conv1D layers store [in, out] as Paddle does; c_attn
+    is [q | k | v] along the output axis; the head is tied to wte. (The original gpt2 checkpoints were
+    saved from GPT2Model: the same names without "transformer.".)"""
+    p = prefix + "h.{i}."
+    return [
+        R(prefix + "wte.weight", "embeddings.word_embeddings.weight"),
+        R(prefix + "wpe.weight", "embeddings.position_embeddings.weight"),
+        *weight_and_bias(p + "ln_1", INPUT_NORM),
+        R(p + "attn.c_attn.weight", QKV_WEIGHTS, "concat"),
+        R(p + "attn.c_attn.bias", QKV_BIASES, "concat"),
+        *weight_and_bias(p + "attn.c_proj", _attn("o_proj")),
+        *weight_and_bias(p + "ln_2", POST_ATTENTION_NORM),
+        *weight_and_bias(p + "mlp.c_fc", _mlp("up_proj")),
+        *weight_and_bias(p + "mlp.c_proj", _mlp("down_proj")),
+        *weight_and_bias(prefix + "ln_f", "norm"),
+    ]
+
+
+def import_table(raw: dict, config, names=()) -> list:
+    if str(raw.get("model_type")).lower() == "gpt2":
+        return hf_gpt2_table("transformer." if any(n.startswith("transformer.") for n in names) else "")
+    return gpt_table(bool(raw.get("fuse_attention_qkv")))
+
+
 def config_json(c) -> dict:
     # "ignore_index": -100: PaddleNLP's GPT default 0 would drop token id 0 from its loss (ours ignores -100).
     return dict(
@@ -100,13 +145,13 @@ def _reference_kwargs(**extra):
 
 FAMILY = Family(
     name="gpt3", switches=SWITCHES, scaled_output_init=True,  # out_proj, linear2 (GPTPretrainedModel, as GPT-2)
-    architectures=ARCHITECTURES, tiny="gpt3-tiny", model_types=("gpt",), read_config=read_config,
+    architectures=ARCHITECTURES, tiny="gpt3-tiny", model_types=("gpt", "gpt2"), read_config=read_config,
     paddlenlp=PaddleNLPClass(
         class_name="GPTForCausalLM", model_type="gpt",
         requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="learned", linear_bias=True,
                       tie_word_embeddings=True, embedding_layernorm=False, norm_eps=1e-5),
         export_table=lambda config: gpt_table(),
-        import_table=lambda raw, config, names=(): gpt_table(bool(raw.get("fuse_attention_qkv"))),
+        import_table=import_table,
         config_json=config_json, check=check,
     ),
     reference_cases={
