@@ -36,7 +36,7 @@ ours, like LLaMA's, ignores -100). Qwen's dynamic-NTK and log-n attention only a
 beyond config "seq_length" at inference; export sets seq_length to the model's
 max_position_embeddings so that within it PaddleNLP computes what we train.
 Hugging Face's Llama/Qwen2 weights (model.safetensors, "model." names, PyTorch's [out, in]
-matrices) are imported too.
+matrices) and GPT-2 weights (Conv1D: [in, out]) are imported too.
 """
 
 from __future__ import annotations

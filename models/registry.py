@@ -6,7 +6,7 @@
 * our own config.json (it has a "family" key), as written by
   scripts/import_paddlenlp.py, with `model_state.pdparams` in our canonical
   parameter names -- such a directory can be trained from (continue_training);
-* a PaddleNLP / Hugging Face config.json (model_type llama, baichuan, qwen, qwen2,
+* a PaddleNLP / Hugging Face config.json (model_type llama, baichuan, qwen, qwen2, gpt2,
   gpt, bloom): its architecture is read here (see `config_from_dict`), but its
   weights use PaddleNLP's or Hugging Face's names, so a directory that holds
   weights must be converted once with scripts/import_paddlenlp.py.
