@@ -7,8 +7,10 @@ Hugging Face's checkpoints (model_type "baichuan", trust_remote_code) pack q/k/v
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes
+from models.families.base import Family, ReferenceCase, reference_sizes, tiny_sizes
 from models.families.llama import LLAMA_CLASS, llama_style_table
 from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_WEIGHTS, R, _attn, _mlp
 
@@ -90,6 +92,6 @@ FAMILY = Family(
     name="baichuan", switches=SWITCHES, scaled_output_init=True,  # as LLaMA (PaddleNLP runs it as LLaMA)
     architectures=ARCHITECTURES, tiny="baichuan-tiny", model_types=("baichuan",), read_config=read_config,
     # Export: PaddleNLP's LlamaForCausalLM; import of model_type "baichuan": Hugging Face's W_pack layout
-    paddlenlp=PaddleNLPClass(**{**LLAMA_CLASS.__dict__, "import_table": import_table}),
+    paddlenlp=dataclasses.replace(LLAMA_CLASS, import_table=import_table),
     reference_cases=REFERENCE_CASES, export_case=("baichuan13b_alibi", dict(norm_head=True)),  # ALiBi + NormHead
 )
