@@ -22,7 +22,7 @@ import json
 import os
 
 from llm_pretrain.errors import UsageError
-from models.config import RUNTIME_KEYS, ModelConfig
+from models.config import RUNTIME_KEYS, ModelConfig, make_config  # noqa: F401 (make_config: imported from here too)
 from models.families import FAMILIES, FAMILY_NAMES, family_for_model_type, get_family, supported_model_types
 
 # Every family's entries (models/families/<family>.py), in family order.
