@@ -72,7 +72,7 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
     if raw.get("attention_bias") is False:  # PaddleNLP 3's Qwen2Config switch (default true)
         sizes["qkv_bias"] = False
     sizes["rope_scaling"] = read_rope_scaling(raw, source)
-    sizes.setdefault("tie_word_embeddings", False)  # Hugging Face's default is true; Qwen2's files say it
+    sizes.setdefault("tie_word_embeddings", False)  # Qwen2Config's default (the published files say it)
     return sizes
 
 
