@@ -11,6 +11,7 @@ serves the same files under the same names): Meta-Llama-3-8B/70B and Llama-3.1-8
 
 from __future__ import annotations
 
+from models.config import ModelConfig
 from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
 from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
 
@@ -21,9 +22,7 @@ LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor":
                         "original_max_position_embeddings": 8192}
 
 
-def _config(**sizes):
-    from models.config import ModelConfig
-
+def _config(**sizes) -> ModelConfig:
     return ModelConfig(family="llama", **{**SWITCHES, **sizes})
 
 
