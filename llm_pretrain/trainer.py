@@ -84,8 +84,15 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         if tokenizer_vocab is not None:
             config.vocab_size = max(config.vocab_size, ((tokenizer_vocab - 1) // 128 + 1) * 128)
     if args.max_seq_length > config.max_position_embeddings:
-        raise UsageError(f"max_seq_length: {args.max_seq_length} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+        # As PaddleNLP's run_pretrain.py with continue_training: the checkpoint's max_position_embeddings
+        # stays and rotary tables (ALiBi biases) are computed for the longer sequence; a learned position
+        # table has no rows beyond it.
+        if config.position_embedding == "learned":
+            raise UsageError(f"max_seq_length: {args.max_seq_length} exceeds the model's max_position_embeddings "
+                             f"{config.max_position_embeddings} (learned positions have no rows beyond it)")
+        notes.append(f"max_seq_length {args.max_seq_length} exceeds the model's max_position_embeddings "
+                     f"{config.max_position_embeddings}: its {config.position_embedding} positions are extended "
+                     "beyond the length it was trained on (as PaddleNLP does with continue_training)")
     gpu = device == "gpu"
     config = config.replace(
         seq_length=args.max_seq_length,
@@ -221,12 +228,35 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     if pp > 1 and args.gradient_accumulation_steps < pp:
         raise UsageError(f"gradient_accumulation_steps: {args.gradient_accumulation_steps} is smaller than "
                          f"pipeline_parallel_degree {pp}; the pipeline needs at least {pp} micro-batches per step")
-    if pp > 1 and args.do_eval and args.per_device_eval_batch_size != args.per_device_train_batch_size:
-        raise UsageError(f"per_device_eval_batch_size: {args.per_device_eval_batch_size} must equal "
-                         f"per_device_train_batch_size {args.per_device_train_batch_size} under pipeline "
-                         "parallelism (the pipeline's micro-batch size is fixed)")
+    for split_requested, iterations in ((args.do_eval, args.eval_iters), (args.do_predict, predict_iterations(args))):
+        if pp > 1 and split_requested:  # raises when the eval batches cannot be pipeline micro-batches
+            pipeline_eval_micro_batches(args, iterations, vpp)
     parallel_config_settings(args)
     check_master_grad(args, layout)
+
+
+def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:
+    """(pipeline calls, micro-batches per call) that evaluate `iterations` batches of per_device_eval_batch_size.
+
+    The pipeline's micro-batch has the training size (its p2p buffers are sized by it); an eval batch of
+    another size is split into several micro-batches -- all eval_iters batches of one evaluation pass
+    through the pipeline in calls of gradient_accumulation_steps micro-batches (or one call of them all).
+    The mean over equal micro-batches is PaddleNLP's mean over its per-batch losses.
+    """
+    micro, eval_batch = args.per_device_train_batch_size, args.per_device_eval_batch_size
+    if eval_batch % micro:
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} must be a multiple of "
+                         f"per_device_train_batch_size {micro} under pipeline parallelism (evaluation runs "
+                         "training-sized pipeline micro-batches)")
+    total = eval_batch // micro * iterations
+    if total % args.gradient_accumulation_steps == 0:
+        return total // args.gradient_accumulation_steps, args.gradient_accumulation_steps
+    if virtual_pp_degree > 1:  # the interleaved schedule runs only the micro-batch counts it was set up for
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} x {iterations} eval batches = "
+                         f"{total} micro-batches of {micro} is not a multiple of gradient_accumulation_steps "
+                         f"{args.gradient_accumulation_steps}, which the interleaved pipeline (virtual_pp_degree "
+                         f"{virtual_pp_degree}) needs")
+    return 1, total
 
 
 def launcher_rank() -> int:
@@ -547,21 +577,36 @@ def is_pipeline(model) -> bool:
 
 @paddle.no_grad()
 def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, layout: Layout,
-             precision: Precision | None = None) -> float:
-    """Mean loss over the first `iterations` global batches of a split (the same samples every time)."""
+             precision: Precision | None = None, first_sample: int = 0,
+             pipeline_calls: tuple[int, int] | None = None) -> float:
+    """Mean loss over `iterations` global batches of a split from `first_sample` on.
+
+    pipeline_calls: (calls, micro-batches per call) of the pipeline's eval_batch (see
+    `pipeline_eval_micro_batches`); its micro-batch size is the training one.
+    """
     model.eval()
     autocast = precision.autocast if precision else contextlib.nullcontext  # the run's autocast, as in training
-    losses = []
-    for i in range(iterations):
-        micro_batches = list(plan.micro_batches(dataset, i * plan.global_batch_size, vocab_size))
-        if is_pipeline(model):
-            inputs = paddle.concat([x for x, _ in micro_batches])
-            labels = paddle.concat([y for _, y in micro_batches])
+    batches = [b for i in range(iterations)
+               for b in plan.micro_batches(dataset, first_sample + i * plan.global_batch_size, vocab_size)]
+    if is_pipeline(model):
+        # As PaddleNLP's training_pipeline_step does for training: set the pipeline's micro-batch
+        # count for this call and restore it afterwards.
+        inputs = paddle.concat([x for x, _ in batches])
+        labels = paddle.concat([y for _, y in batches])
+        calls, per_call = pipeline_calls
+        samples = inputs.shape[0] // calls
+        saved = model.accumulate_steps
+        model.accumulate_steps = per_call
+        try:
             with autocast():
-                losses.append(scalar(model.eval_batch([inputs, labels], compute_loss=True)))
-        else:
-            with autocast():
-                losses += [float(model(input_ids, labels)) for input_ids, labels in micro_batches]
+                losses = [scalar(model.eval_batch([inputs[c * samples:(c + 1) * samples],
+                                                   labels[c * samples:(c + 1) * samples]], compute_loss=True))
+                          for c in range(calls)]
+        finally:
+            model.accumulate_steps = saved
+    else:
+        with autocast():
+            losses = [float(model(input_ids, labels)) for input_ids, labels in batches]
     model.train()
     return all_reduce_mean_over_replicas(sum(losses) / len(losses), layout)
 
@@ -628,13 +673,10 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
 
     train_plan = BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                            layout.data_replicas, layout.data_replica_rank)
-    # The pipeline evaluates whole pipeline batches (its micro-batch size and count are fixed).
-    eval_plan = (BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps, layout.data_replicas,
-                           layout.data_replica_rank) if is_pipeline(model)
-                 else BatchPlan(args.per_device_eval_batch_size, 1, layout.data_replicas, layout.data_replica_rank))
-    eval_samples = args.eval_iters * eval_plan.global_batch_size
+    eval_plan = BatchPlan(args.per_device_eval_batch_size, 1, layout.data_replicas, layout.data_replica_rank)
     num_samples = (args.max_steps * train_plan.global_batch_size if args.do_train else 0,
-                   eval_samples if args.do_eval else 0, eval_samples if args.do_predict else 0)
+                   valid_samples(args, eval_plan) if args.do_eval else 0,
+                   predict_iterations(args) * eval_plan.global_batch_size if args.do_predict else 0)
     datasets = _build_datasets_rank0_first(args, num_samples, layout)
     train_data, valid_data, test_data = datasets
 
@@ -717,8 +759,8 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
-            metrics.evaluation("valid", step, evaluate(model, valid_data, eval_plan, args.eval_iters,
-                                                       config.vocab_size, layout, precision))
+            metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,
+                                                             config, layout, precision))
 
         stopping = result.stop_requested and step < args.max_steps
         if checkpointer.due(step, args.max_steps) or stopping:
@@ -735,8 +777,8 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             break
 
     if args.do_predict and test_data is not None:
-        metrics.evaluation("test", step, evaluate(model, test_data, eval_plan, args.eval_iters,
-                                                  config.vocab_size, layout, precision))
+        metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
+                                                        layout, precision))
     return metrics.finish()
 
 
@@ -771,3 +813,32 @@ def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):
                 raise UsageError(f"data_cache: the sample index {damaged[0]} is still damaged after a rebuild")
     barrier(layout)
     return datasets if datasets is not None else build_pretraining_datasets(**kwargs)
+
+
+def predict_iterations(args: Arguments) -> int:
+    """Batches of the test split, as PaddleNLP's llm/run_pretrain.py: test_iters = eval_iters * 10."""
+    return 10 * args.eval_iters
+
+
+def valid_samples(args: Arguments, eval_plan: BatchPlan) -> int:
+    """Samples of the validation split, as PaddleNLP's llm/run_pretrain.py (create_pretrained_dataset)
+    asks for them: per_device_eval_batch_size x dataset world size x eval_iters x (max_steps // eval_steps + 1)."""
+    return eval_plan.global_batch_size * args.eval_iters * (args.max_steps // args.effective_eval_steps + 1)
+
+
+def first_eval_sample(args: Arguments, split: str, step: int, plan: BatchPlan) -> int:
+    """Where an evaluation starts in its split. PaddleNLP's PretrainingTrainer keeps one validation
+    iterator for the whole run, so its k-th evaluation (at step k x eval_steps) reads the k-th run of
+    eval_iters batches; prediction reads the test split from its start."""
+    if split != "valid":
+        return 0
+    return max(step // args.effective_eval_steps - 1, 0) * args.eval_iters * plan.global_batch_size
+
+
+def run_evaluation(model, dataset, split: str, step: int, plan: BatchPlan, args: Arguments, config: ModelConfig,
+                   layout: Layout, precision: Precision) -> float:
+    """Loss of one evaluation: eval_iters batches of the validation split, or the test split's batches."""
+    iterations = args.eval_iters if split == "valid" else predict_iterations(args)
+    calls = pipeline_eval_micro_batches(args, iterations, layout.virtual_pp_degree) if is_pipeline(model) else None
+    return evaluate(model, dataset, plan, iterations, config.vocab_size, layout, precision,
+                    first_sample=first_eval_sample(args, split, step, plan), pipeline_calls=calls)

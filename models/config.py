@@ -2,7 +2,8 @@
 
 One `ModelConfig` describes every family this toolkit trains. The families
 differ in a handful of switches -- normalization, position information, MLP,
-biases, tied head -- listed in `FAMILY_DEFAULTS`; everything else is shared.
+biases, tied head -- that each family's record sets (models/families/); everything
+else is shared.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
-
-FAMILIES = ("llama", "qwen", "baichuan", "gpt3", "bloom")
-
 
 @dataclass
 class ModelConfig:
@@ -27,6 +25,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Llama 3.1's rotary frequency scaling, as its config.json gives it: {"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} (models/rope.py); None: none.
+    rope_scaling: Optional[dict] = None
     initializer_range: float = 0.02
     hidden_dropout_prob: float = 0.0
     attention_probs_dropout_prob: float = 0.0
@@ -82,22 +83,19 @@ RUNTIME_KEYS = (
     "use_fused_swiglu", "use_fast_layer_norm",
 )
 
-# The switches that make a family; registry entries only give sizes on top.
-FAMILY_DEFAULTS: dict[str, dict] = {
-    "llama": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu"),
-    "baichuan": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu"),
-    "qwen": dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True),
-    # GELU with the tanh approximation, as GPT-2/3 and PaddleNLP's GPT (F.gelu(..., approximate=True)).
-    "gpt3": dict(
-        norm_type="layernorm", position_embedding="learned", hidden_act="gelu_tanh", linear_bias=True,
-        tie_word_embeddings=True, norm_eps=1e-5,
-    ),
-    "bloom": dict(
-        norm_type="layernorm", position_embedding="alibi", hidden_act="gelu_tanh", linear_bias=True,
-        tie_word_embeddings=True, embedding_layernorm=True, norm_eps=1e-5,
-    ),
-}
-
 
 def make_config(family: str, **sizes) -> ModelConfig:
-    return ModelConfig(family=family, **{**FAMILY_DEFAULTS[family], **sizes})
+    """A config of `family` (its record's switches) with the given sizes."""
+    from models.families import get_family
+
+    return get_family(family).config(**sizes)
+
+
+def __getattr__(name):
+    # FAMILIES: the family names (kept for `from models.config import FAMILIES`); the records are
+    # in models/families/, which imports this module.
+    if name == "FAMILIES":
+        from models.families import FAMILY_NAMES
+
+        return FAMILY_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,12 +19,15 @@ import paddle.nn.functional as F
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
+from models.rope import llama3_scaled_inv_freq
 
 
 # ----------------------------------------------------------------------------- positions
-def rotary_cos_sin(seq_length: int, head_dim: int, theta: float):
-    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32."""
+def rotary_cos_sin(seq_length: int, head_dim: int, theta: float, scaling: dict | None = None):
+    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: Llama 3.1's, models/rope.py)."""
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+    if scaling:
+        inv_freq = paddle.to_tensor(llama3_scaled_inv_freq(inv_freq.numpy(), scaling))
     positions = paddle.arange(seq_length, dtype="float32")
     freqs = paddle.outer(positions, inv_freq)
     angles = paddle.concat([freqs, freqs], axis=-1)
@@ -34,14 +37,15 @@ def rotary_cos_sin(seq_length: int, head_dim: int, theta: float):
 _ROTARY_TABLES: dict = {}
 
 
-def rotary_tables(seq_length: int, head_dim: int, theta: float):
+def rotary_tables(seq_length: int, head_dim: int, theta: float, scaling: dict | None = None):
     """`rotary_cos_sin`, built once per (sequence length, head size, theta) on the current device and
     shared by every layer and every forward of this process (they are constants). Built in float32
     outside autocast: under O2 the angles (position x frequency) would otherwise be rounded to half."""
-    key = (seq_length, head_dim, float(theta), paddle.get_device())
+    key = (seq_length, head_dim, float(theta), tuple(sorted(scaling.items())) if scaling else None,
+           paddle.get_device())
     if key not in _ROTARY_TABLES:
         with paddle.no_grad(), paddle.amp.auto_cast(False):
-            _ROTARY_TABLES[key] = rotary_cos_sin(seq_length, head_dim, theta)
+            _ROTARY_TABLES[key] = rotary_cos_sin(seq_length, head_dim, theta, scaling)
     return _ROTARY_TABLES[key]
 
 
@@ -168,7 +172,7 @@ class Attention(nn.Layer):
         k = k.reshape([-1, seq, self.num_kv_heads, d])
         v = v.reshape([-1, seq, self.num_kv_heads, d])
         if self.config.position_embedding == "rope":
-            cos, sin = rotary_tables(seq, d, self.config.rope_theta)
+            cos, sin = rotary_tables(seq, d, self.config.rope_theta, self.config.rope_scaling)
             if self.config.use_fused_rope:
                 # GPU kernel, as paddlenlp/transformers/llama/modeling.py LlamaAttention.forward (Paddle > 2.6:
                 # q and k with different head counts in one call). use_neox_rotary_style=False is the

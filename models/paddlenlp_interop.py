@@ -4,10 +4,12 @@
     import_from_paddlenlp(paddlenlp_dir, out_dir)       PaddleNLP / HF Baichuan -> ours (trainable directory)
     to_paddlenlp_state(config, state) / from_paddlenlp_state(config, raw_config, state)   the mappings alone
 
-Which PaddleNLP class runs each family:
+Which PaddleNLP class runs each family, its parameter-name tables and its config.json are in
+the family's record (models/families/<family>.py, `paddlenlp`):
 
     llama, baichuan   LlamaForCausalLM   (Baichuan-13B / Baichuan2-13B: config "alibi": true)
     qwen              QWenForCausalLM
+    qwen2             Qwen2ForCausalLM   (PaddleNLP 3 names; Hugging Face's read too)
     gpt3              GPTForCausalLM
     bloom             BloomForCausalLM
 
@@ -33,6 +35,8 @@ tied head for LLaMA/Qwen classes (written as an explicit lm_head). GPT's config 
 ours, like LLaMA's, ignores -100). Qwen's dynamic-NTK and log-n attention only act
 beyond config "seq_length" at inference; export sets seq_length to the model's
 max_position_embeddings so that within it PaddleNLP computes what we train.
+Hugging Face's Llama/Qwen2 weights (model.safetensors, "model." names, PyTorch's [out, in]
+matrices) and GPT-2 weights (Conv1D: [in, out]) are imported too.
 """
 
 from __future__ import annotations
@@ -82,152 +86,30 @@ QKV_BIASES = tuple(_attn(p + ".bias") for p in ("q_proj", "k_proj", "v_proj"))
 INPUT_NORM, POST_ATTENTION_NORM = "layers.{i}.input_layernorm", "layers.{i}.post_attention_layernorm"
 
 
-def llama_table(fuse_qkv: bool = False, fuse_ffn: bool = False) -> list[Rule]:
-    """PaddleNLP LlamaForCausalLM (also Baichuan in PaddleNLP). No biases anywhere."""
-    p = "llama.layers.{i}."
-    return [
-        R("llama.embed_tokens.weight", "embeddings.word_embeddings.weight"),
-        R(p + "input_layernorm.weight", INPUT_NORM + ".weight"),
-        *([R(p + "self_attn.qkv_proj.weight", QKV_WEIGHTS, "kv_groups")] if fuse_qkv else
-          [R(p + f"self_attn.{n}_proj.weight", _attn(f"{n}_proj.weight")) for n in "qkv"]),
-        R(p + "self_attn.o_proj.weight", _attn("o_proj.weight")),
-        R(p + "post_attention_layernorm.weight", POST_ATTENTION_NORM + ".weight"),
-        *([R(p + "mlp.gate_up_fused_proj.weight", (_mlp("gate_proj.weight"), _mlp("up_proj.weight")), "concat")]
-          if fuse_ffn else [R(p + f"mlp.{n}.weight", _mlp(f"{n}.weight")) for n in ("gate_proj", "up_proj")]),
-        R(p + "mlp.down_proj.weight", _mlp("down_proj.weight")),
-        R("llama.norm.weight", "norm.weight"),
-        R("lm_head.weight", "lm_head.weight"),
-    ]
-
-
-def qwen_table(linear_bias: bool = False) -> list[Rule]:
-    """PaddleNLP QWenForCausalLM. Its MLP computes w1(x) * silu(w2(x)): w2 is the gate, w1 the up branch."""
-    p = "qwen.h.{i}."
-    biases = [
-        R(p + "attn.c_proj.bias", _attn("o_proj.bias")),
-        R(p + "mlp.w1.bias", _mlp("up_proj.bias")),
-        R(p + "mlp.w2.bias", _mlp("gate_proj.bias")),
-        R(p + "mlp.c_proj.bias", _mlp("down_proj.bias")),
-    ]  # only with config no_bias false
-    return [
-        R("qwen.wte.weight", "embeddings.word_embeddings.weight"),
-        R(p + "ln_1.weight", INPUT_NORM + ".weight"),
-        R(p + "attn.c_attn.weight", QKV_WEIGHTS, "concat"),
-        R(p + "attn.c_attn.bias", QKV_BIASES, "concat"),
-        R(p + "attn.c_proj.weight", _attn("o_proj.weight")),
-        R(p + "ln_2.weight", POST_ATTENTION_NORM + ".weight"),
-        R(p + "mlp.w1.weight", _mlp("up_proj.weight")),
-        R(p + "mlp.w2.weight", _mlp("gate_proj.weight")),
-        R(p + "mlp.c_proj.weight", _mlp("down_proj.weight")),
-        *(biases if linear_bias else []),
-        R("qwen.ln_f.weight", "norm.weight"),
-        R("lm_head.weight", "lm_head.weight"),
-    ]
-
-
-def _weight_and_bias(theirs: str, ours: str) -> list[Rule]:
+def weight_and_bias(theirs: str, ours: str) -> list[Rule]:
     return [R(f"{theirs}.weight", f"{ours}.weight"), R(f"{theirs}.bias", f"{ours}.bias")]
 
 
-def gpt_table(fuse_qkv: bool = False) -> list[Rule]:
-    """PaddleNLP GPTForCausalLM: pre-norm, biases everywhere, head tied to the word embedding."""
-    p = "gpt.decoder.layers.{i}."
-    return [
-        R("gpt.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-        R("gpt.embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
-        *_weight_and_bias(p + "norm1", INPUT_NORM),
-        *([R(p + "self_attn.qkv_proj.weight", QKV_WEIGHTS, "per_head"),
-           R(p + "self_attn.qkv_proj.bias", QKV_BIASES, "per_head")] if fuse_qkv else
-          [r for n in "qkv" for r in _weight_and_bias(p + f"self_attn.{n}_proj", _attn(f"{n}_proj"))]),
-        *_weight_and_bias(p + "self_attn.out_proj", _attn("o_proj")),
-        *_weight_and_bias(p + "norm2", POST_ATTENTION_NORM),
-        *_weight_and_bias(p + "linear1", _mlp("up_proj")),
-        *_weight_and_bias(p + "linear2", _mlp("down_proj")),
-        *_weight_and_bias("gpt.decoder.norm", "norm"),
-        R("lm_head.weight", "embeddings.word_embeddings.weight", export_only=True),
-    ]
+def _record(config: ModelConfig):
+    from models.families import get_family
 
-
-def bloom_table() -> list[Rule]:
-    """PaddleNLP BloomForCausalLM: LayerNorm after the embedding, ALiBi, per-head fused q/k/v, tied head."""
-    p = "bloom.h.{i}."
-    return [
-        R("bloom.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-        *_weight_and_bias("bloom.word_embeddings_layernorm", "embeddings.word_embeddings_layernorm"),
-        *_weight_and_bias(p + "input_layernorm", INPUT_NORM),
-        R(p + "self_attention.query_key_value.weight", QKV_WEIGHTS, "per_head"),
-        R(p + "self_attention.query_key_value.bias", QKV_BIASES, "per_head"),
-        *_weight_and_bias(p + "self_attention.dense", _attn("o_proj")),
-        *_weight_and_bias(p + "post_attention_layernorm", POST_ATTENTION_NORM),
-        *_weight_and_bias(p + "mlp.dense_h_to_4h", _mlp("up_proj")),
-        *_weight_and_bias(p + "mlp.dense_4h_to_h", _mlp("down_proj")),
-        *_weight_and_bias("bloom.ln_f", "norm"),
-    ]
-
-
-def hf_baichuan_table() -> list[Rule]:
-    """Hugging Face Baichuan/Baichuan2 (import only): LLaMA with W_pack = [q; k; v], PyTorch [out, in] layout."""
-    p = "model.layers.{i}."
-    return [
-        R("model.embed_tokens.weight", "embeddings.word_embeddings.weight"),
-        R(p + "input_layernorm.weight", INPUT_NORM + ".weight"),
-        R(p + "self_attn.W_pack.weight", QKV_WEIGHTS, "concat_transpose"),
-        R(p + "self_attn.o_proj.weight", _attn("o_proj.weight"), "transpose"),
-        R(p + "post_attention_layernorm.weight", POST_ATTENTION_NORM + ".weight"),
-        *[R(p + f"mlp.{n}.weight", _mlp(f"{n}.weight"), "transpose") for n in ("gate_proj", "up_proj", "down_proj")],
-        R("model.norm.weight", "norm.weight"),
-        R("lm_head.weight", "lm_head.weight", "transpose"),
-    ]
-
-
-# Our family -> (PaddleNLP class, model_type) written on export.
-EXPORT_CLASS = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "baichuan": ("LlamaForCausalLM", "llama"),
-    "qwen": ("QWenForCausalLM", "qwen"),
-    "gpt3": ("GPTForCausalLM", "gpt"),
-    "bloom": ("BloomForCausalLM", "bloom"),
-}
-
-# What each PaddleNLP class can express; export refuses anything else (one line naming the field).
-_CLASS_REQUIRES = {
-    "llama": dict(norm_type="rmsnorm", hidden_act="silu", position_embedding=("rope", "alibi"), linear_bias=False,
-                  qkv_bias=False, embedding_layernorm=False),
-    "qwen": dict(norm_type="rmsnorm", hidden_act="silu", position_embedding="rope", embedding_layernorm=False),
-    "gpt": dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="learned", linear_bias=True,
-                tie_word_embeddings=True, embedding_layernorm=False, norm_eps=1e-5),
-    "bloom": dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="alibi", linear_bias=True,
-                  tie_word_embeddings=True, embedding_layernorm=True),
-}
+    return get_family(config.family)
 
 
 def export_table(config: ModelConfig) -> list[Rule]:
-    model_type = EXPORT_CLASS[config.family][1]
-    if model_type == "llama":
-        return llama_table()
-    if model_type == "qwen":
-        return qwen_table(linear_bias=config.linear_bias)
-    return gpt_table() if model_type == "gpt" else bloom_table()
+    return _record(config).paddlenlp.export_table(config)
 
 
 def import_table(raw: dict, config: ModelConfig, names=()) -> list[Rule]:
-    """The table for a PaddleNLP/HF config.json (the fused variants follow its fuse_* switches).
+    """The table for a PaddleNLP/HF config.json: its model_type's family reads it (names: the weights')."""
+    from models.families import family_for_model_type, supported_model_types
 
-    A "baichuan" config.json with weights in PaddleNLP's LLaMA names (llama.*) is PaddleNLP's
-    conversion of Baichuan: the LLaMA table, not Hugging Face's W_pack one.
-    """
     model_type = str(raw.get("model_type", "llama")).lower()
-    if model_type == "llama" or (model_type == "baichuan" and any(n.startswith("llama.") for n in names)):
-        return llama_table(bool(raw.get("fuse_attention_qkv")), bool(raw.get("fuse_attention_ffn")))
-    if model_type == "qwen":
-        return qwen_table(linear_bias=config.linear_bias)
-    if model_type == "gpt":
-        return gpt_table(bool(raw.get("fuse_attention_qkv")))
-    if model_type == "bloom":
-        return bloom_table()
-    if model_type == "baichuan":
-        return hf_baichuan_table()
-    raise UsageError(f"model_type {model_type!r} has no weight mapping; supported: llama, baichuan, qwen, gpt, bloom")
+    record = family_for_model_type(model_type)
+    if record is None:
+        raise UsageError(f"model_type {model_type!r} has no weight mapping; supported: "
+                         f"{', '.join(supported_model_types())}")
+    return record.paddlenlp.import_table(raw, config, names)
 
 
 def _expand(table: list[Rule], num_layers: int) -> list[Rule]:
@@ -347,7 +229,7 @@ def to_paddlenlp_state(config: ModelConfig, state: dict) -> dict[str, np.ndarray
     check_exportable(config)
     ours = unfuse(config, {k: _to_numpy(v) for k, v in state.items()})
     check_state(config, fuse(config, dict(ours)), "the weights to export")
-    if "lm_head.weight" not in ours and EXPORT_CLASS[config.family][1] in ("llama", "qwen"):
+    if "lm_head.weight" not in ours and _record(config).paddlenlp.explicit_head:
         ours["lm_head.weight"] = ours["embeddings.word_embeddings.weight"].T  # tied: an explicit head
     elif config.norm_head:
         head = ours["lm_head.weight"]  # [hidden, vocab]: each vocab column has unit norm (as F.normalize(axis=0))
@@ -407,19 +289,14 @@ def check_state(config: ModelConfig, state: dict, source: str) -> None:
 
 
 def check_exportable(config: ModelConfig) -> None:
-    if config.family not in EXPORT_CLASS:
-        raise UsageError(f"family {config.family!r} has no PaddleNLP counterpart")
-    class_name, model_type = EXPORT_CLASS[config.family]
-    for key, allowed in _CLASS_REQUIRES[model_type].items():
+    target = _record(config).paddlenlp
+    for key, allowed in target.requires.items():
         value = getattr(config, key)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
-            raise UsageError(f"PaddleNLP's {class_name} cannot express {key}={value!r} (it needs {allowed!r})")
-    if model_type != "llama" and config.num_key_value_heads != config.num_attention_heads:
-        raise UsageError(f"PaddleNLP's {class_name} has no grouped-query attention (num_key_value_heads "
-                         f"{config.num_key_value_heads} != num_attention_heads {config.num_attention_heads})")
-    if model_type == "bloom" and config.intermediate_size != 4 * config.hidden_size:
-        raise UsageError(f"PaddleNLP's {class_name} has an MLP of 4 x hidden_size = {4 * config.hidden_size}, "
-                         f"not intermediate_size {config.intermediate_size}")
+            raise UsageError(f"PaddleNLP's {target.class_name} cannot express {key}={value!r} (it needs {allowed!r})")
+    problem = target.check(config)
+    if problem:
+        raise UsageError(f"PaddleNLP's {target.class_name} cannot express {problem}")
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -447,46 +324,7 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- config.json
 def paddlenlp_config(config: ModelConfig) -> dict:
     """config.json of the PaddleNLP class that computes what `config` does (see the module docstring)."""
-    class_name, model_type = EXPORT_CLASS[config.family]
-    c = config
-    common = dict(architectures=[class_name], model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                  initializer_range=c.initializer_range)
-    if model_type == "llama":
-        specific = dict(
-            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
-            rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, alibi=c.position_embedding == "alibi",
-            tie_word_embeddings=False, fuse_attention_qkv=False, fuse_attention_ffn=False,
-        )
-    elif model_type == "qwen":
-        specific = dict(
-            intermediate_size=2 * c.intermediate_size,  # Qwen's convention: both SwiGLU branches
-            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads, kv_channels=c.head_dim,
-            max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
-            layer_norm_epsilon=c.norm_eps, rotary_emb_base=c.rope_theta, rotary_pct=1.0, no_bias=not c.linear_bias,
-            emb_dropout_prob=c.hidden_dropout_prob, attn_dropout_prob=c.attention_probs_dropout_prob,
-            tie_word_embeddings=False,
-        )
-    elif model_type == "gpt":
-        specific = dict(
-            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads, max_position_embeddings=c.max_position_embeddings,
-            seq_length=c.max_position_embeddings, hidden_activation="gelu", layer_norm_eps=c.norm_eps,
-            hidden_dropout_prob=c.hidden_dropout_prob, attention_probs_dropout_prob=c.attention_probs_dropout_prob,
-            ignore_index=-100, normalize_before=True, fuse_attention_qkv=False, tie_word_embeddings=True,
-        )
-    else:  # bloom
-        specific = dict(
-            n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, layer_norm_epsilon=c.norm_eps,
-            hidden_dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
-            apply_residual_connection_post_layernorm=False, pretraining_tp=1, slow_but_exact=False,
-            tie_word_embeddings=True,
-            max_position_embeddings=c.max_position_embeddings,  # not Bloom's; kept for the way back
-        )
-    if c.norm_head and not c.tie_word_embeddings:
-        specific["norm_head"] = True  # not read by PaddleNLP 2.8 (the head is exported normalized); for the way back
-    return {**common, **specific}
+    return _record(config).paddlenlp.config_json(config)
 
 
 # ----------------------------------------------------------------------------- directories
@@ -518,7 +356,8 @@ def export_to_paddlenlp(source, out_dir: str, config: ModelConfig | None = None,
     _save(out_dir, paddle_config, theirs)
     if tokenizer_dir:
         _copy_tokenizer(tokenizer_dir, out_dir)
-    parameters = sum(v.size for k, v in theirs.items() if k != "lm_head.weight" or config.family != "gpt3")
+    copies = {r.theirs for r in export_table(config) if r.export_only}  # tied copies (GPT's lm_head)
+    parameters = sum(v.size for k, v in theirs.items() if k not in copies)
     return {"out_dir": out_dir, "config": paddle_config, "tensors": len(theirs), "parameters": int(parameters)}
 
 

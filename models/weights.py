@@ -71,14 +71,16 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 # PaddleNLP draws the output projection of each residual branch (attention o_proj, MLP down_proj)
-# with std initializer_range / sqrt(2 * layers) for LLaMA/Baichuan (LlamaPretrainedModel._init_weights),
-# Qwen (c_proj) and GPT-3 (out_proj, linear2), as GPT-2 does; Bloom draws them like every other weight.
-SCALED_OUTPUT_INIT_FAMILIES = ("llama", "baichuan", "qwen", "gpt3")
+# with std initializer_range / sqrt(2 * layers) in the families whose record says scaled_output_init
+# (LLaMA/Baichuan: LlamaPretrainedModel._init_weights, Qwen: c_proj, Qwen2, GPT-3: out_proj, linear2,
+# as GPT-2 does); Bloom draws them like every other weight.
 OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
 
 
 def weight_std(name: str, config) -> float:
-    if config.family in SCALED_OUTPUT_INIT_FAMILIES and name.endswith(OUTPUT_PROJECTIONS):
+    from models.families import get_family
+
+    if get_family(config.family).scaled_output_init and name.endswith(OUTPUT_PROJECTIONS):
         return config.initializer_range / math.sqrt(2 * config.num_hidden_layers)
     return config.initializer_range
 

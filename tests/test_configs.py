@@ -101,3 +101,25 @@ def test_table_files_keep_paddlenlp_recipes():
         == (4, 2, 16)
     llama_pp = read("llama/pretrain-llama_13b-pp4tp2sd2_stage1.json")
     assert llama_pp.sequence_parallel and llama_pp.fp16 and llama_pp.initializer_range == 0.002
+
+
+def test_paddlenlp_files_that_2_8_1_runs_keep_their_values():
+    """Files PaddleNLP 2.8.1 runs, with its values: Llama 3 / Qwen1.5 / Qwen2 / Qwen2.5 names, continue_training
+    beyond the checkpoint's context (rotary tables extend), pipeline eval batches other than the micro-batch."""
+    def read(rel):
+        return parse_arguments([os.path.join(REPO_ROOT, "configs", rel)])[0]
+
+    names = {rel: read(rel).model_name_or_path for rel in (
+        "llama/pretrain-llama3_8b-tp2sd4_stage2.json", "qwen2/pretrain-qwen1.5_7b-tp2sd4_stage2.json",
+        "qwen2/pretrain-qwen2_7b-tp2sd4_stage2.json", "qwen2/pretrain-qwen2_7b-sd8_stage2.json",
+        "qwen2/pretrain-qwen2.5_0.5b-sd8_stage2.json")}
+    assert sorted(names.values()) == sorted(["meta-llama/Meta-Llama-3-8B", "Qwen/Qwen1.5-7B", "Qwen/Qwen2-7B",
+                                             "Qwen/Qwen2-7B", "Qwen/Qwen2.5-0.5B"])
+    ziya = read("llama/pretrain-ziya_llama_13b-tp2sd4_stage2.json")
+    assert ziya.continue_training and ziya.max_seq_length == 4096
+    config, _, notes = build_model_config(ziya, plan_layout(ziya, 8), "cpu")
+    assert config.max_position_embeddings == 2048 and any("extended" in note for note in notes)
+    qwen_pp = read("qwen/pretrain-qwen_7b-pp4tp2sd1_stage1.json")
+    assert (qwen_pp.per_device_eval_batch_size, qwen_pp.per_device_train_batch_size) == (16, 1)
+    llama_pp = read("llama/pretrain-llama_13b-pp4tp2sd2_stage1.json")
+    assert (llama_pp.per_device_eval_batch_size, llama_pp.per_device_train_batch_size) == (64, 2)

@@ -28,23 +28,17 @@ from models.paddlenlp_interop import (
 )
 from models.registry import config_from_dict, resolve_model
 from models.weights import load_full_weights, local_slice
+from models.families import FAMILIES
 from test_reference_parity import (
-    CASES, TOLERANCE, build_ours, build_paddlenlp_model, inputs, our_outputs, paddlenlp_outputs, randomize,
+    CASES, RECORD_CASES, TOLERANCE, build_ours, build_paddlenlp_model, inputs, load_reference, our_outputs,
+    paddlenlp_outputs, randomize, reference_config_json, reference_state, save_reference,
 )
 
 paddlenlp_transformers = pytest.importorskip("paddlenlp.transformers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One model per family: (parity case whose config we use, changes to our config)
-FAMILY_CASES = {
-    "llama": ("llama_gqa", {}),
-    "baichuan2_13b": ("baichuan13b_alibi", dict(norm_head=True)),  # ALiBi + NormHead
-    "qwen": ("qwen", {}),
-    "gpt3": ("gpt3", {}),
-    "bloom": ("bloom", {}),
-}
-EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "baichuan2_13b": "LlamaForCausalLM", "qwen": "QWenForCausalLM",
-                  "gpt3": "GPTForCausalLM", "bloom": "BloomForCausalLM"}
+# One model per family, from its record: (parity case whose config we use, changes to our config)
+FAMILY_CASES = {name: family.export_case for name, family in FAMILIES.items()}
 
 
 def our_random_model(config, seed=5):
@@ -81,9 +75,11 @@ def test_export_then_paddlenlp_loads_same_model(family, tmp_path):
     ours = our_random_model(config)
     result = export_to_paddlenlp(full_state(ours), str(tmp_path), config=config)
     written = json.loads((tmp_path / "config.json").read_text())
-    assert written == result["config"] and written["architectures"] == [EXPECTED_CLASS[family]]
-    reference = load_with_paddlenlp(str(tmp_path))
-    assert type(reference).__name__ == EXPECTED_CLASS[family]
+    expected_class = FAMILIES[family].paddlenlp.class_name
+    assert written == result["config"] and written["architectures"] == [expected_class]
+    reference = load_reference(case, str(tmp_path))
+    if not RECORD_CASES[case].qkv_bias:  # PaddleNLP 2.8.1 loads it with its own class
+        assert type(reference).__name__ == expected_class
     assert_same_outputs(ours, reference)
 
 
@@ -151,7 +147,7 @@ def test_export_refuses_what_paddlenlp_cannot_express(tmp_path):
 def test_import_round_trip(case, tmp_path):
     """save_pretrained -> import -> our model computes PaddleNLP's logits; export gives back the same tensors."""
     reference, _, expected_config = build_paddlenlp_model(case, seed=11)
-    reference.save_pretrained(str(tmp_path / "pd"))
+    save_reference(case, reference, str(tmp_path / "pd"))
     result = import_from_paddlenlp(str(tmp_path / "pd"), str(tmp_path / "ours"))
     config, weights_file = resolve_model(str(tmp_path / "ours"))
     assert result["config"] == config.architecture_dict() == expected_config.architecture_dict()
@@ -159,12 +155,17 @@ def test_import_round_trip(case, tmp_path):
     ours = build_ours(config, paddle.load(weights_file))
     assert_same_outputs(ours, reference)
 
+    if config.rope_scaling:  # PaddleNLP 2.8.1's LLaMA has no Llama 3.1 scaling: export refuses it
+        with pytest.raises(UsageError, match="rope_scaling"):
+            export_to_paddlenlp(str(tmp_path / "ours"), str(tmp_path / "again"))
+        return
     export_to_paddlenlp(str(tmp_path / "ours"), str(tmp_path / "again"))
-    assert_same_outputs(ours, load_with_paddlenlp(str(tmp_path / "again")))
+    assert_same_outputs(ours, load_reference(case, str(tmp_path / "again")))
     raw = json.loads((tmp_path / "pd" / "config.json").read_text())
     if not (raw.get("fuse_attention_qkv") or raw.get("fuse_attention_ffn")):  # export writes the unfused layout
         again = paddle.load(str(tmp_path / "again" / "model_state.pdparams"))
-        for name, value in reference.state_dict().items():
+        assert sorted(again) == sorted(n for n in reference_state(case, reference) if n != "lm_head.decoder_weight")
+        for name, value in reference_state(case, reference).items():
             if name != "lm_head.decoder_weight":  # Bloom's tied head, not saved by PaddleNLP either
                 assert np.array_equal(again[name].numpy(), value.numpy()), name
 
@@ -173,6 +174,7 @@ def test_import_round_trip(case, tmp_path):
 def test_paddlenlp_config_reads_as_our_config(case):
     _, config_name, kwargs, expected = CASES[case]
     raw = getattr(paddlenlp_transformers, config_name)(**kwargs).to_dict()
+    raw = reference_config_json(case, raw)
     assert config_from_dict(raw, "test").architecture_dict() == expected.architecture_dict()
     # and our export config describes the same architecture
     exported = paddlenlp_config(expected.replace(fuse_attention_qkv=False, fuse_attention_ffn=False))
@@ -251,7 +253,9 @@ def test_paddlenlp_directory_with_weights_must_be_imported_first(tmp_path):
 
 
 def test_import_errors(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 256,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "intermediate_size": 176}))
     with pytest.raises(UsageError, match="no weights"):
         import_from_paddlenlp(str(tmp_path), str(tmp_path / "out"))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
@@ -305,3 +309,59 @@ def test_scripts_bad_input_is_one_line_exit_2(script, args, message, tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("case", ["qwen2", "llama3"])
+def test_import_hugging_face_safetensors(case, tmp_path):
+    """Hugging Face's Qwen2 / Llama 3 checkpoints (model.safetensors: "model." names, PyTorch's [out, in]
+    matrices, no lm_head when tied) import to the model the reference computes."""
+    from safetensors.numpy import save_file
+
+    reference, raw, config = build_paddlenlp_model(case, seed=29)
+    prefix = "qwen2." if RECORD_CASES[case].qkv_bias else "llama."
+    hf = {}
+    for name, value in reference_state(case, reference).items():
+        value = value.numpy()
+        hf_name = "lm_head.weight" if name == "lm_head.weight" else "model." + name[len(prefix):]
+        hf[hf_name] = np.ascontiguousarray(value.T if value.ndim == 2 and "embed_tokens" not in name else value)
+    (tmp_path / "hf").mkdir()
+    save_file(hf, str(tmp_path / "hf" / "model.safetensors"))
+    hf_config = {**raw, "architectures": ["Qwen2ForCausalLM" if prefix == "qwen2." else "LlamaForCausalLM"],
+                 "tie_word_embeddings": config.tie_word_embeddings}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    imported, weights_file = resolve_model(str(tmp_path / "ours"))
+    assert imported.architecture_dict() == config.architecture_dict()
+    assert_same_outputs(build_ours(imported, paddle.load(weights_file)), reference)
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_import_hugging_face_gpt2(prefix, tmp_path):
+    """Hugging Face GPT-2 (model_type "gpt2"): Conv1D [in, out] matrices, c_attn = [q | k | v], tied head;
+    the original checkpoints have no "transformer." prefix. Built by hand from PaddleNLP's GPT weights."""
+    from safetensors.numpy import save_file
+
+    reference, _, config = build_paddlenlp_model("gpt3", seed=31)
+    pd = {k: v.numpy() for k, v in reference.state_dict().items()}
+    hf = {f"{prefix}wte.weight": pd["gpt.embeddings.word_embeddings.weight"],
+          f"{prefix}wpe.weight": pd["gpt.embeddings.position_embeddings.weight"]}
+    for i in range(config.num_hidden_layers):
+        p, q = f"gpt.decoder.layers.{i}.", f"{prefix}h.{i}."
+        for leaf in ("weight", "bias"):
+            hf[q + "attn.c_attn." + leaf] = np.concatenate([pd[p + f"self_attn.{n}_proj.{leaf}"] for n in "qkv"], -1)
+            for theirs, ours in (("attn.c_proj", "self_attn.out_proj"), ("ln_1", "norm1"), ("ln_2", "norm2"),
+                                 ("mlp.c_fc", "linear1"), ("mlp.c_proj", "linear2")):
+                hf[q + theirs + "." + leaf] = pd[p + ours + "." + leaf]
+    hf[f"{prefix}ln_f.weight"], hf[f"{prefix}ln_f.bias"] = pd["gpt.decoder.norm.weight"], pd["gpt.decoder.norm.bias"]
+    (tmp_path / "hf").mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in hf.items()}, str(tmp_path / "hf" / "model.safetensors"))
+    hf_config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+                 "n_embd": config.hidden_size, "n_layer": config.num_hidden_layers,
+                 "n_head": config.num_attention_heads, "n_positions": config.max_position_embeddings, "n_inner": None,
+                 "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
+                 "attn_pdrop": 0.0, "embd_pdrop": 0.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    imported, weights_file = resolve_model(str(tmp_path / "ours"))
+    assert imported.architecture_dict() == config.architecture_dict()
+    assert_same_outputs(build_ours(imported, paddle.load(weights_file)), reference)

@@ -1,11 +1,15 @@
 """Every parallel layout trains exactly like one process: same losses, grad norms and final weights.
 
-References run once in one plain process (the tiny preset of every family with 8 layers). Each test is one `paddle.distributed.launch` that runs several
-trainings with the same degrees, each compared with its reference (tolerance 1e-5, fp32):
+References run once in one plain process (the tiny preset of every family record with 8 layers,
+models/families/; plus llama3-tiny, Llama 3.1's rotary scaling, in the tp2 and pp2 launches). Each
+test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
+compared with its reference (tolerance 1e-5, fp32); the pp2 and pp4vpp2 LLaMA runs also evaluate
+(eval batch 4 over training micro-batches of 2) and match the single process's eval losses:
 
     2 processes: dp2 (every family, resume)
-                 tp2 (+ SP, recompute granularities, resume; every family with and without SP)
-                 pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3 and Bloom)
+                 tp2 (+ SP, recompute granularities, resume; every family with and without SP;
+                      Qwen2 with one kv head: replicated)
+                 pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3, Bloom, Qwen2)
                  sharding degree 2, stages 1/2/3 (each alone and with recompute, resume; every
                  family in every stage, with recompute)
                  two nodes of one process each (dp2)
@@ -17,6 +21,7 @@ The global batch is always 8 samples: gradient_accumulation_steps = 4 / data rep
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,12 +31,21 @@ from pathlib import Path
 import pytest
 
 from launch_utils import REPO_ROOT, free_port
+from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    TRAIN_RUNS, argv, assert_same_training, base_arguments, run_launch, run_record, run_single, train_records,
-    write_json,
+    TRAIN_RUNS, argv, assert_same_training, base_arguments, final_weights, run_launch, run_record, run_single,
+    train_records, write_json,
 )
 
-FAMILIES = ("qwen", "baichuan", "gpt3", "bloom")  # LLaMA is the main reference
+# Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
+# qwen2-tiny: one kv head (replicated under tp2) and a tied head (shared across pipeline stages).
+FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values() if family.name != "llama")
+ROPE_SCALED = ("llama3",)  # Llama 3.1's rotary scaling: the layouts that split heads or sequences
+# Evaluation with an eval batch (4) other than the training micro-batch (2): the pipeline runs it as
+# several training-sized micro-batches. Valid split at steps 2 and 4 (different samples), test split at the end.
+EVALUATION = dict(do_eval=True, do_predict=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
+# 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
+EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
 
 
@@ -57,12 +71,13 @@ class Parity:
 def parity(tmp_path_factory, embedded_corpus) -> Parity:
     work = tmp_path_factory.mktemp("parity")
     files = {"llama": write_json(work / "llama.json", base_arguments(embedded_corpus, work))}
-    for family in FAMILIES:
+    for family in FAMILIES + ROPE_SCALED:
         files[family] = write_json(work / f"{family}.json", base_arguments(
             embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
     setup = Parity(work, files, {model: work / "single" / model for model in files})
-    runs = [argv(files[model], setup.references[model]) for model in files]
-    runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g) for g in GRANULARITIES]
+    runs = [argv(files[model], setup.references[model], **(EVALUATION if model == "llama" else {})) for model in files]
+    runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g,
+                       **(EVALUATION_6 if g == "full" else {})) for g in GRANULARITIES]
     run_single(runs, work, "single")
     return setup
 
@@ -101,29 +116,49 @@ def test_tensor_parallel(parity):
     ]
     # Baichuan: ALiBi slopes sliced per rank and NormHead; GPT-3: learned positions under SP;
     # Bloom: ALiBi and the embedding LayerNorm under SP.
-    for family in FAMILIES:
+    for family in FAMILIES + ROPE_SCALED:
         runs += [parity.run(f"{family}-tp2", family, **tp),
                  parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
     run_launch(2, runs, parity.work, "tp2")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
-                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES for sp in ("", "-sp")])
+                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")])
+    # qwen2-tiny's single kv head is replicated on both ranks (not split): whole k/v projections
+    assert run_record(parity.out("qwen2-tp2"))["model_config"]["num_key_value_heads"] == 1
+    assert final_weights(parity.out("qwen2-tp2"))["layers.0.self_attn.k_proj.weight"].shape == (64, 16)
     assert run_record(parity.out("tp2"))["strategy"] == "tp2"
     assert [r["step"] for r in train_records(parity.out("tp2-resume"))] == [1, 2, 3, 4, 5]
+
+
+def eval_records(output_dir: Path) -> list[tuple]:
+    with open(output_dir / "train_log.jsonl", encoding="utf-8") as f:
+        return [(r["split"], r["step"], r["loss"]) for r in map(json.loads, f) if r["event"] == "eval"]
+
+
+def assert_same_evaluation(reference: Path, other: Path, predict: bool = True) -> None:
+    """The same eval records (split, step) with losses within 1e-5: the same samples, the same model."""
+    ref, got = eval_records(reference), eval_records(other)
+    expected = [("valid", 2), ("valid", 4)] + ([("test", 5)] if predict else [])
+    assert [r[:2] for r in ref] == [r[:2] for r in got] == expected
+    assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+    assert ref[0][2] != ref[1][2]  # the second evaluation reads the next samples of the split
 
 
 def test_pipeline_parallel(parity):
     pp = {"pipeline_parallel_degree": 2}
     runs = [
-        parity.run("pp2", **pp),
-        parity.run("pp2-recompute", **pp, recompute=True, pp_recompute_interval=2),
+        parity.run("pp2", **pp, **EVALUATION),
+        parity.run("pp2-recompute", **pp, recompute=True, pp_recompute_interval=2, **EVALUATION_6),
         parity.run("pp2-recompute-full_attn", **pp, recompute=True, recompute_granularity="full_attn"),
         parity.run("pp2-resume", **pp, exit_interval=2),
         parity.run("pp2-resume", **pp),
-    ] + [parity.run(f"{family}-pp2", family, **pp) for family in FAMILIES]  # GPT-3, Bloom: tied embeddings
+    ] + [parity.run(f"{family}-pp2", family, **pp)  # GPT-3, Bloom, Qwen2: tied embeddings
+         for family in FAMILIES + ROPE_SCALED]
     run_launch(2, runs, parity.work, "pp2")
     parity.check([(name, "llama") for name in ("pp2", "pp2-recompute", "pp2-recompute-full_attn", "pp2-resume")]
-                 + [(f"{family}-pp2", family) for family in FAMILIES])
+                 + [(f"{family}-pp2", family) for family in FAMILIES + ROPE_SCALED])
+    assert_same_evaluation(parity.references["llama"], parity.out("pp2"))
+    assert_same_evaluation(parity.out("single-recompute-full"), parity.out("pp2-recompute"), predict=False)
     assert run_record(parity.out("pp2"))["strategy"] == "pp2"
 
 
@@ -172,9 +207,10 @@ def test_sharding2_tp2(parity):
 
 def test_pp4_interleaved(parity):
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
-    run_launch(4, [parity.run("pp4vpp2", **degrees)]
+    run_launch(4, [parity.run("pp4vpp2", **degrees, **EVALUATION)]
                + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES], parity.work, "pp4vpp2")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES])
+    assert_same_evaluation(parity.references["llama"], parity.out("pp4vpp2"))
     assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
 
 

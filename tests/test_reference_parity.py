@@ -17,13 +17,17 @@ PaddleNLP's LLaMA(alibi) body with a head we L2-normalize in numpy.
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import paddle
 import pytest
 
-from models.config import make_config
 from models.decoder import CausalLM
-from models.paddlenlp_interop import from_paddlenlp_state
+from models.families import FAMILIES, get_family, reference_cases
+from models.paddlenlp_interop import from_paddlenlp_state, paddlenlp_config
+from models.rope import llama3_scaled_inv_freq
 from models.weights import init_weights, load_full_weights
 
 paddlenlp_transformers = pytest.importorskip("paddlenlp.transformers")
@@ -31,60 +35,126 @@ paddlenlp_transformers = pytest.importorskip("paddlenlp.transformers")
 TOLERANCE = 1e-5
 BATCH, SEQ, VOCAB = 2, 16, 256
 
-
-def _llama_sizes(hidden=64, heads=4, kv_heads=2):
-    return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64)
-
-
-def _our_sizes(hidden=64, heads=4, kv_heads=None, inner=176):
-    return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=2,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64)
-
-
-# name -> (PaddleNLP class name, its config class name, its config kwargs, our ModelConfig)
-CASES = {
-    "llama_gqa": ("LlamaForCausalLM", "LlamaConfig", dict(**_llama_sizes(), rms_norm_eps=1e-6),
-                  make_config("llama", **_our_sizes(kv_heads=2), norm_eps=1e-6)),
-    # PaddleNLP's fused layouts (qkv per kv-head group, gate|up) into our fused ones (q|k|v, gate|up)
-    "llama_fused": ("LlamaForCausalLM", "LlamaConfig",
-                    dict(**_llama_sizes(), rms_norm_eps=1e-5, fuse_attention_qkv=True, fuse_attention_ffn=True),
-                    make_config("llama", **_our_sizes(kv_heads=2), norm_eps=1e-5, fuse_attention_qkv=True,
-                                fuse_attention_ffn=True)),
-    # Baichuan-13B: PaddleNLP's LLaMA with alibi=True; 6 heads exercise the non-power-of-2 slopes (13B has 40)
-    "baichuan13b_alibi": ("LlamaForCausalLM", "LlamaConfig", dict(**_llama_sizes(96, 6, 6), alibi=True),
-                          make_config("baichuan", **_our_sizes(96, 6), position_embedding="alibi")),
-    "qwen": ("QWenForCausalLM", "QWenConfig",
-             dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=2 * 176, num_hidden_layers=2,
-                  num_attention_heads=4, kv_channels=16, max_position_embeddings=64, seq_length=64,
-                  layer_norm_epsilon=1e-6),
-             make_config("qwen", **_our_sizes())),
-    "gpt3": ("GPTForCausalLM", "GPTConfig",
-             dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  ignore_index=-100),
-             make_config("gpt3", **_our_sizes(inner=256))),
-    "gpt3_fused_qkv": ("GPTForCausalLM", "GPTConfig",
-                       dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, ignore_index=-100, fuse_attention_qkv=True),
-                       make_config("gpt3", **_our_sizes(inner=256), fuse_attention_qkv=True)),
-    "bloom": ("BloomForCausalLM", "BloomConfig",
-              dict(vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6, layer_norm_epsilon=1e-5),
-              # Bloom's config has no max_position_embeddings (ALiBi); read as its training length 2048
-              make_config("bloom", **{**_our_sizes(96, 6, inner=384), "max_position_embeddings": 2048})),
-}
+# name -> ReferenceCase (the reference class, its config, our ModelConfig): every family record's cases
+RECORD_CASES = reference_cases()
+CASES = {name: (case.class_name, case.config_class, case.kwargs, case.config) for name, case in RECORD_CASES.items()}
 
 
 def build_paddlenlp_model(case: str, seed: int = 0):
-    """(PaddleNLP model in eval mode with random weights, its config as a dict, our ModelConfig)."""
-    class_name, config_name, kwargs, ours = CASES[case]
-    config = getattr(paddlenlp_transformers, config_name)(**kwargs)
+    """(reference model in eval mode with random weights, its config.json as a dict, our ModelConfig).
+
+    The config.json and the weights' names are those of the family's reference format: for a case
+    whose reference is PaddleNLP's LLaMA given q/k/v biases (Qwen2), use `reference_state` /
+    `save_reference` to get them in Qwen2's names.
+    """
+    record = RECORD_CASES[case]
+    config = getattr(paddlenlp_transformers, record.config_class)(**record.kwargs)
     paddle.seed(seed)
-    model = getattr(paddlenlp_transformers, class_name)(config)
+    model = getattr(paddlenlp_transformers, record.class_name)(config)
+    if record.qkv_bias:
+        give_qkv_biases(model)
+    if record.rope_scaling:
+        scale_rotary_tables(model, record.rope_scaling)
     randomize(model, seed)
+    if record.config.tie_word_embeddings and record.class_name == "LlamaForCausalLM":
+        with paddle.no_grad():  # PaddleNLP 2.8.1's LLaMA cannot tie its [hidden, vocab] head: set it equal
+            model.lm_head.weight.set_value(model.llama.embed_tokens.weight.numpy().T)
     model.eval()
-    return model, config.to_dict(), ours
+    return model, reference_config_json(case, config.to_dict()), record.config
+
+
+def give_qkv_biases(model) -> None:
+    """PaddleNLP's LLaMA attention with biases on q/k/v: Qwen2's attention (HF's Qwen2Attention is
+    LlamaAttention with bias=True on q_proj, k_proj, v_proj)."""
+    for layer in model.llama.layers:
+        attention = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attention, name)
+            setattr(attention, name, paddle.nn.Linear(old.weight.shape[0], old.weight.shape[1]))
+
+
+def scale_rotary_tables(model, scaling: dict) -> None:
+    """Llama 3.1's rotary tables in PaddleNLP's LLaMA, written independently in numpy (Meta's apply_scaling)."""
+    for layer in model.llama.layers:
+        rotary = layer.self_attn.rotary_emb
+        inv_freq = _meta_apply_scaling(rotary.inv_freq.numpy(), scaling)
+        freqs = np.outer(np.arange(rotary.max_seq_len_cached, dtype=np.float32), inv_freq)
+        angles = np.concatenate([freqs, freqs], axis=-1)
+        rotary.cos_cached = paddle.to_tensor(np.cos(angles)[None, :, None, :].astype("float32"))
+        rotary.sin_cached = paddle.to_tensor(np.sin(angles)[None, :, None, :].astype("float32"))
+
+
+def _meta_apply_scaling(freqs: np.ndarray, scaling: dict) -> np.ndarray:
+    """Meta's llama3 reference `apply_scaling` (llama/model.py), a loop over the frequencies."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.astype(np.float64):
+        wavelength = 2 * np.pi / freq
+        if wavelength < old_context / high:
+            out.append(freq)
+        elif wavelength > old_context / low:
+            out.append(freq / factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out, dtype=np.float32)
+
+
+def reference_config_json(case: str, raw: dict) -> dict:
+    """The config.json a checkpoint of this case carries in its family's format."""
+    record = RECORD_CASES[case]
+    if record.qkv_bias:  # Qwen2: the family's own config.json (PaddleNLP 3 / Hugging Face Qwen2ForCausalLM)
+        return paddlenlp_config(record.config)
+    if record.rope_scaling:  # as Llama 3.1's config.json
+        return {**raw, "rope_scaling": dict(record.rope_scaling)}
+    return raw
+
+
+def reference_state(case: str, model) -> dict:
+    """The reference's weights in its family's format: Qwen2's names for the LLaMA-with-biases reference."""
+    state = model.state_dict()
+    if RECORD_CASES[case].qkv_bias:
+        tied = RECORD_CASES[case].config.tie_word_embeddings
+        state = {name.replace("llama.", "qwen2.", 1): value for name, value in state.items()
+                 if not (tied and name == "lm_head.weight")}
+    return state
+
+
+def load_reference(case: str, directory: str):
+    """The reference model from a directory in its family's format (PaddleNLP's from_pretrained where
+    PaddleNLP 2.8.1 has the class; Qwen2's layout into the LLaMA-with-biases reference)."""
+    record = RECORD_CASES[case]
+    if not record.qkv_bias:
+        model = paddlenlp_transformers.AutoModelForCausalLM.from_pretrained(directory)
+        model.eval()
+        return model
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    assert raw["model_type"] == "qwen2" and raw["architectures"] == ["Qwen2ForCausalLM"]
+    model = getattr(paddlenlp_transformers, record.class_name)(
+        getattr(paddlenlp_transformers, record.config_class)(**record.kwargs))
+    give_qkv_biases(model)
+    state = {name.replace("qwen2.", "llama.", 1): value
+             for name, value in paddle.load(os.path.join(directory, "model_state.pdparams")).items()}
+    if raw["tie_word_embeddings"]:
+        assert "lm_head.weight" not in state
+        state["lm_head.weight"] = paddle.to_tensor(state["llama.embed_tokens.weight"].numpy().T)
+    missing, unexpected = model.set_state_dict(state)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.eval()
+    return model
+
+
+def save_reference(case: str, model, directory: str) -> None:
+    """A checkpoint directory in the reference's format (PaddleNLP's save_pretrained, or Qwen2's layout)."""
+    model.save_pretrained(directory)
+    if RECORD_CASES[case].qkv_bias or RECORD_CASES[case].rope_scaling:
+        paddle.save(reference_state(case, model), os.path.join(directory, "model_state.pdparams"))
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(reference_config_json(case, raw), f)
 
 
 def randomize(model, seed: int) -> None:
@@ -136,7 +206,7 @@ def our_outputs(model, input_ids, labels):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_loss_match_paddlenlp(case):
     reference, raw_config, config = build_paddlenlp_model(case)
-    ours = build_ours(config, from_paddlenlp_state(config, raw_config, reference.state_dict()))
+    ours = build_ours(config, from_paddlenlp_state(config, raw_config, reference_state(case, reference)))
     input_ids, labels = inputs()
     ref_logits, ref_loss = paddlenlp_outputs(reference, input_ids, labels)
     logits, loss = our_outputs(ours, input_ids, labels)
@@ -184,22 +254,26 @@ def test_baichuan2_norm_head_against_normalized_head():
     assert np.abs(our_outputs(plain, input_ids, labels)[0] - logits).max() > 0.1
 
 
-@pytest.mark.parametrize("case", ["llama_gqa", "baichuan13b_alibi", "qwen", "gpt3", "bloom"])
+@pytest.mark.parametrize("case", [family.export_case[0] for family in FAMILIES.values()])
 def test_initial_weights_are_drawn_like_paddlenlp(case):
     """Each of our initial weight matrices has the spread PaddleNLP's own initialization gives it:
     N(0, initializer_range), the residual output projections (o_proj, down_proj) scaled by
-    1/sqrt(2 * layers) in every family but Bloom."""
+    1/sqrt(2 * layers) in every family whose record says scaled_output_init (all but Bloom).
+    Qwen2's reference is PaddleNLP's LLaMA initialization (Qwen2PretrainedModel._init_weights in
+    PaddleNLP 3 is LLaMA's)."""
     class_name, config_name, kwargs, config = CASES[case]
     paddle.seed(0)
     reference = getattr(paddlenlp_transformers, class_name)(getattr(paddlenlp_transformers, config_name)(**kwargs))
-    theirs = from_paddlenlp_state(config, reference.config.to_dict(), reference.state_dict())
+    # the reference's matrices in our names (its own class's layout: no q/k/v biases, untied head)
+    plain = config.replace(qkv_bias=False, tie_word_embeddings=False) if RECORD_CASES[case].qkv_bias else config
+    theirs = from_paddlenlp_state(plain, reference.config.to_dict(), reference.state_dict())
     model = CausalLM(config)
     init_weights(model, config, seed=0)
     ours = {name: param.numpy() for name, param in model.canonical_named_parameters()}
     scaled = []
     for name, value in theirs.items():
         value = value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)
-        if value.ndim != 2:
+        if value.ndim != 2 or name not in ours:  # a tied head is the embedding
             continue
         expected_std = value.std()
         if case == "bloom" and expected_std == 0:
@@ -210,5 +284,19 @@ def test_initial_weights_are_drawn_like_paddlenlp(case):
         assert ours[name].std() == pytest.approx(expected_std, rel=0.1), name
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             scaled.append(ours[name].std() / config.initializer_range)
-    expected = 1.0 if case == "bloom" else 0.5  # 2 layers: 1/sqrt(4)
+    expected = 0.5 if get_family(config.family).scaled_output_init else 1.0  # 2 layers: 1/sqrt(4)
     assert scaled and np.allclose(scaled, expected, rtol=0.1), scaled
+
+
+def test_llama31_rope_scaling_is_what_makes_the_difference():
+    """The Llama 3.1 case matches only with the scaling: the same weights without it give other logits,
+    and our frequencies are Meta's apply_scaling ones (here computed by the loop above)."""
+    reference, raw_config, config = build_paddlenlp_model("llama31")
+    state = from_paddlenlp_state(config, raw_config, reference_state("llama31", reference))
+    input_ids, labels = inputs()
+    scaled = our_outputs(build_ours(config, state), input_ids, labels)[0]
+    plain = our_outputs(build_ours(config.replace(rope_scaling=None), state), input_ids, labels)[0]
+    assert np.abs(scaled - plain).max() > 1e-2
+    inv_freq = (1.0 / 500000.0 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)).astype(np.float32)
+    np.testing.assert_allclose(llama3_scaled_inv_freq(inv_freq, config.rope_scaling),
+                               _meta_apply_scaling(inv_freq, config.rope_scaling), rtol=1e-6)

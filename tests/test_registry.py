@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from llm_pretrain.errors import UsageError
-from models.config import FAMILIES
+from models.families import FAMILIES
 from models.registry import ARCHITECTURES, config_from_dict, known_model_names, parameter_count, resolve_model
 
 REQUIRED = [
@@ -25,6 +25,11 @@ REQUIRED = [
     "gpt3-125M-en", "gpt3-350M-en", "gpt3-760M-en", "gpt3-1.3B-en", "gpt3-2.7B-en", "gpt3-6.7B-en", "gpt3-13B-en",
     "gpt3-175B-en", "gpt2-medium-en",
     "llama-tiny", "llama-small", "baichuan-tiny", "qwen-tiny", "gpt3-tiny", "bloom-tiny",
+    "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-70B", "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-405B", "llama3-tiny", "qwen2-tiny",
+    *[f"Qwen/Qwen1.5-{size}" for size in ("0.5B", "1.8B", "4B", "7B", "14B", "32B", "72B")],
+    *[f"Qwen/Qwen2-{size}" for size in ("0.5B", "1.5B", "7B", "72B")],
+    *[f"Qwen/Qwen2.5-{size}" for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B")],
 ]
 
 
@@ -115,13 +120,15 @@ def test_parameter_count_matches_the_model():
 
 
 def test_tiny_presets_split_two_ways():
-    for family in FAMILIES:
-        config = _get(f"{family}-tiny")
-        assert config.family == family and config.hidden_size == 64 and config.num_hidden_layers == 2
+    for family in FAMILIES.values():
+        config = _get(family.tiny)
+        assert config.family == family.name and config.hidden_size == 64 and config.num_hidden_layers == 2
         assert config.num_attention_heads == 4 and config.vocab_size == 256
-        for size in (config.num_attention_heads, config.num_key_value_heads, config.vocab_size,
-                     config.intermediate_size):
+        for size in (config.num_attention_heads, config.vocab_size, config.intermediate_size):
             assert size % 2 == 0
+        assert config.num_key_value_heads % 2 == 0 or 2 % config.num_key_value_heads == 0  # split or replicated
+    qwen2 = _get("qwen2-tiny")  # fewer kv heads than tp2 ranks, tied head: as the small Qwen2 sizes
+    assert qwen2.num_key_value_heads == 1 and qwen2.tie_word_embeddings and qwen2.qkv_bias
     tiny = _get("baichuan-tiny")
     assert tiny.position_embedding == "alibi" and tiny.norm_head
 
@@ -172,3 +179,130 @@ def test_reads_paddlenlp_and_hugging_face_configs(tmp_path):
 def test_unsupported_configs_are_usage_errors(raw, message):
     with pytest.raises(UsageError, match=message):
         config_from_dict(raw, "config.json")
+
+
+# ----------------------------------------------------------------------------- Llama 3 and Qwen1.5 / 2 / 2.5
+# (hidden, layers, heads, kv heads, intermediate, vocab, max positions, rms_norm_eps, rope_theta, tied):
+# the published config.json of each base model (Hugging Face hub, meta-llama/* and Qwen/*).
+PUBLISHED = {
+    "meta-llama/Meta-Llama-3-8B": (4096, 32, 32, 8, 14336, 128256, 8192, 1e-5, 500000.0, False),
+    "meta-llama/Meta-Llama-3-70B": (8192, 80, 64, 8, 28672, 128256, 8192, 1e-5, 500000.0, False),
+    "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, 131072, 1e-5, 500000.0, False),
+    "meta-llama/Llama-3.1-70B": (8192, 80, 64, 8, 28672, 128256, 131072, 1e-5, 500000.0, False),
+    "meta-llama/Llama-3.1-405B": (16384, 126, 128, 8, 53248, 128256, 131072, 1e-5, 500000.0, False),
+    "Qwen/Qwen1.5-0.5B": (1024, 24, 16, 16, 2816, 151936, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen1.5-1.8B": (2048, 24, 16, 16, 5504, 151936, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen1.5-4B": (2560, 40, 20, 20, 6912, 151936, 32768, 1e-6, 5e6, False),
+    "Qwen/Qwen1.5-7B": (4096, 32, 32, 32, 11008, 151936, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen1.5-14B": (5120, 40, 40, 40, 13696, 152064, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen1.5-32B": (5120, 64, 40, 8, 27392, 152064, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen1.5-72B": (8192, 80, 64, 64, 24576, 152064, 32768, 1e-6, 1e6, False),
+    "Qwen/Qwen2-0.5B": (896, 24, 14, 2, 4864, 151936, 131072, 1e-6, 1e6, True),
+    "Qwen/Qwen2-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),
+    "Qwen/Qwen2-7B": (3584, 28, 28, 4, 18944, 152064, 131072, 1e-6, 1e6, False),
+    "Qwen/Qwen2-72B": (8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, 1e6, False),
+    "Qwen/Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, 32768, 1e-6, 1e6, True),
+    "Qwen/Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),
+    "Qwen/Qwen2.5-3B": (2048, 36, 16, 2, 11008, 151936, 32768, 1e-6, 1e6, True),
+    "Qwen/Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, 131072, 1e-6, 1e6, False),
+    "Qwen/Qwen2.5-14B": (5120, 48, 40, 8, 13824, 152064, 131072, 1e-5, 1e6, False),
+    "Qwen/Qwen2.5-32B": (5120, 64, 40, 8, 27648, 152064, 131072, 1e-5, 1e6, False),
+    "Qwen/Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, 1e6, False),
+}
+# Parameter counts the model cards publish (embeddings and head included; a tied head counted once).
+PUBLISHED_COUNTS = {
+    "meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-70B": 70_553_706_496,
+    "meta-llama/Llama-3.1-405B": 405_853_388_800,
+    "Qwen/Qwen2-7B": 7_615_616_512, "Qwen/Qwen2-72B": 72_706_203_648,
+    "Qwen/Qwen2.5-0.5B": 494_032_768, "Qwen/Qwen2.5-1.5B": 1_543_714_304, "Qwen/Qwen2.5-3B": 3_085_938_688,
+    "Qwen/Qwen2.5-14B": 14_770_033_664, "Qwen/Qwen2.5-32B": 32_763_876_352,
+}
+
+
+def _hf_config_json(name: str) -> dict:
+    """The published config.json of `name` (the keys that matter), as Hugging Face writes it."""
+    hidden, layers, heads, kv, inner, vocab, positions, eps, theta, tied = PUBLISHED[name]
+    raw = {"architectures": ["LlamaForCausalLM" if "llama" in name else "Qwen2ForCausalLM"],
+           "model_type": "llama" if "llama" in name else "qwen2", "hidden_size": hidden, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inner, "vocab_size": vocab,
+           "max_position_embeddings": positions, "rms_norm_eps": eps, "rope_theta": theta,
+           "tie_word_embeddings": tied, "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0,
+           "torch_dtype": "bfloat16", "use_cache": True, "bos_token_id": 1, "eos_token_id": 2}
+    if "Qwen" in name:
+        raw.update(use_sliding_window=False, sliding_window=positions, max_window_layers=layers)
+    if "3.1" in name:
+        raw["rope_scaling"] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    return raw
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_new_models_have_published_hyperparameters(name):
+    config = _get(name)
+    hidden, layers, heads, kv, inner, vocab, positions, eps, theta, tied = PUBLISHED[name]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size, config.max_position_embeddings, config.norm_eps,
+            config.rope_theta, config.tie_word_embeddings) == PUBLISHED[name]
+    assert config.family == ("llama" if "llama" in name else "qwen2")
+    assert config.qkv_bias == (config.family == "qwen2") and not config.linear_bias
+    assert (config.rope_scaling is not None) == ("3.1" in name)
+    # and its config.json, as published, reads as the same architecture
+    assert config_from_dict(_hf_config_json(name), name).architecture_dict() == config.architecture_dict()
+    if name in PUBLISHED_COUNTS:
+        assert parameter_count(config) == PUBLISHED_COUNTS[name]
+
+
+def test_llama31_rope_scaling_is_published_one():
+    assert _get("meta-llama/Llama-3.1-405B").rope_scaling == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    assert _get("meta-llama/Meta-Llama-3-8B").rope_scaling is None
+
+
+def test_local_config_json_resolves_to_its_family(tmp_path):
+    for name, family in (("Qwen/Qwen2.5-7B", "qwen2"), ("meta-llama/Llama-3.1-8B", "llama")):
+        directory = tmp_path / family
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(_hf_config_json(name)))
+        config, weights = resolve_model(str(directory))
+        assert config.family == family and weights is None
+        assert config.architecture_dict() == _get(name).architecture_dict()
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"model_type": "mistral"}, "supported: baichuan, bloom, gpt, gpt2, llama, qwen, qwen2"),
+    ({**_hf_config_json("Qwen/Qwen2-7B"), "use_sliding_window": True}, "use_sliding_window"),
+    ({**_hf_config_json("meta-llama/Llama-3.1-8B"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling"),
+    ({**_hf_config_json("meta-llama/Llama-3.1-8B"), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "low_freq_factor"),
+])
+def test_new_family_bad_configs(raw, message):
+    with pytest.raises(UsageError, match=message):
+        config_from_dict(raw, "config.json")
+
+
+@pytest.mark.parametrize("missing", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                                     "intermediate_size"])
+def test_config_json_missing_a_key_names_it(missing):
+    raw = {k: v for k, v in _hf_config_json("Qwen/Qwen2-0.5B").items() if k != missing}
+    with pytest.raises(UsageError, match=f"has no '{missing}'"):
+        config_from_dict(raw, "config.json")
+    bloom = {"model_type": "bloom", "n_head": 32, "hidden_size": 4096, "vocab_size": 250880}
+    with pytest.raises(UsageError, match="has no 'num_hidden_layers' or 'n_layer'"):
+        config_from_dict(bloom, "config.json")
+
+
+def test_every_family_record_is_complete():
+    """What makes a family is in its record: registry entries, tiny preset, model_type, tables, reference."""
+    from models.families import supported_model_types
+
+    assert sorted(FAMILIES) == sorted(["llama", "baichuan", "qwen", "qwen2", "gpt3", "bloom"])
+    for family in FAMILIES.values():
+        assert family.tiny in family.architectures
+        assert all(config.family == family.name for config in family.architectures.values())
+        assert all(config.family == family.name for config in
+                   (case.config for case in family.reference_cases.values()))
+        assert family.export_case[0] in family.reference_cases
+        assert family.paddlenlp.export_table(_get(family.tiny))
+    assert supported_model_types() == ["baichuan", "bloom", "gpt", "gpt2", "llama", "qwen", "qwen2"]

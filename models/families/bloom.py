@@ -1,0 +1,95 @@
+"""BLOOM: LayerNorm (also right after the word embedding), ALiBi, 4h GELU MLP, biases, tied head."""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
+    weight_and_bias
+
+SWITCHES = dict(norm_type="layernorm", position_embedding="alibi", hidden_act="gelu_tanh", linear_bias=True,
+                tie_word_embeddings=True, embedding_layernorm=True, norm_eps=1e-5)
+
+
+def _config(**sizes) -> ModelConfig:
+    return ModelConfig(family="bloom", **{**SWITCHES, **sizes})
+
+
+def _bloom(hidden, layers, heads):
+    # ALiBi has no position table; max_position_embeddings is Bloom's training length.
+    return _config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                   intermediate_size=4 * hidden, vocab_size=250880, max_position_embeddings=2048)
+
+
+ARCHITECTURES = {
+    "bigscience/bloom-7b1": _bloom(4096, 30, 32),
+    "bigscience/bloomz-7b1": _bloom(4096, 30, 32),
+    "bigscience/bloomz-7b1-mt": _bloom(4096, 30, 32),
+    "bigscience/bloom": _bloom(14336, 70, 112),
+    "bloom-tiny": _config(**tiny_sizes(intermediate_size=256)),
+}
+
+
+def read_config(raw: dict, sizes: dict, source: str) -> dict:
+    if raw.get("apply_residual_connection_post_layernorm"):
+        unsupported(source, "apply_residual_connection_post_layernorm")
+    sizes["intermediate_size"] = 4 * sizes.get("hidden_size", 64)
+    sizes.setdefault("max_position_embeddings", raw.get("seq_length", 2048))
+    return sizes
+
+
+def bloom_table() -> list:
+    """PaddleNLP BloomForCausalLM: LayerNorm after the embedding, ALiBi, per-head fused q/k/v, tied head."""
+    p = "bloom.h.{i}."
+    return [
+        R("bloom.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+        *weight_and_bias("bloom.word_embeddings_layernorm", "embeddings.word_embeddings_layernorm"),
+        *weight_and_bias(p + "input_layernorm", INPUT_NORM),
+        R(p + "self_attention.query_key_value.weight", QKV_WEIGHTS, "per_head"),
+        R(p + "self_attention.query_key_value.bias", QKV_BIASES, "per_head"),
+        *weight_and_bias(p + "self_attention.dense", _attn("o_proj")),
+        *weight_and_bias(p + "post_attention_layernorm", POST_ATTENTION_NORM),
+        *weight_and_bias(p + "mlp.dense_h_to_4h", _mlp("up_proj")),
+        *weight_and_bias(p + "mlp.dense_4h_to_h", _mlp("down_proj")),
+        *weight_and_bias("bloom.ln_f", "norm"),
+    ]
+
+
+def config_json(c) -> dict:
+    return dict(
+        architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        initializer_range=c.initializer_range, n_layer=c.num_hidden_layers, n_head=c.num_attention_heads,
+        layer_norm_epsilon=c.norm_eps, hidden_dropout=c.hidden_dropout_prob,
+        attention_dropout=c.attention_probs_dropout_prob, apply_residual_connection_post_layernorm=False,
+        pretraining_tp=1, slow_but_exact=False, tie_word_embeddings=True,
+        max_position_embeddings=c.max_position_embeddings,  # not Bloom's; kept for the way back
+    )
+
+
+def check(c):
+    if c.num_key_value_heads != c.num_attention_heads:
+        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
+                f"{c.num_attention_heads})")
+    if c.intermediate_size != 4 * c.hidden_size:
+        return f"an MLP of intermediate_size {c.intermediate_size} (it has 4 x hidden_size = {4 * c.hidden_size})"
+    return None
+
+
+FAMILY = Family(
+    name="bloom", switches=SWITCHES, scaled_output_init=False,  # Bloom draws every weight alike
+    architectures=ARCHITECTURES, tiny="bloom-tiny", model_types=("bloom",), read_config=read_config,
+    paddlenlp=PaddleNLPClass(
+        class_name="BloomForCausalLM", model_type="bloom",
+        requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="alibi", linear_bias=True,
+                      tie_word_embeddings=True, embedding_layernorm=True),
+        export_table=lambda config: bloom_table(), import_table=lambda raw, config, names=(): bloom_table(),
+        config_json=config_json, check=check,
+    ),
+    reference_cases={"bloom": ReferenceCase(
+        "BloomForCausalLM", "BloomConfig",
+        dict(vocab_size=256, hidden_size=96, n_layer=2, n_head=6, layer_norm_epsilon=1e-5),
+        # Bloom's config has no max_position_embeddings (ALiBi); read as its training length 2048
+        _config(**{**reference_sizes(96, 6, inner=384), "max_position_embeddings": 2048}))},
+    export_case=("bloom", {}),
+    required_keys=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
+)

@@ -1,0 +1,164 @@
+"""GPT-3 (and PaddleNLP's GPT-2 medium): LayerNorm, learned positions, 4h GELU MLP, biases, tied head.
+
+PaddleNLP's GPTForCausalLM (model_type "gpt") is the reference; Hugging Face's GPT-2 config.json and
+weights (model_type "gpt2", the same architecture) are read too.
+
+Sizes from the GPT-3 paper (Brown et al. 2020, table 2.1) except where PaddleNLP's own gpt3-*-en
+configs differ (16 heads for 1.3B, hidden 5120 for 13B), with PaddleNLP's vocabulary (50304;
+51200 for 175B) and context (1024). GELU is the tanh approximation, as GPT-2/3 and PaddleNLP's
+GPT (F.gelu(..., approximate=True)); PaddleNLP's GPT fixes LayerNorm epsilon at 1e-5.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
+    weight_and_bias
+
+SWITCHES = dict(norm_type="layernorm", position_embedding="learned", hidden_act="gelu_tanh", linear_bias=True,
+                tie_word_embeddings=True, norm_eps=1e-5)
+
+
+def _config(**sizes) -> ModelConfig:
+    return ModelConfig(family="gpt3", **{**SWITCHES, **sizes})
+
+
+def _gpt3(hidden, layers, heads, vocab=50304):
+    return _config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                   intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=1024)
+
+
+ARCHITECTURES = {
+    "gpt3-125M-en": _gpt3(768, 12, 12),
+    "gpt3-350M-en": _gpt3(1024, 24, 16),
+    "gpt3-760M-en": _gpt3(1536, 24, 16),
+    "gpt3-1.3B-en": _gpt3(2048, 24, 16),
+    "gpt3-2.7B-en": _gpt3(2560, 32, 32),
+    "gpt3-6.7B-en": _gpt3(4096, 32, 32),
+    "gpt3-13B-en": _gpt3(5120, 40, 40),
+    "gpt3-175B-en": _gpt3(12288, 96, 96, vocab=51200),
+    "gpt2-medium-en": _gpt3(1024, 24, 16),
+    "gpt3-tiny": _config(**tiny_sizes(intermediate_size=256)),
+}
+
+
+# Hugging Face GPT-2's config.json keys (model_type "gpt2") in our names.
+HF_GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+                "layer_norm_epsilon": "norm_eps", "resid_pdrop": "hidden_dropout_prob",
+                "attn_pdrop": "attention_probs_dropout_prob"}
+
+
+def read_config(raw: dict, sizes: dict, source: str) -> dict:
+    if str(raw.get("model_type")).lower() == "gpt2":  # Hugging Face GPT-2: the same architecture, other keys
+        sizes.update({ours: raw[key] for key, ours in HF_GPT2_KEYS.items() if raw.get(key) is not None})
+        sizes.setdefault("intermediate_size", 4 * sizes.get("hidden_size", 0))  # n_inner null: 4 x n_embd
+        activation = raw.get("activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+            unsupported(source, f"activation_function {activation!r}")
+        if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+            unsupported(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn")
+        sizes["hidden_act"] = "gelu_tanh"
+        return sizes
+    sizes["norm_eps"] = 1e-5  # PaddleNLP's GPT ignores the epsilon in its config
+    activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu"))
+    if activation not in ("gelu", "gelu_new"):
+        unsupported(source, f"hidden_activation {activation!r}")
+    sizes["hidden_act"] = "gelu_tanh"
+    if not raw.get("normalize_before", True):
+        unsupported(source, "normalize_before false (post-norm)")
+    if raw.get("scale_qk_coeff", 1.0) != 1.0:
+        unsupported(source, f"scale_qk_coeff {raw['scale_qk_coeff']}")
+    return sizes
+
+
+def gpt_table(fuse_qkv: bool = False) -> list:
+    """PaddleNLP GPTForCausalLM: pre-norm, biases everywhere, head tied to the word embedding."""
+    p = "gpt.decoder.layers.{i}."
+    return [
+        R("gpt.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+        R("gpt.embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
+        *weight_and_bias(p + "norm1", INPUT_NORM),
+        *([R(p + "self_attn.qkv_proj.weight", QKV_WEIGHTS, "per_head"),
+           R(p + "self_attn.qkv_proj.bias", QKV_BIASES, "per_head")] if fuse_qkv else
+          [r for n in "qkv" for r in weight_and_bias(p + f"self_attn.{n}_proj", _attn(f"{n}_proj"))]),
+        *weight_and_bias(p + "self_attn.out_proj", _attn("o_proj")),
+        *weight_and_bias(p + "norm2", POST_ATTENTION_NORM),
+        *weight_and_bias(p + "linear1", _mlp("up_proj")),
+        *weight_and_bias(p + "linear2", _mlp("down_proj")),
+        *weight_and_bias("gpt.decoder.norm", "norm"),
+        R("lm_head.weight", "embeddings.word_embeddings.weight", export_only=True),
+    ]
+
+
+def hf_gpt2_table(prefix: str = "transformer.") -> list:
+    """Hugging Face GPT2LMHeadModel (import only). Its Conv1D layers store [in, out] as Paddle does; c_attn
+    is [q | k | v] along the output axis; the head is tied to wte. (The original gpt2 checkpoints were
+    saved from GPT2Model: the same names without "transformer.".)"""
+    p = prefix + "h.{i}."
+    return [
+        R(prefix + "wte.weight", "embeddings.word_embeddings.weight"),
+        R(prefix + "wpe.weight", "embeddings.position_embeddings.weight"),
+        *weight_and_bias(p + "ln_1", INPUT_NORM),
+        R(p + "attn.c_attn.weight", QKV_WEIGHTS, "concat"),
+        R(p + "attn.c_attn.bias", QKV_BIASES, "concat"),
+        *weight_and_bias(p + "attn.c_proj", _attn("o_proj")),
+        *weight_and_bias(p + "ln_2", POST_ATTENTION_NORM),
+        *weight_and_bias(p + "mlp.c_fc", _mlp("up_proj")),
+        *weight_and_bias(p + "mlp.c_proj", _mlp("down_proj")),
+        *weight_and_bias(prefix + "ln_f", "norm"),
+    ]
+
+
+def import_table(raw: dict, config, names=()) -> list:
+    if str(raw.get("model_type")).lower() == "gpt2":
+        return hf_gpt2_table("transformer." if any(n.startswith("transformer.") for n in names) else "")
+    return gpt_table(bool(raw.get("fuse_attention_qkv")))
+
+
+def config_json(c) -> dict:
+    # "ignore_index": -100: PaddleNLP's GPT default 0 would drop token id 0 from its loss (ours ignores -100).
+    return dict(
+        architectures=["GPTForCausalLM"], model_type="gpt", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        initializer_range=c.initializer_range, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
+        hidden_activation="gelu", layer_norm_eps=c.norm_eps, hidden_dropout_prob=c.hidden_dropout_prob,
+        attention_probs_dropout_prob=c.attention_probs_dropout_prob, ignore_index=-100, normalize_before=True,
+        fuse_attention_qkv=False, tie_word_embeddings=True,
+    )
+
+
+def check(c):
+    if c.num_key_value_heads != c.num_attention_heads:
+        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
+                f"{c.num_attention_heads})")
+    return None
+
+
+def _reference_kwargs(**extra):
+    return dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                ignore_index=-100, **extra)
+
+
+FAMILY = Family(
+    name="gpt3", switches=SWITCHES, scaled_output_init=True,  # out_proj, linear2 (GPTPretrainedModel, as GPT-2)
+    architectures=ARCHITECTURES, tiny="gpt3-tiny", model_types=("gpt", "gpt2"), read_config=read_config,
+    paddlenlp=PaddleNLPClass(
+        class_name="GPTForCausalLM", model_type="gpt",
+        requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="learned", linear_bias=True,
+                      tie_word_embeddings=True, embedding_layernorm=False, norm_eps=1e-5),
+        export_table=lambda config: gpt_table(),
+        import_table=import_table,
+        config_json=config_json, check=check,
+    ),
+    reference_cases={
+        "gpt3": ReferenceCase("GPTForCausalLM", "GPTConfig", _reference_kwargs(),
+                              _config(**reference_sizes(inner=256))),
+        "gpt3_fused_qkv": ReferenceCase("GPTForCausalLM", "GPTConfig", _reference_kwargs(fuse_attention_qkv=True),
+                                        _config(**reference_sizes(inner=256), fuse_attention_qkv=True)),
+    },
+    export_case=("gpt3", {}),
+)
