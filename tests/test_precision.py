@@ -202,6 +202,7 @@ class _FakePipeline(paddle.nn.Layer):
         super().__init__()
         self.precision, self.seen = precision, []
         self.w = self.create_parameter([1])
+        self.accumulate_steps = 2  # fleet's PipelineParallel attribute, set per evaluation call
 
     def train_batch(self, data, optimizer, scaler=None):
         self.seen.append(("train_batch", self.precision.inside))
@@ -238,7 +239,8 @@ def test_every_forward_runs_under_the_runs_autocast(model_class):
     schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
     plan = BatchPlan(micro_batch_size=1, accumulation_steps=2, data_replicas=1, data_replica_rank=0)
     train_step(model, optimizer, schedule, precision, plan.micro_batches(_Dataset(), 0, 8), model.parameters())
-    evaluate(model, _Dataset(), plan, iterations=1, vocab_size=8, layout=Layout(), precision=precision)
+    evaluate(model, _Dataset(), plan, iterations=1, vocab_size=8, layout=Layout(), precision=precision,
+             pipeline_calls=(1, 2))
     assert model.seen and all(inside for _, inside in model.seen), model.seen
     assert {name for name, _ in model.seen} == ({"forward"} if model_class is _FakeModel
                                                 else {"train_batch", "eval_batch"})
