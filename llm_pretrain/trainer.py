@@ -105,9 +105,6 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
 
 def _local_tokenizer_vocab_size(path: str) -> int | None:
     if not os.path.exists(path):
-        if looks_like_a_path(path):
-            raise UsageError(f"tokenizer_name_or_path: {path} does not exist (a local tokenizer directory or file "
-                             "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
         return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
     from llm_pretrain.tokenizer import load_tokenizer
 
@@ -147,6 +144,10 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     """Values that would fail late (after the model and data are built, or in the OOM killer)."""
     from llm_pretrain.data import parse_split
 
+    tokenizer = args.tokenizer_path
+    if not os.path.exists(tokenizer) and looks_like_a_path(tokenizer):
+        raise UsageError(f"tokenizer_name_or_path: {tokenizer} does not exist (a local tokenizer directory or file "
+                         "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
     if args.do_train and parse_split(args.split)[0] == 0:
         raise UsageError(f"split: '{args.split}' gives training no documents; give the first (train) share a "
                          "positive value, e.g. '949,50,1'")
