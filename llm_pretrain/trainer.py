@@ -554,10 +554,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         model_notes += check_checkpoint_matches(resume_candidates[resume_index], layout, config, args)
 
     # 2. Processes and groups.
-    if device == "gpu" and args.distributed_timeout_minutes:
-        # ProcessGroupNCCL is created with this timeout (paddle/distributed/collective.py:176, read from
-        # the environment at paddle/distributed/parallel.py:747): a hung rank ends the job in bounded time.
-        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
+    set_collective_timeout(args, device)
     layout = init_distributed(layout, device, args)
     if layout.is_main:
         for message in argument_warnings + gpu_only_warnings(args, device) + model_notes:
@@ -685,6 +682,14 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         metrics.evaluation("test", step, evaluate(model, test_data, eval_plan, args.eval_iters,
                                                   config.vocab_size, layout))
     return metrics.finish()
+
+
+def set_collective_timeout(args: Arguments, device: str) -> None:
+    """distributed_timeout_minutes on GPU: ProcessGroupNCCL is created with PADDLE_PG_TIMEOUT (milliseconds;
+    read at paddle/distributed/parallel.py:747, passed at paddle/distributed/collective.py:176), so a hung
+    rank ends the job in bounded time. gloo (CPU) takes no such timeout."""
+    if device == "gpu" and args.distributed_timeout_minutes:
+        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
 
 
 def take_output_dir(args: Arguments) -> OutputDirLock:

@@ -518,3 +518,19 @@ def test_overwrite_output_dir_starts_afresh_and_resume_checks_the_model(embedded
     config, _, _ = build_model_config(other, Layout(), "cpu")
     notes = check_checkpoint_matches(checkpoint, Layout(), config, other)
     assert len(notes) == 1 and "learning_rate 0.003 -> 0.001" in notes[0] and "max_steps 1 -> 4" in notes[0], notes
+
+
+def test_collective_timeout_reaches_paddles_process_group_settings(monkeypatch):
+    """distributed_timeout_minutes sets the timeout Paddle creates NCCL process groups with (GPU only)."""
+    import paddle.distributed as dist
+
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.trainer import set_collective_timeout
+
+    monkeypatch.delenv("PADDLE_PG_TIMEOUT", raising=False)
+    args, _ = parse_arguments(["--max_steps", "1", "--input_dir", "x", "--distributed_timeout_minutes", "2.5"])
+    set_collective_timeout(args, "cpu")
+    assert "PADDLE_PG_TIMEOUT" not in os.environ
+    set_collective_timeout(args, "gpu")
+    assert os.environ["PADDLE_PG_TIMEOUT"] == "150000"
+    assert dist.ParallelEnv().pg_timeout == 150000  # what collective.py:176 hands to ProcessGroupNCCL
