@@ -1,14 +1,15 @@
 """The pretraining run, top to bottom.
 
-    check everything that can be wrong   (arguments, layout, model, data, output_dir)
+    check everything that can be wrong   (arguments, layout, model, data integrity, output_dir lock,
+                                          which checkpoint is intact)
     fleet.init                           (only for several processes)
     build model, optimizer, data         (weights identical at every parallel layout)
-    resume from the newest checkpoint    (if any)
-    for each step: forward/backward over the micro-batches, clip, AdamW step,
-                   log, evaluate, save
+    resume from the newest intact checkpoint every rank agrees on (Checkpointer)
+    for each step: forward/backward over the micro-batches, one agreed flag (non-finite? stop
+                   requested?), clip, AdamW step, log (MetricsLogger), evaluate, save (Checkpointer)
 
 All user mistakes are found before fleet.init and reported as one-line
-UsageErrors (exit code 2).
+UsageErrors (exit code 2); divergence is exit code 3, SIGTERM/SIGINT a checkpoint and exit 0.
 """
 
 from __future__ import annotations
