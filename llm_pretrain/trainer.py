@@ -672,6 +672,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
                              "model_config": config.architecture_dict()}
             checkpointer.save(step, unwrapped_model, optimizer, trainer_state)
         if stopping:
+            stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
                         f"checkpoint-{step} saved; run the same command to resume")
             break
