@@ -30,6 +30,7 @@ class StopRequest:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self.stopped = False  # the run stopped on a request (this rank's or another's)
         self._previous = {}
 
     @property
@@ -57,7 +58,9 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # After a stop, the process is on its way out with exit code 0: the launcher's repeated
+            # SIGTERMs must not turn that into a death by signal.
+            signal.signal(signum, signal.SIG_IGN if self.stopped and signum == signal.SIGTERM else handler)
         self._previous = {}
 
 

@@ -1,14 +1,15 @@
 """The pretraining run, top to bottom.
 
-    check everything that can be wrong   (arguments, layout, model, data, output_dir)
+    check everything that can be wrong   (arguments, layout, model, data integrity, output_dir lock,
+                                          which checkpoint is intact)
     fleet.init                           (only for several processes)
     build model, optimizer, data         (weights identical at every parallel layout)
-    resume from the newest checkpoint    (if any)
-    for each step: forward/backward over the micro-batches, clip, AdamW step,
-                   log, evaluate, save
+    resume from the newest intact checkpoint every rank agrees on (Checkpointer)
+    for each step: forward/backward over the micro-batches, one agreed flag (non-finite? stop
+                   requested?), clip, AdamW step, log (MetricsLogger), evaluate, save (Checkpointer)
 
 All user mistakes are found before fleet.init and reported as one-line
-UsageErrors (exit code 2).
+UsageErrors (exit code 2); divergence is exit code 3, SIGTERM/SIGINT a checkpoint and exit 0.
 """
 
 from __future__ import annotations
@@ -122,9 +123,6 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
 
 def _local_tokenizer_vocab_size(path: str) -> int | None:
     if not os.path.exists(path):
-        if looks_like_a_path(path):
-            raise UsageError(f"tokenizer_name_or_path: {path} does not exist (a local tokenizer directory or file "
-                             "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
         return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
     from llm_pretrain.tokenizer import load_tokenizer
 
@@ -164,6 +162,10 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     """Values that would fail late (after the model and data are built, or in the OOM killer)."""
     from llm_pretrain.data import parse_split
 
+    tokenizer = args.tokenizer_path
+    if not os.path.exists(tokenizer) and looks_like_a_path(tokenizer):
+        raise UsageError(f"tokenizer_name_or_path: {tokenizer} does not exist (a local tokenizer directory or file "
+                         "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
     if args.do_train and parse_split(args.split)[0] == 0:
         raise UsageError(f"split: '{args.split}' gives training no documents; give the first (train) share a "
                          "positive value, e.g. '949,50,1'")
@@ -646,10 +648,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         model_notes += check_checkpoint_matches(resume_candidates[resume_index], layout, config, args)
 
     # 2. Processes and groups.
-    if device == "gpu" and args.distributed_timeout_minutes:
-        # ProcessGroupNCCL is created with this timeout (paddle/distributed/collective.py:176, read from
-        # the environment at paddle/distributed/parallel.py:747): a hung rank ends the job in bounded time.
-        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
+    set_collective_timeout(args, device)
     layout = init_distributed(layout, device, args)
     if layout.is_main:
         for message in argument_warnings + gpu_only_warnings(args, device) + model_notes:
@@ -769,6 +768,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
                              "model_config": config.architecture_dict()}
             checkpointer.save(step, unwrapped_model, optimizer, trainer_state)
         if stopping:
+            stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
                         f"checkpoint-{step} saved; run the same command to resume")
             break
@@ -780,6 +780,14 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
     return metrics.finish()
+
+
+def set_collective_timeout(args: Arguments, device: str) -> None:
+    """distributed_timeout_minutes on GPU: ProcessGroupNCCL is created with PADDLE_PG_TIMEOUT (milliseconds;
+    read at paddle/distributed/parallel.py:747, passed at paddle/distributed/collective.py:176), so a hung
+    rank ends the job in bounded time. gloo (CPU) takes no such timeout."""
+    if device == "gpu" and args.distributed_timeout_minutes:
+        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
 
 
 def take_output_dir(args: Arguments) -> OutputDirLock:
