@@ -35,6 +35,7 @@ from llm_pretrain.errors import UsageError
 from llm_pretrain.flops import training_flops_per_token
 from llm_pretrain.metrics import MetricsLog, format_summary, format_train_line, peak_memory_mb, summarize
 from llm_pretrain.optim import build_optimizer, build_schedule
+from llm_pretrain import run_record
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.registry import resolve_model
@@ -414,11 +415,11 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     metrics = MetricsLog(args.output_dir, enabled=layout.is_main)
     flops_per_token = training_flops_per_token(config, args.max_seq_length)
     global_tokens_per_step = train_plan.global_batch_size * args.max_seq_length
-    name = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
-                         layout.sharding_stage, layout.virtual_pp_degree, layout.data_parallel_degree)
+    built = run_record.describe_built_run(model, optimizer, precision)  # what the wrappers and layers are
+    name = run_record.built_strategy_name(built)
     metrics.write({
         "event": "run", "model": args.model_name_or_path, "family": config.family, "args_file": args_file,
-        "strategy": name, "layout": layout_summary(layout), "seq_length": args.max_seq_length,
+        "strategy": name, "layout": layout_summary(layout), "built": built, "seq_length": args.max_seq_length,
         "global_batch_size": train_plan.global_batch_size, "max_steps": args.max_steps, "start_step": start_step,
         "device": device, "device_name": device_name(device),
         "dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(precision.dtype, "fp32"),
