@@ -20,8 +20,6 @@ asked for it: a run record is evidence of the layout, not an echo of the argumen
 
 from __future__ import annotations
 
-import paddle
-
 GRANULARITIES = ("full", "full_attn", "core_attn")
 
 

@@ -27,8 +27,8 @@ import pytest
 
 from launch_utils import REPO_ROOT, free_port
 from parity_utils import (
-    TRAIN_RUNS, argv, assert_same_training, base_arguments, run_launch, run_record, run_single, train_records,
-    write_json,
+    TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
+    run_single, train_records, write_json,
 )
 
 FAMILIES = ("qwen", "baichuan", "gpt3", "bloom")  # LLaMA is the main reference
@@ -50,6 +50,7 @@ class Parity:
     def check(self, names_and_models: list[tuple[str, str]]) -> None:
         for name, model in names_and_models:
             diffs = assert_same_training(self.references[model], self.out(name))
+            diffs["every_replica"] = assert_every_replica_matches(self.references[model], self.out(name))
             print(f"{name} vs single-process {model}: {diffs}")
 
 

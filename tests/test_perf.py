@@ -190,12 +190,14 @@ def test_markdown_table_columns_strategies_and_failures(tmp_path):
            "error": "ResourceExhaustedError: Out of memory error on GPU 0"}
     text = perf.render_markdown([ok, dp2, crashed, failed, oom], CPU_ENV, warmup_steps=1)
 
-    header = "| model | sequence length | strategy | speed (tokens/card/sec) | TFLOPs/card | MFU | memory (MB) " \
-             "| argument file | test time |"
+    header = "| model | sequence length | strategy | what ran | speed (tokens/card/sec) | TFLOPs/card | MFU " \
+             "| memory (MB) | argument file | test time |"
     assert header in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and line != header]
     assert len(rows) == 5
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [row[3] for row in cells] == ["-"] * 5  # these logs carry no "built" description
+    cells = [row[:3] + row[4:] for row in cells]
     assert cells[0][:4] == ["llama-tiny", "64", "dp", "50.0"]
     assert cells[1][2:4] == ["dp2", "30.0"]
     assert cells[1][5] == "0.06%"  # 30 x 1e6 / 1e12 TFLOPs over its half of the 0.1 TFLOPs CPU
@@ -311,3 +313,19 @@ def test_runner_end_to_end_on_cpu(tmp_path):
     assert table in result.stdout
     # The same table again from the recorded results, without re-running.
     assert perf.render_table_for_output_dir(str(out)) == table
+
+
+def test_what_ran_comes_from_the_built_description(tmp_path):
+    built = {"layout": {"world_size": 4, "data_parallel_degree": 1, "tensor_parallel_degree": 1,
+                        "pipeline_parallel_degree": 4, "sharding_degree": 1},
+             "schedule": {"class": "PipelineParallelWithInterleave", "kind": "interleaved", "virtual_stages": 2,
+                          "chunk_layers": [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]},
+             "sharding": None, "sequence_parallel": {"enabled": False},
+             "recompute": {"full": [0, 1, 2, 3, 4, 5, 6, 7], "pipeline_recompute_interval": 1},
+             "precision": {"parameter_dtypes": ["float32"], "autocast": None, "amp_level": None}}
+    fields = perf.built_fields(built)
+    assert fields["built"] == "interleaved x2 · recompute full (8 layers) · fp32"
+    assert fields["schedule"] == "interleaved (PipelineParallelWithInterleave, 2 virtual stages)"
+    assert fields["recompute"] == "full: layers 0,1,2,3,4,5,6,7" and fields["sequence_parallel"] is False
+    row = perf.table_row({"model": "llama-tiny", "seq_length": 32, "strategy": "pp4vpp2", **fields})
+    assert row[2:4] == ["pp4vpp2", "interleaved x2 · recompute full (8 layers) · fp32"]
