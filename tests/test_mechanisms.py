@@ -5,7 +5,8 @@ process; they cannot prove that the layout ran (a layout silently falling back t
 computes the same numbers). These tests train through the real trainer with probes
 (tests/workers/mechanism_runs.py) and check what happened, one launch per layout:
 
-    tp2   sequence parallelism: hidden states between blocks hold 1/tp of the tokens, fleet's
+    tp2   tensor parallelism: fleet's wrapper, half the weights per rank;
+          sequence parallelism: hidden states between blocks hold 1/tp of the tokens, fleet's
           SP all-reduce hooks fire once per step per norm weight, the allocator's peak drops;
           recompute under TP + SP in every family
     dp2   gradients stay local until the last micro-batch, then equal on both ranks;
@@ -98,6 +99,10 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
     for rank, observed in ranks.items():
         for i, family in enumerate(FAMILIES):
             seen = observed[f"{family}-sp"]
+            # Tensor parallelism: fleet's wrapper, and each rank holds about half of the weights.
+            assert "TensorParallel" in seen["model_classes"]
+            assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], \
+                f"{family}: rank {rank} holds {seen['parameter_elements']} of {seen['model_parameters']} weights"
             # 2 x 32 tokens per micro-batch, flattened and split over 2 ranks: 32 rows per rank.
             shapes = {tuple(s) for shapes in seen["decoder_input_shapes"].values() for s in shapes}
             hidden = {tuple(s)[-1] for s in shapes}
@@ -194,8 +199,12 @@ def test_sharding_stages_and_recompute_under_sd2(mech):
         for p in large:  # sliced: this rank keeps half (rounded up to the sharding degree)
             assert not p["unslice"] and p["slice_elements"] in (p["elements"] // 2, p["elements"] // 2 + 1), p
         assert mech.built("sd2", "real-stage3")["sharding"]["sliced_parameters"] == len(large)
-        peaks = {stage: ranks[rank][f"real-stage{stage}"]["peak_allocated"] for stage in (1, 2, 3)}
-        assert peaks[3] < peaks[2] and peaks[3] < peaks[1], f"peak allocated by stage: {peaks}"
+    # The peak over the ranks (what sizes a job): stage 3 keeps half of the large weights, gradients
+    # and moments (measured: ~360 MB vs ~465 MB for stages 1 and 2). Stage 2 frees the gradients
+    # a rank does not own, but at this size that does not move the peak (the rank owning the
+    # 8.5M-element head peaks as in stage 1), so no ordering of stages 1 and 2 is asserted.
+    peaks = {stage: max(ranks[rank][f"real-stage{stage}"]["peak_allocated"] for rank in (0, 1)) for stage in (1, 2, 3)}
+    assert peaks[3] < 0.9 * peaks[2] and peaks[3] < 0.9 * peaks[1], f"peak allocated by stage: {peaks}"
 
 
 # ----------------------------------------------------------------------------- pipeline

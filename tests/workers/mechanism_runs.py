@@ -154,6 +154,7 @@ def observations() -> dict:
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
         "model_parameters": parameter_count(inner.config),
+        "parameter_elements": sum(int(np.prod(p.shape)) for p in inner.parameters()),
         "stage3": stage3_slices(model),
         "model_classes": run_record._class_names(run_record.model_chain(model)),
         "optimizer_classes": run_record._class_names(run_record.optimizer_chain(optimizer)),
