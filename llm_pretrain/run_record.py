@@ -217,11 +217,12 @@ def built_strategy_name(built: dict) -> str:
 
 
 def summary_line(built: dict) -> str:
-    """A short human-readable form for tables: "interleaved x2 · sharding stage 1 · SP · recompute full 8/8 · fp32"."""
+    """A short form for tables: "interleaved x2 · sharding stage 1 · SP · recompute full (8 layers) · fp32"."""
     parts = []
     schedule = built.get("schedule")
     if schedule:
-        parts.append(schedule["kind"] + (f" x{schedule['virtual_stages']}" if schedule["kind"] == "interleaved" else ""))
+        interleaved = schedule["kind"] == "interleaved"
+        parts.append(schedule["kind"] + (f" x{schedule['virtual_stages']}" if interleaved else ""))
     sharding = built.get("sharding")
     if sharding:
         parts.append(f"sharding stage {sharding['stage']}")

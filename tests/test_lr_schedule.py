@@ -23,8 +23,8 @@ MAX_LR, MIN_LR = 3e-3, 3e-4
 
 
 def schedule_for(**keys):
-    args, _ = parse_arguments(["--model_name_or_path", "llama-tiny", "--input_dir", "unused", "--learning_rate", str(MAX_LR),
-                               "--min_learning_rate", str(MIN_LR)]
+    args, _ = parse_arguments(["--model_name_or_path", "llama-tiny", "--input_dir", "unused",
+                               "--learning_rate", str(MAX_LR), "--min_learning_rate", str(MIN_LR)]
                               + [item for key, value in keys.items() for item in (f"--{key}", str(value))])
     return build_schedule(args)
 
@@ -41,7 +41,8 @@ def rates_per_step(scheduler, steps: int) -> list[float]:
 def test_values_at_chosen_steps_are_the_closed_form():
     # W = 4, D = 20: the peak at step 4, halfway down the cosine at step 12, the minimum from step 20 on.
     rates = rates_per_step(schedule_for(warmup_steps=4, max_steps=30, decay_steps=20), 30)
-    expected = {1: MAX_LR / 4, 2: MAX_LR / 2, 4: MAX_LR, 8: MIN_LR + 0.5 * (1 + math.cos(math.pi / 4)) * (MAX_LR - MIN_LR),
+    expected = {1: MAX_LR / 4, 2: MAX_LR / 2, 4: MAX_LR,
+                8: MIN_LR + 0.5 * (1 + math.cos(math.pi / 4)) * (MAX_LR - MIN_LR),
                 12: (MAX_LR + MIN_LR) / 2, 20: MIN_LR, 21: MIN_LR, 30: MIN_LR}
     assert {k: rates[k - 1] for k in expected} == pytest.approx(expected, rel=1e-12)
     # Linear decay: halfway at step 12 too, a quarter of the way at step 8.

@@ -24,7 +24,6 @@ from the built objects (llm_pretrain/run_record.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

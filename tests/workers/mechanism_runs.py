@@ -66,10 +66,9 @@ def watch_sp_hooks():
 
     def create(param, accumulation_steps):
         hook = original(param, accumulation_steps)
-        pg = param  # the counters are per parameter name
 
         def counted_hook():
-            counts = probe["hooks"][pg.name]
+            counts = probe["hooks"][param.name]
             counts[0] += 1
             counts[1] += counts[0] % accumulation_steps == 0  # the hook all-reduces on these calls
             return hook()
