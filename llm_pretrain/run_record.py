@@ -147,8 +147,7 @@ def describe_recompute(model) -> dict:
         # The pipeline recomputes whole layers by PipelineLayer's segments (models/pipeline.py);
         # inside a layer only the attention granularities apply.
         pipeline_interval = layers._recompute_interval
-        if pipeline_interval > 0:
-            recomputed["full"] = [m.layer_index for m in decoder_layers]
+        recomputed["full"] = pipeline_recomputed_layers(layers)
         granularities = ("full_attn", "core_attn")
     else:
         granularities = GRANULARITIES
@@ -160,6 +159,28 @@ def describe_recompute(model) -> dict:
     if pipeline_interval is not None:
         out["pipeline_recompute_interval"] = pipeline_interval
     return out
+
+
+def pipeline_recomputed_layers(layers) -> list[int]:
+    """Decoder layers PipelineLayer.forward recomputes (paddle/distributed/fleet/meta_parallel/
+    parallel_layers/pp_layers.py): each chunk's functions are cut into segments of
+    recompute_interval, and a segment is recomputed only if its input needs a gradient
+    (`_need_recompute`). The first segment of stage 0 takes the token ids, so the decoder layers
+    that share a segment with the embedding are not recomputed (none when the interval is 1)."""
+    from models.decoder import DecoderLayer
+
+    interval = layers._recompute_interval
+    if interval <= 0:
+        return []
+    chunks = layers.get_model_chunks() or [layers]
+    recomputed = []
+    for chunk_index, chunk in enumerate(chunks):
+        functions = chunk.run_function
+        for start in range(0, len(functions), interval):
+            if layers._stage_id == 0 and chunk_index == 0 and start == 0:
+                continue  # input: the token ids (stop_gradient)
+            recomputed += [f.layer_index for f in functions[start:start + interval] if isinstance(f, DecoderLayer)]
+    return recomputed
 
 
 def describe_precision(model, optimizer, precision=None) -> dict:

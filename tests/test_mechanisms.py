@@ -209,7 +209,12 @@ def test_sharding_stages_and_recompute_under_sd2(mech):
 # ----------------------------------------------------------------------------- pipeline
 def test_pipeline_schedules_and_recompute_under_pp4(mech):
     order = {"pipeline_parallel_degree": 4, "gradient_accumulation_steps": 8, "per_device_train_batch_size": 1}
-    runs = {"llama-1f1b": ("llama", order), "llama-interleaved": ("llama", {**order, "virtual_pp_degree": 2})}
+    runs = {"llama-1f1b": ("llama", order), "llama-interleaved": ("llama", {**order, "virtual_pp_degree": 2}),
+            # 1F1B with segments of 2 functions, tied embedding. Stage 0's first segment is the
+            # embedding and layer 0: its input, the token ids, needs no gradient, so PipelineLayer
+            # does not recompute it (pp_layers.py _need_recompute), as in PaddleNLP.
+            "gpt3-1f1b-recompute": ("gpt3", {"pipeline_parallel_degree": 4, "recompute": True,
+                                             "pp_recompute_interval": 2})}
     pipeline_granularity = {"llama": "full", "qwen": "full_attn", "baichuan": "core_attn", "gpt3": "full",
                             "bloom": "full"}
     for family, granularity in pipeline_granularity.items():  # GPT-3 and Bloom: tied embeddings
@@ -220,6 +225,8 @@ def test_pipeline_schedules_and_recompute_under_pp4(mech):
     for stage in range(4):
         forward = ranks[stage]["llama-1f1b"]["calls"]["forward"]
         assert forward == [2 * stage, 2 * stage + 1] * 8, f"1F1B stage {stage}: {forward}"
+        assert_recomputed(ranks[stage]["gpt3-1f1b-recompute"]["calls"], "full", [2 * stage, 2 * stage + 1],
+                          micro_batches=4, excluded=(0,))
         # Interleaved: micro-batches go through the chunks in groups of pp_degree (Megatron's order).
         forward = ranks[stage]["llama-interleaved"]["calls"]["forward"]
         chunks = [stage, stage + 4]
@@ -233,6 +240,8 @@ def test_pipeline_schedules_and_recompute_under_pp4(mech):
     assert interleaved["schedule"] == {"class": "PipelineParallelWithInterleave", "kind": "interleaved",
                                        "virtual_stages": 2, "chunk_layers": [[[s], [s + 4]] for s in range(4)]}
     assert run_record(mech.out("pp4", "llama-interleaved"))["strategy"] == "pp4vpp2"
+    assert mech.built("pp4", "gpt3-1f1b-recompute")["recompute"] == {"full": list(range(1, LAYERS)),
+                                                                      "pipeline_recompute_interval": 2}
     for family, granularity in pipeline_granularity.items():
         recompute = mech.built("pp4", f"{family}-pp4vpp2-recompute")["recompute"]
         assert recompute[granularity] == list(range(LAYERS))
