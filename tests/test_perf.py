@@ -242,11 +242,11 @@ def test_csv_and_png(tmp_path):
 def test_render_table_for_output_dir_and_perf_table_script(tmp_path, capsys):
     directory = write_log(tmp_path / "runs" / "quick", [1, 2, 3, 4, 5])
     text = perf.render_table_for_output_dir(str(directory), warmup_steps=2, environment=CPU_ENV)
-    assert "| llama-tiny | 64 | dp | 4.0 |" in text
+    assert "| llama-tiny | 64 | dp | - | 4.0 |" in text
     perf_table = load_script("perf_table")
     assert perf_table.main([str(tmp_path / "runs"), "--warmup", "2", "--cpu-peak-tflops", "0.1",
                             "--out", str(tmp_path / "report")]) == 0
-    assert "| llama-tiny | 64 | dp | 4.0 |" in capsys.readouterr().out
+    assert "| llama-tiny | 64 | dp | - | 4.0 |" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "report")) == ["perf_table.csv", "perf_table.md", "perf_table.png"]
 
 
@@ -308,7 +308,7 @@ def test_runner_end_to_end_on_cpu(tmp_path):
     assert bad["args_file"] == "tiny-bad.json" and bad["strategy"] == "dp1"
 
     table = (out / "perf_table.md").read_text()
-    assert "| llama-tiny | 64 | dp2 |" in table and "**failed**" in table
+    assert "| llama-tiny | 64 | dp2 | fp32 |" in table and "**failed**" in table
     assert (out / "perf_table.png").stat().st_size > 0 and (out / "perf_table.csv").is_file()
     assert table in result.stdout
     # The same table again from the recorded results, without re-running.
