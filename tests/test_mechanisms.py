@@ -246,3 +246,26 @@ def test_pipeline_schedules_and_recompute_under_pp4(mech):
         recompute = mech.built("pp4", f"{family}-pp4vpp2-recompute")["recompute"]
         assert recompute[granularity] == list(range(LAYERS))
         assert recompute["pipeline_recompute_interval"] == (1 if granularity == "full" else 0)
+
+
+# ----------------------------------------------------------------------------- one process
+def test_run_record_of_one_process_reads_the_model():
+    import dataclasses
+
+    import paddle
+
+    from llm_pretrain.run_record import built_strategy_name, describe_built_run
+    from models.decoder import CausalLM
+    from models.registry import make_config
+
+    config = make_config("llama", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)
+    model = CausalLM(dataclasses.replace(config, recompute=True, recompute_granularity="full_attn",
+                                         no_recompute_layers=[1]))
+    model.layers[2].config = dataclasses.replace(model.layers[2].config, recompute=False)  # what the layer runs
+    optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
+    built = describe_built_run(model, optimizer)
+    assert built["layout"]["world_size"] == 1 and built["schedule"] is None and built["sharding"] is None
+    assert built["recompute"] == {"full_attn": [0]} and not built["sequence_parallel"]["enabled"]
+    assert built["precision"]["parameter_dtypes"] == ["float32"] and not built["precision"]["master_weights"]
+    assert built_strategy_name(built) == "dp1"
