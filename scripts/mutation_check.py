@@ -120,7 +120,15 @@ def run_tests(repo: Path, tests: tuple[str, ...], timeout: int) -> tuple[str, fl
     except subprocess.TimeoutExpired:
         return "timeout", time.monotonic() - start, ""
     status = {0: "passed", 1: "failed"}.get(result.returncode, "error")
-    return status, time.monotonic() - start, (result.stdout + result.stderr)[-2000:]
+    return status, time.monotonic() - start, result.stdout + result.stderr
+
+
+def first_assertion(output: str) -> str:
+    """The first `E ...` line pytest printed: why the tests failed."""
+    for line in output.splitlines():
+        if line.startswith("E ") and line[1:].strip():
+            return line[1:].strip()[:160]
+    return ""
 
 
 def check(mutations: list[Mutation], timeout: int, baseline: bool) -> list[dict]:
@@ -133,17 +141,18 @@ def check(mutations: list[Mutation], timeout: int, baseline: bool) -> list[dict]
             status, seconds, tail = run_tests(clean, tests, timeout * 2)
             print(f"baseline (no mutation): {status} in {seconds:.0f} s", flush=True)
             if status != "passed":
-                raise SystemExit(f"error: the tests fail without any mutation; fix them first\n{tail}")
+                raise SystemExit(f"error: the tests fail without any mutation; fix them first\n{tail[-3000:]}")
         for mutation in mutations:
             work = Path(tmp) / mutation.name
             shutil.copytree(clean, work)
             apply(mutation, work)
             status, seconds, tail = run_tests(work, mutation.tests, timeout)
             result = {"failed": "caught", "passed": "MISSED"}.get(status, status)
-            rows.append({"mutation": mutation, "result": result, "seconds": seconds})
-            print(f"{mutation.name}: {result} ({seconds:.0f} s) by {' '.join(mutation.tests)}", flush=True)
+            rows.append({"mutation": mutation, "result": result, "seconds": seconds, "why": first_assertion(tail)})
+            print(f"{mutation.name}: {result} ({seconds:.0f} s) by {' '.join(mutation.tests)}: {rows[-1]['why']}",
+                  flush=True)
             if result not in ("caught", "MISSED"):
-                print(tail, flush=True)
+                print(tail[-3000:], flush=True)
             shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -157,11 +166,14 @@ def render(rows: list[dict]) -> str:
              "Each row switches one mechanism off in a temporary copy of the repository (the edit is in "
              "`scripts/mutation_check.py`) and runs the tests named; *caught* means they failed. The same "
              "tests pass without the mutation (baseline).", "",
-             "| mutation | change made to the code | tests run | result | seconds |", "|---|---|---|---|---|"]
+             "| mutation | change made to the code | tests run | result | first failed assertion | seconds |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         m = row["mutation"]
         tests = ", ".join(f"`{t.split('/')[-1]}`" for t in m.tests)
-        lines.append(f"| {m.name} | {m.what} | {tests} | {row['result']} | {row['seconds']:.0f} |")
+        why = row["why"].replace("|", "\\|").replace("`", "'")
+        lines.append(f"| {m.name} | {m.what} | {tests} | {row['result']} | `{why}` | {row['seconds']:.0f} |"
+                     if why else f"| {m.name} | {m.what} | {tests} | {row['result']} | | {row['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
