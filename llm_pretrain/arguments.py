@@ -161,10 +161,12 @@ class Arguments:
         return self.eval_steps or self.logging_steps
 
     @property
-    def effective_warmup_steps(self) -> int:
+    def effective_warmup_steps(self) -> float:
+        # As PaddleNLP's llm/run_pretrain.py: warmup_ratio x max_steps is not rounded (2.5 steps
+        # of warmup rise by max_lr / 2.5 per step).
         if self.warmup_steps > 0:
             return self.warmup_steps
-        return int(self.warmup_ratio * self.max_steps)
+        return self.warmup_ratio * self.max_steps
 
 
 # PaddleNLP keys accepted for compatibility that change nothing here, with

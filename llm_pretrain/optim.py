@@ -10,13 +10,17 @@ from paddle.optimizer.lr import LRScheduler
 from llm_pretrain.arguments import Arguments
 
 
-def learning_rate_at(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, kind: str) -> float:
+def learning_rate_at(step: int, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: int,
+                     kind: str) -> float:
     """Learning rate of optimizer step `step` (1-based).
 
     Warmup rises linearly to max_lr over warmup_steps (step 1 already trains, at
     max_lr / warmup_steps); the decay then falls to min_lr at decay_steps and
-    stays there. PaddleNLP's CosineAnnealingWithWarmupDecay is the same curve
-    shifted by one step (its first step uses learning rate 0).
+    stays there. This is PaddleNLP's pretraining curve step for step: llm/run_pretrain.py
+    builds CosineAnnealingWithWarmupDecay / LinearAnnealingWithWarmupDecay
+    (paddlenlp/transformers/optimization.py) with last_epoch=0, and Paddle's LRScheduler
+    steps once in its constructor, so the first optimizer step uses last_epoch 1, i.e.
+    max_lr / warmup_steps (tests/test_lr_schedule.py compares the two step by step).
     """
     if warmup_steps > 0 and step <= warmup_steps:
         return max_lr * step / warmup_steps
@@ -35,7 +39,7 @@ def learning_rate_at(step: int, max_lr: float, min_lr: float, warmup_steps: int,
 class WarmupDecaySchedule(LRScheduler):
     """Paddle scheduler over `learning_rate_at`; last_epoch counts finished optimizer steps."""
 
-    def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, kind: str):
+    def __init__(self, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: int, kind: str):
         self.max_lr, self.min_lr = max_lr, min_lr
         self.warmup_steps, self.decay_steps, self.kind = warmup_steps, decay_steps, kind
         super().__init__(learning_rate=max_lr, last_epoch=-1)

@@ -49,7 +49,7 @@ OK, FAILED, OOM, TIMEOUT = "ok", "failed", "OOM", "timeout"
 MEMORY_KEYS = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "peak_rss_mb")
 
 TABLE_COLUMNS = (
-    "model", "sequence length", "strategy", "speed (tokens/card/sec)", "TFLOPs/card", "MFU",
+    "model", "sequence length", "strategy", "what ran", "speed (tokens/card/sec)", "TFLOPs/card", "MFU",
     "memory (MB)", "argument file", "test time",
 )
 CSV_COLUMNS = (
@@ -57,6 +57,7 @@ CSV_COLUMNS = (
     "global_batch_size", "steps", "warmup_steps", "measured_steps", "tokens_per_card_per_sec", "step_time_s",
     "tflops_per_card", "peak_tflops_per_card", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb",
     "peak_rss_mb", "args_file", "test_time", "output_dir", "error",
+    "built", "schedule", "sharding_implementation", "sequence_parallel", "recompute", "precision",
 )
 
 
@@ -138,7 +139,29 @@ def run_fields(run: dict) -> dict:
     }
     if run.get("time") is not None:
         fields["test_time"] = format_time(run["time"])
+    fields.update(built_fields(run.get("built")))
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def built_fields(built: dict | None) -> dict:
+    """What the trainer found it had built (llm_pretrain/run_record.py), for the table and the CSV."""
+    if not built:
+        return {}
+    from llm_pretrain.run_record import summary_line
+
+    schedule, sharding = built.get("schedule"), built.get("sharding")
+    recompute = built.get("recompute") or {}
+    precision = built.get("precision") or {}
+    return {
+        "built": summary_line(built),
+        "schedule": f"{schedule['kind']} ({schedule['class']}, {schedule['virtual_stages']} virtual stages)"
+        if schedule else None,
+        "sharding_implementation": f"stage {sharding['stage']}: {sharding['implementation']}" if sharding else None,
+        "sequence_parallel": bool((built.get("sequence_parallel") or {}).get("enabled")),
+        "recompute": "; ".join(f"{g}: layers {','.join(map(str, layers))}" for g, layers in recompute.items()
+                               if isinstance(layers, list)) or None,
+        "precision": precision.get("autocast") or "/".join(precision.get("parameter_dtypes") or []) or None,
+    }
 
 
 def _dtype_of(run: dict) -> str | None:
@@ -312,7 +335,7 @@ def table_row(record: dict) -> list[str]:
     seq = record.get("seq_length")
     return [
         str(record.get("model") or record.get("name") or "?"), str(seq) if seq else "?",
-        str(record.get("strategy") or "?"), speed, tflops_cell, mfu_cell, memory,
+        str(record.get("strategy") or "?"), record.get("built") or "-", speed, tflops_cell, mfu_cell, memory,
         f"`{record['args_file']}`" if record.get("args_file") else "-", record.get("test_time") or "-",
     ]
 

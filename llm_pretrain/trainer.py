@@ -40,6 +40,7 @@ from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
 from llm_pretrain.metrics import MetricsLogger
 from llm_pretrain.optim import build_optimizer, build_schedule
+from llm_pretrain import run_record
 from llm_pretrain.precision import Precision, check_master_grad
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
@@ -703,11 +704,11 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
                             start_step=start_step, disable_tqdm=args.disable_tqdm,
                             fresh=args.overwrite_output_dir and not resume_from)
     run.callback(metrics.close)
-    name = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
-                         layout.sharding_stage, layout.virtual_pp_degree, layout.data_parallel_degree)
+    built = run_record.describe_built_run(model, optimizer, precision)  # what the wrappers and layers are
+    name = run_record.built_strategy_name(built)
     metrics.write({
         "event": "run", "model": args.model_name_or_path, "family": config.family, "args_file": args_file,
-        "strategy": name, "layout": layout_summary(layout), "seq_length": args.max_seq_length,
+        "strategy": name, "layout": layout_summary(layout), "built": built, "seq_length": args.max_seq_length,
         "global_batch_size": train_plan.global_batch_size, "max_steps": args.max_steps, "start_step": start_step,
         "resumed_from": resume_from,
         "device": device, "device_name": device_name(device),

@@ -77,7 +77,14 @@ class CausalLMPipeline(PipelineLayer):
             # The last stage's copy of the tied embedding (middle stages hold none) is a replica:
             # fleet's global-norm clip must count its gradient once (PipelineLayer's own marking
             # compares parameter names with the attribute name and never matches).
-            for param in self.shared_layers[TIED_EMBEDDING].parameters():
+            copy = self.shared_layers[TIED_EMBEDDING]
+            # That copy only computes the output head: the learned positions (GPT-3) and the
+            # embedding LayerNorm (Bloom) would never run or train there, and would stay stale
+            # copies of the first stage's (tests/parity_utils.assert_every_replica_matches).
+            for unused in ("position_embeddings", "word_embeddings_layernorm"):
+                if hasattr(copy, unused):
+                    delattr(copy, unused)
+            for param in copy.parameters():
                 param.is_firstly_shared = False
 
     def canonical_named_parameters(self):

@@ -33,8 +33,8 @@ import pytest
 from launch_utils import REPO_ROOT, free_port
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    TRAIN_RUNS, argv, assert_same_training, base_arguments, final_weights, run_launch, run_record, run_single,
-    train_records, write_json,
+    TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, final_weights, run_launch,
+    run_record, run_single, train_records, write_json,
 )
 
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
@@ -64,6 +64,7 @@ class Parity:
     def check(self, names_and_models: list[tuple[str, str]]) -> None:
         for name, model in names_and_models:
             diffs = assert_same_training(self.references[model], self.out(name))
+            diffs["every_replica"] = assert_every_replica_matches(self.references[model], self.out(name))
             print(f"{name} vs single-process {model}: {diffs}")
 
 

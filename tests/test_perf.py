@@ -190,12 +190,14 @@ def test_markdown_table_columns_strategies_and_failures(tmp_path):
            "error": "ResourceExhaustedError: Out of memory error on GPU 0"}
     text = perf.render_markdown([ok, dp2, crashed, failed, oom], CPU_ENV, warmup_steps=1)
 
-    header = "| model | sequence length | strategy | speed (tokens/card/sec) | TFLOPs/card | MFU | memory (MB) " \
-             "| argument file | test time |"
+    header = "| model | sequence length | strategy | what ran | speed (tokens/card/sec) | TFLOPs/card | MFU " \
+             "| memory (MB) | argument file | test time |"
     assert header in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and line != header]
     assert len(rows) == 5
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [row[3] for row in cells] == ["-"] * 5  # these logs carry no "built" description
+    cells = [row[:3] + row[4:] for row in cells]
     assert cells[0][:4] == ["llama-tiny", "64", "dp", "50.0"]
     assert cells[1][2:4] == ["dp2", "30.0"]
     assert cells[1][5] == "0.06%"  # 30 x 1e6 / 1e12 TFLOPs over its half of the 0.1 TFLOPs CPU
@@ -240,11 +242,11 @@ def test_csv_and_png(tmp_path):
 def test_render_table_for_output_dir_and_perf_table_script(tmp_path, capsys):
     directory = write_log(tmp_path / "runs" / "quick", [1, 2, 3, 4, 5])
     text = perf.render_table_for_output_dir(str(directory), warmup_steps=2, environment=CPU_ENV)
-    assert "| llama-tiny | 64 | dp | 4.0 |" in text
+    assert "| llama-tiny | 64 | dp | - | 4.0 |" in text
     perf_table = load_script("perf_table")
     assert perf_table.main([str(tmp_path / "runs"), "--warmup", "2", "--cpu-peak-tflops", "0.1",
                             "--out", str(tmp_path / "report")]) == 0
-    assert "| llama-tiny | 64 | dp | 4.0 |" in capsys.readouterr().out
+    assert "| llama-tiny | 64 | dp | - | 4.0 |" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "report")) == ["perf_table.csv", "perf_table.md", "perf_table.png"]
 
 
@@ -306,8 +308,24 @@ def test_runner_end_to_end_on_cpu(tmp_path):
     assert bad["args_file"] == "tiny-bad.json" and bad["strategy"] == "dp1"
 
     table = (out / "perf_table.md").read_text()
-    assert "| llama-tiny | 64 | dp2 |" in table and "**failed**" in table
+    assert "| llama-tiny | 64 | dp2 | fp32 |" in table and "**failed**" in table
     assert (out / "perf_table.png").stat().st_size > 0 and (out / "perf_table.csv").is_file()
     assert table in result.stdout
     # The same table again from the recorded results, without re-running.
     assert perf.render_table_for_output_dir(str(out)) == table
+
+
+def test_what_ran_comes_from_the_built_description(tmp_path):
+    built = {"layout": {"world_size": 4, "data_parallel_degree": 1, "tensor_parallel_degree": 1,
+                        "pipeline_parallel_degree": 4, "sharding_degree": 1},
+             "schedule": {"class": "PipelineParallelWithInterleave", "kind": "interleaved", "virtual_stages": 2,
+                          "chunk_layers": [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]},
+             "sharding": None, "sequence_parallel": {"enabled": False},
+             "recompute": {"full": [0, 1, 2, 3, 4, 5, 6, 7], "pipeline_recompute_interval": 1},
+             "precision": {"parameter_dtypes": ["float32"], "autocast": None, "amp_level": None}}
+    fields = perf.built_fields(built)
+    assert fields["built"] == "interleaved x2 · recompute full (8 layers) · fp32"
+    assert fields["schedule"] == "interleaved (PipelineParallelWithInterleave, 2 virtual stages)"
+    assert fields["recompute"] == "full: layers 0,1,2,3,4,5,6,7" and fields["sequence_parallel"] is False
+    row = perf.table_row({"model": "llama-tiny", "seq_length": 32, "strategy": "pp4vpp2", **fields})
+    assert row[2:4] == ["pp4vpp2", "interleaved x2 · recompute full (8 layers) · fp32"]

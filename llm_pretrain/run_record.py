@@ -1,0 +1,260 @@
+"""What ran, read from the objects that were built (not from the arguments that asked for them).
+
+The trainer writes `describe_built_run(...)` into the "run" record of train_log.jsonl:
+
+    layout             degrees of fleet's hybrid communicate group (world, dp, tp, pp, sharding)
+    schedule           the pipeline wrapper's class: "1F1B" (PipelineParallel) or "interleaved"
+                       (PipelineParallelWithInterleave) with its virtual stage count and the
+                       decoder layers of each chunk on each pipeline rank; None without a pipeline
+    sharding           the wrapper classes around the model and optimizer, the stage they make,
+                       the sharding group's size, and (stage 3) how many parameters are sliced
+    sequence_parallel  whether the model's linears are fleet's sequence-parallel ones
+    recompute          per granularity, the decoder layers that recompute it in backward (the
+                       layers' own configuration; PipelineLayer's recompute_interval for "full"
+                       under the pipeline)
+    precision          parameter dtype, master weights in the optimizer, loss scaling, autocast
+
+If a mutation or a bug switches a feature off, the record says so even when the arguments
+asked for it: a run record is evidence of the layout, not an echo of the argument file.
+"""
+
+from __future__ import annotations
+
+GRANULARITIES = ("full", "full_attn", "core_attn")
+
+
+def unwrap_model(model):
+    """The user's model inside fleet's and group sharding's wrappers."""
+    while True:
+        inner = getattr(model, "_layers", None) or getattr(model, "_layer", None)
+        if inner is None or inner is model:
+            return model
+        model = inner
+
+
+def optimizer_chain(optimizer) -> list:
+    """The optimizer and every optimizer it wraps, outermost first."""
+    chain = []
+    while optimizer is not None and optimizer not in chain:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "_inner_opt", None) or getattr(optimizer, "_optim", None)
+    return chain
+
+
+def model_chain(model) -> list:
+    chain = [model]
+    while True:
+        inner = getattr(chain[-1], "_layers", None) or getattr(chain[-1], "_layer", None)
+        if inner is None or inner is chain[-1]:
+            return chain
+        chain.append(inner)
+
+
+def _class_names(objects) -> list[str]:
+    return [type(o).__name__ for o in objects]
+
+
+def built_layout() -> dict:
+    """Degrees of the groups fleet built (all 1 without fleet)."""
+    import paddle.distributed as dist
+
+    if not dist.is_initialized():
+        return {"world_size": 1, "data_parallel_degree": 1, "tensor_parallel_degree": 1,
+                "pipeline_parallel_degree": 1, "sharding_degree": 1}
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    return {"world_size": dist.get_world_size(), "data_parallel_degree": hcg.get_data_parallel_world_size(),
+            "tensor_parallel_degree": hcg.get_model_parallel_world_size(),
+            "pipeline_parallel_degree": hcg.get_pipe_parallel_world_size(),
+            "sharding_degree": hcg.get_sharding_parallel_world_size()}
+
+
+def decoder_layer_indices(layer) -> list[int]:
+    from models.decoder import DecoderLayer
+
+    return [sub.layer_index for sub in layer.sublayers(include_self=True) if isinstance(sub, DecoderLayer)]
+
+
+def describe_schedule(model) -> dict | None:
+    """The pipeline schedule fleet built: its class, virtual stages and this rank's chunks."""
+    from paddle.distributed.fleet.meta_parallel import PipelineParallel, PipelineParallelWithInterleave
+
+    wrapper = next((m for m in model_chain(model) if isinstance(m, PipelineParallel)), None)
+    if wrapper is None:
+        return None
+    interleaved = isinstance(wrapper, PipelineParallelWithInterleave)
+    layers = unwrap_model(model)
+    chunks = layers.get_model_chunks() if interleaved else [layers]
+    return {"class": type(wrapper).__name__, "kind": "interleaved" if interleaved else "1F1B",
+            "virtual_stages": len(chunks) if interleaved else 1,
+            "chunk_layers": [decoder_layer_indices(chunk) for chunk in chunks]}
+
+
+def describe_sharding(model, optimizer) -> dict | None:
+    """Which sharding wrappers were built and the stage they implement (None: no sharding)."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+        DygraphShardingOptimizer,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_optimizer_stage2 import (
+        GroupShardedOptimizerStage2,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage2 import GroupShardedStage2
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage3 import GroupShardedStage3
+
+    models, optimizers = model_chain(model), optimizer_chain(optimizer)
+    stage3 = next((m for m in models if isinstance(m, GroupShardedStage3)), None)
+    stage2 = next((m for m in models if isinstance(m, GroupShardedStage2)), None)
+    stage2_opt = next((o for o in optimizers if isinstance(o, GroupShardedOptimizerStage2)), None)
+    stage1_opt = next((o for o in optimizers if isinstance(o, DygraphShardingOptimizer)), None)
+    if stage3 is not None:
+        sliced = [p for p in stage3._layer.parameters() if hasattr(p, "fw_storage") and not hasattr(p, "unslice")]
+        return {"stage": 3, "implementation": "group_sharded " + type(stage3).__name__,
+                "degree": stage3._group.nranks, "segment_size": stage3._segment_size,
+                "sliced_parameters": len(sliced)}
+    if stage2 is not None and stage2_opt is not None:
+        return {"stage": 2, "implementation": f"group_sharded {type(stage2).__name__} + {type(stage2_opt).__name__}",
+                "degree": stage2_opt._group.nranks}
+    if stage1_opt is not None:
+        return {"stage": 1, "implementation": f"fleet {type(stage1_opt).__name__}",
+                "degree": stage1_opt._sharding_world_size}
+    return None
+
+
+def describe_sequence_parallel(model) -> dict:
+    from paddle.distributed.fleet.utils.sequence_parallel_utils import (
+        ColumnSequenceParallelLinear, RowSequenceParallelLinear, is_sequence_parallel_parameter,
+    )
+
+    layers = unwrap_model(model).sublayers()
+    linears = [m for m in layers if isinstance(m, (ColumnSequenceParallelLinear, RowSequenceParallelLinear))]
+    marked = [p for p in unwrap_model(model).parameters() if is_sequence_parallel_parameter(p)]
+    return {"enabled": bool(linears), "sequence_parallel_linears": len(linears),
+            "parameters_all_reduced_over_tp": len(marked)}
+
+
+def describe_recompute(model) -> dict:
+    """Per granularity, the decoder layers (global indices, this rank) recomputed in backward."""
+    from paddle.distributed.fleet.meta_parallel import PipelineLayer
+
+    from models.decoder import DecoderLayer, recomputes
+
+    layers = unwrap_model(model)
+    decoder_layers = [m for m in layers.sublayers() if isinstance(m, DecoderLayer)]
+    recomputed = {g: [] for g in GRANULARITIES}
+    pipeline_interval = None
+    if isinstance(layers, PipelineLayer):
+        # The pipeline recomputes whole layers by PipelineLayer's segments (models/pipeline.py);
+        # inside a layer only the attention granularities apply.
+        pipeline_interval = layers._recompute_interval
+        recomputed["full"] = pipeline_recomputed_layers(layers)
+        granularities = ("full_attn", "core_attn")
+    else:
+        granularities = GRANULARITIES
+    for layer in decoder_layers:
+        for granularity in granularities:
+            if recomputes(layer.config, granularity, layer.layer_index):
+                recomputed[granularity].append(layer.layer_index)
+    out = {g: sorted(v) for g, v in recomputed.items() if v}
+    if pipeline_interval is not None:
+        out["pipeline_recompute_interval"] = pipeline_interval
+    return out
+
+
+def pipeline_recomputed_layers(layers) -> list[int]:
+    """Decoder layers PipelineLayer.forward recomputes (paddle/distributed/fleet/meta_parallel/
+    parallel_layers/pp_layers.py): each chunk's functions are cut into segments of
+    recompute_interval, and a segment is recomputed only if its input needs a gradient
+    (`_need_recompute`). The first segment of stage 0 takes the token ids, so the decoder layers
+    that share a segment with the embedding are not recomputed (none when the interval is 1)."""
+    from models.decoder import DecoderLayer
+
+    interval = layers._recompute_interval
+    if interval <= 0:
+        return []
+    chunks = layers.get_model_chunks() or [layers]
+    recomputed = []
+    for chunk_index, chunk in enumerate(chunks):
+        functions = chunk.run_function
+        for start in range(0, len(functions), interval):
+            if layers._stage_id == 0 and chunk_index == 0 and start == 0:
+                continue  # input: the token ids (stop_gradient)
+            recomputed += [f.layer_index for f in functions[start:start + interval] if isinstance(f, DecoderLayer)]
+    return recomputed
+
+
+def describe_precision(model, optimizer, precision=None) -> dict:
+    params = list(unwrap_model(model).parameters())
+    dtypes = sorted({str(p.dtype).replace("paddle.", "") for p in params})
+    master = any(getattr(o, "_multi_precision", False) for o in optimizer_chain(optimizer))
+    return {"parameter_dtypes": dtypes, "master_weights": master,
+            "loss_scaling": getattr(precision, "scaler", None) is not None,
+            "autocast": getattr(precision, "dtype", None), "amp_level": getattr(precision, "level", None)
+            if getattr(precision, "dtype", None) else None}
+
+
+def describe_built_run(model, optimizer, precision=None) -> dict:
+    """This rank's view of the built run, merged over ranks where it differs (pipeline stages).
+
+    Collective when distributed (one all_gather_object): call it on every rank."""
+    import paddle.distributed as dist
+
+    local = {"schedule": describe_schedule(model), "sharding": describe_sharding(model, optimizer),
+             "sequence_parallel": describe_sequence_parallel(model), "recompute": describe_recompute(model),
+             "precision": describe_precision(model, optimizer, precision)}
+    ranks = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = []
+        dist.all_gather_object(ranks, local)
+    built = {"layout": built_layout(), **local}
+    # Layers live on different pipeline stages: recompute lists the union, schedule each stage's chunks.
+    recompute = {}
+    for rank in ranks:
+        for key, value in rank["recompute"].items():
+            recompute[key] = value if key == "pipeline_recompute_interval" else sorted(
+                set(recompute.get(key, [])) | set(value))
+    built["recompute"] = recompute
+    if local["schedule"] is not None:
+        from paddle.distributed import fleet
+
+        stage_of = {}
+        hcg = fleet.get_hybrid_communicate_group()
+        stages = hcg.topology().get_dim("pipe")
+        for global_rank, rank in enumerate(ranks):
+            stage = hcg.topology().get_coord(global_rank).pipe
+            stage_of.setdefault(stage, rank["schedule"]["chunk_layers"])
+        built["schedule"] = {**local["schedule"], "chunk_layers": [stage_of[s] for s in range(stages)]}
+    return built
+
+
+def built_strategy_name(built: dict) -> str:
+    """The PaddleNLP-style strategy name (pp4vpp2tp2sd2_stage1 ...) of what was built."""
+    from llm_pretrain.trainer import strategy_name
+
+    layout, schedule, sharding = built["layout"], built["schedule"], built["sharding"]
+    return strategy_name(layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"],
+                         layout["sharding_degree"], sharding["stage"] if sharding else 0,
+                         schedule["virtual_stages"] if schedule else 1, layout["data_parallel_degree"])
+
+
+def summary_line(built: dict) -> str:
+    """A short form for tables: "interleaved x2 · sharding stage 1 · SP · recompute full (8 layers) · fp32"."""
+    parts = []
+    schedule = built.get("schedule")
+    if schedule:
+        interleaved = schedule["kind"] == "interleaved"
+        parts.append(schedule["kind"] + (f" x{schedule['virtual_stages']}" if interleaved else ""))
+    sharding = built.get("sharding")
+    if sharding:
+        parts.append(f"sharding stage {sharding['stage']}")
+    if (built.get("sequence_parallel") or {}).get("enabled"):
+        parts.append("SP")
+    for granularity in GRANULARITIES:
+        layers = (built.get("recompute") or {}).get(granularity)
+        if layers:
+            parts.append(f"recompute {granularity} ({len(layers)} layers)")
+    precision = built.get("precision") or {}
+    dtype = precision.get("autocast") or "/".join(precision.get("parameter_dtypes") or []) or "?"
+    parts.append({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+                 + (" O2" if precision.get("amp_level") == "O2" else ""))
+    return " · ".join(parts)

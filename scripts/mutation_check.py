@@ -1,0 +1,207 @@
+"""Mutation check: switch each parallel feature off on purpose and see whether the tests notice.
+
+    python scripts/mutation_check.py                      # every mutation, then the table
+    python scripts/mutation_check.py --only sp_off dp_sync_every_micro_batch
+    python scripts/mutation_check.py --out benchmarks/mutation_check.md
+
+For each mutation in MUTATIONS (a one-line source edit that silently disables a mechanism
+while the code still runs), the repository's files are copied to a temporary directory,
+the edit is applied there (never to this checkout), and the tests that should catch it run
+with pytest. "caught" means they failed; "missed" means they passed with the feature off, i.e.
+a README mark is not proven. First the same tests run on the unmutated copy ("baseline"):
+a mutation counts only if they pass without it.
+
+Not part of the default test command: it runs each test file several times (~30 minutes on
+2 cores). The last result is in benchmarks/mutation_check.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+MECHANISMS = "tests/test_mechanisms.py"
+TP2 = f"{MECHANISMS}::test_sequence_parallel_and_recompute_under_tp2"
+DP2 = f"{MECHANISMS}::test_data_parallel_syncs_once_per_step_and_recompute_under_dp2"
+SD2 = f"{MECHANISMS}::test_sharding_stages_and_recompute_under_sd2"
+PP4 = f"{MECHANISMS}::test_pipeline_schedules_and_recompute_under_pp4"
+LR = "tests/test_lr_schedule.py"
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str  # the change, in words
+    path: str  # file in the repository
+    old: str  # exact text, must occur once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids expected to fail
+
+
+MUTATIONS = [
+    Mutation("sp_off", "`sequence_parallel` forced off in the model config (trainer)", "llm_pretrain/trainer.py",
+             "sequence_parallel=args.sequence_parallel,", "sequence_parallel=False,", (TP2,)),
+    Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/distributed.py",
+             "register_sequence_parallel_allreduce_hooks(model, accumulation_steps,",
+             "(lambda *a, **k: None)(model, accumulation_steps,", (TP2,)),
+    Mutation("no_virtual_stages", "the pipeline built without virtual stages (1F1B instead of interleaved)",
+             "llm_pretrain/trainer.py", "CausalLMPipeline(config, layout.virtual_pp_degree,",
+             "CausalLMPipeline(config, 1,", (PP4,)),
+    Mutation("pp_recompute_interval_0", "pipeline recompute interval 0", "models/pipeline.py",
+             "recompute_interval=pp_recompute_interval if full_recompute else 0,", "recompute_interval=0,", (PP4,)),
+    Mutation("stage3_as_stage2", "stage 3 run as stage 2 (`level` always \"os_g\")", "llm_pretrain/distributed.py",
+             'level = "os_g" if layout.sharding_stage == 2 else "p_g_os"', 'level = "os_g"', (SD2,)),
+    Mutation("no_group_sharding", "group sharding removed: stages 2/3 run as fleet's stage 1",
+             "llm_pretrain/distributed.py", "if layout.sharding_stage in (2, 3):", "if False:", (SD2,)),
+    Mutation("stage3_no_slicing", "stage 3 with a threshold no parameter reaches (nothing sliced)",
+             "llm_pretrain/distributed.py", "group_sharded_parallel(model, optimizer, level=level,",
+             "group_sharded_parallel(model, optimizer, level=level, segment_size=2**40,",
+             (SD2,)),
+    Mutation("dp_sync_every_micro_batch", "data parallelism all-reduces after every micro-batch (no no_sync)",
+             "llm_pretrain/trainer.py",
+             'sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()',
+             "sync = contextlib.nullcontext()", (DP2,)),
+    Mutation("recompute_off", "recompute never applied inside the decoder", "models/decoder.py",
+             "return (config.recompute and config.recompute_granularity == granularity",
+             "return (False and config.recompute_granularity == granularity", ("tests/test_recompute.py", DP2)),
+    Mutation("tied_copy_stale", "the last pipeline stage keeps stale unused copies of the first stage's "
+             "embedding parts (GPT-3 positions, Bloom's embedding LayerNorm)", "models/pipeline.py",
+             'for unused in ("position_embeddings", "word_embeddings_layernorm"):', "for unused in ():",
+             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+    Mutation("cosine_to_linear", "cosine decay replaced by linear", "llm_pretrain/optim.py",
+             "coefficient = 0.5 * (1.0 + math.cos(math.pi * progress))", "coefficient = 1.0 - progress", (LR,)),
+    Mutation("warmup_shifted", "warmup shifted by one step", "llm_pretrain/optim.py",
+             "return learning_rate_at(self.last_epoch + 1,", "return learning_rate_at(self.last_epoch,", (LR,)),
+    Mutation("warmup_ratio_rounded", "warmup_ratio x max_steps rounded down (PaddleNLP does not round)",
+             "llm_pretrain/arguments.py", "return self.warmup_ratio * self.max_steps",
+             "return int(self.warmup_ratio * self.max_steps)", (LR,)),
+]
+
+
+def copy_repository(destination: Path) -> None:
+    """The files git knows (tracked and new, not ignored): no outputs, caches or .git."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO_ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def apply(mutation: Mutation, repo: Path) -> None:
+    path = repo / mutation.path
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(f"error: mutation {mutation.name}: the text to replace occurs {count} times in "
+                         f"{mutation.path} (the code changed; update MUTATIONS): {mutation.old!r}")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def run_tests(repo: Path, tests: tuple[str, ...], timeout: int) -> tuple[str, float, str]:
+    """("passed" | "failed" | "error" | "timeout", seconds, output tail)."""
+    env = {k: v for k, v in os.environ.items() if k != "PADDLE_TRAINERS_NUM"}
+    start = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                                cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start, ""
+    status = {0: "passed", 1: "failed"}.get(result.returncode, "error")
+    return status, time.monotonic() - start, result.stdout + result.stderr
+
+
+def first_assertion(output: str) -> str:
+    """The first `E ...` line pytest printed: why the tests failed."""
+    for line in output.splitlines():
+        if line.startswith("E ") and line[1:].strip():
+            return line[1:].strip()[:160]
+    return ""
+
+
+def check(mutations: list[Mutation], timeout: int, baseline: bool) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mutation_check_") as tmp:
+        clean = Path(tmp) / "clean"
+        copy_repository(clean)
+        if baseline:
+            tests = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+            status, seconds, tail = run_tests(clean, tests, timeout * 2)
+            print(f"baseline (no mutation): {status} in {seconds:.0f} s", flush=True)
+            if status != "passed":
+                raise SystemExit(f"error: the tests fail without any mutation; fix them first\n{tail[-3000:]}")
+        for mutation in mutations:
+            work = Path(tmp) / mutation.name
+            shutil.copytree(clean, work)
+            apply(mutation, work)
+            status, seconds, tail = run_tests(work, mutation.tests, timeout)
+            result = {"failed": "caught", "passed": "MISSED"}.get(status, status)
+            rows.append({"mutation": mutation, "result": result, "seconds": seconds, "why": first_assertion(tail)})
+            print(f"{mutation.name}: {result} ({seconds:.0f} s) by {' '.join(mutation.tests)}: {rows[-1]['why']}",
+                  flush=True)
+            if result not in ("caught", "MISSED"):
+                print(tail[-3000:], flush=True)
+            shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    caught = sum(r["result"] == "caught" for r in rows)
+    lines = ["# Mutation check", "",
+             f"`python scripts/mutation_check.py --out benchmarks/mutation_check.md`, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: "
+             f"**{caught} of {len(rows)} caught**.", "",
+             "Each row switches one mechanism off in a temporary copy of the repository (the edit is in "
+             "`scripts/mutation_check.py`) and runs the tests named; *caught* means they failed. The same "
+             "tests pass without the mutation (baseline).", "",
+             "| mutation | change made to the code | tests run | result | first failed assertion | seconds |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        m = row["mutation"]
+        tests = ", ".join(f"`{t.split('/')[-1]}`" for t in m.tests)
+        why = row["why"].replace("|", "\\|").replace("`", "'")
+        lines.append(f"| {m.name} | {m.what} | {tests} | {row['result']} | `{why}` | {row['seconds']:.0f} |"
+                     if why else f"| {m.name} | {m.what} | {tests} | {row['result']} | | {row['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
+    parser.add_argument("--out", help="write the markdown table here (e.g. benchmarks/mutation_check.md)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's test run")
+    parser.add_argument("--skip-baseline", action="store_true", help="do not first run the tests unmutated")
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [name for name in args.only or [] if name not in known]
+    if unknown:
+        parser.exit(2, f"error: unknown mutation {', '.join(unknown)}; known: {', '.join(known)}\n")
+    mutations = [known[name] for name in args.only] if args.only else MUTATIONS
+    for mutation in mutations:  # every edit still applies to today's code, before any long run
+        text = (REPO_ROOT / mutation.path).read_text()
+        if text.count(mutation.old) != 1:
+            parser.exit(2, f"error: mutation {mutation.name}: the text to replace occurs {text.count(mutation.old)} "
+                           f"times in {mutation.path}; update MUTATIONS\n")
+    rows = check(mutations, args.timeout, baseline=not args.skip_baseline)
+    table = render(rows)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0 if all(r["result"] == "caught" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Run trainings through the real trainer with probes that watch the mechanisms at work.
+
+    python -m paddle.distributed.launch --nproc_per_node 2 tests/workers/mechanism_runs.py runs.json
+
+runs.json: [{"name": ..., "argv": [run_pretrain.py arguments]}, ...] (one parallel layout per launch).
+Before the runs, this worker wraps (counting, then calling the original):
+
+    DecoderLayer.forward / attention_block, Attention.core_attention
+                       calls per decoder layer (recompute runs them again in backward) and the
+                       shape of the hidden states entering each layer (1/tp of the tokens under SP)
+    the SP all-reduce hooks fleet registers (sequence_parallel_utils): backward calls and
+                       all-reduces per parameter
+    CausalLM.forward and the optimizer's step
+                       a fingerprint of one gradient before every micro-batch and at the step: data
+                       parallelism must leave gradients local until the last micro-batch
+    run_record.describe_built_run
+                       catches the built model and optimizer (inspected after the run: optimizer
+                       state per rank, stage-3 slices) and resets the allocator's peak, so that
+                       the peak after the run is that of training
+
+Each rank writes {run name: observations} with launch_utils.write_result.
+"""
+
+import gc
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from paddle.base import core  # noqa: E402
+from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
+
+from llm_pretrain import run_record  # noqa: E402
+from llm_pretrain.run_pretrain import main  # noqa: E402
+from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
+from models.registry import parameter_count  # noqa: E402
+
+probe: dict = {}
+
+
+def reset_probe():
+    probe.clear()
+    probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
+                 grad_fingerprints=[], built=None)
+
+
+def counting(owner, method):
+    original = getattr(owner, method)
+
+    def counted(self, *args, **kwargs):
+        if self.training:
+            probe["calls"][method].append(self.layer_index)
+            if method == "forward" and owner is DecoderLayer:
+                probe["shapes"][self.layer_index].add(tuple(args[0].shape))
+        return original(self, *args, **kwargs)
+
+    setattr(owner, method, counted)
+
+
+def watch_sp_hooks():
+    original = sequence_parallel_utils.create_non_fused_allreduce_gradient_hook
+
+    def create(param, accumulation_steps):
+        hook = original(param, accumulation_steps)
+
+        def counted_hook():
+            counts = probe["hooks"][param.name]
+            counts[0] += 1
+            counts[1] += counts[0] % accumulation_steps == 0  # the hook all-reduces on these calls
+            return hook()
+
+        return counted_hook
+
+    sequence_parallel_utils.create_non_fused_allreduce_gradient_hook = create
+
+
+def grad_fingerprint(model) -> float | None:
+    """Sum of one decoder weight's gradient (None before the first backward of a step)."""
+    try:
+        grad = model.layers[0].mlp.down_proj.weight.grad
+        return None if grad is None else float(grad.astype("float64").sum())
+    except Exception:  # noqa: BLE001 - stage 3 releases parameters and gradients between uses
+        return None
+
+
+def watch_data_parallel():
+    original_forward = CausalLM.forward
+
+    def forward(self, input_ids, labels=None):
+        if self.training:
+            probe["grad_fingerprints"].append(("micro_batch", grad_fingerprint(self)))
+        return original_forward(self, input_ids, labels)
+
+    CausalLM.forward = forward
+
+
+def catch_built_run():
+    original = run_record.describe_built_run
+
+    def describe(model, optimizer, precision=None):
+        probe["built"] = (model, optimizer)
+        inner = run_record.unwrap_model(model)
+        if isinstance(inner, CausalLM):
+            original_step = optimizer.step
+
+            def step(*args, **kwargs):
+                probe["grad_fingerprints"].append(("step", grad_fingerprint(inner)))
+                return original_step(*args, **kwargs)
+
+            optimizer.step = step
+        return original(model, optimizer, precision)
+
+    run_record.describe_built_run = describe
+
+
+def optimizer_state_elements(optimizer) -> int:
+    """Elements of Adam's moments held by this rank (the innermost optimizer's accumulators)."""
+    inner = run_record.optimizer_chain(optimizer)[-1]
+    total = 0
+    for name, per_param in inner._accumulators.items():
+        if "moment1" in name:
+            total += sum(int(np.prod(t.shape)) for t in per_param.values())
+    return total
+
+
+def stage3_slices(model) -> list[dict]:
+    """Parameters group sharding stage 3 manages: full size and the size of this rank's slice."""
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage3 import GroupShardedStage3
+
+    stage3 = next((m for m in run_record.model_chain(model) if isinstance(m, GroupShardedStage3)), None)
+    if stage3 is None:
+        return []
+    out = []
+    for param in stage3._layer.parameters():
+        full = int(np.prod(param.shape))
+        storage = getattr(param, "fw_storage", None)
+        out.append({"name": param.name, "elements": full, "unslice": hasattr(param, "unslice"),
+                    "slice_elements": int(np.prod(storage.shape)) if storage is not None else None})
+    return out
+
+
+def observations() -> dict:
+    model, optimizer = probe["built"]
+    inner = run_record.unwrap_model(model)
+    return {
+        "calls": {k: v for k, v in probe["calls"].items()},
+        "decoder_input_shapes": {str(k): sorted(v) for k, v in probe["shapes"].items()},
+        "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
+        "grad_fingerprints": probe["grad_fingerprints"],
+        "optimizer_state_elements": optimizer_state_elements(optimizer),
+        "model_parameters": parameter_count(inner.config),
+        "parameter_elements": sum(int(np.prod(p.shape)) for p in inner.parameters()),
+        "stage3": stage3_slices(model),
+        "model_classes": run_record._class_names(run_record.model_chain(model)),
+        "optimizer_classes": run_record._class_names(run_record.optimizer_chain(optimizer)),
+        "peak_allocated": core.host_memory_stat_peak_value("Allocated", 0) - probe["allocated_before"],
+    }
+
+
+if __name__ == "__main__":
+    for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
+        counting(owner, method)
+    watch_sp_hooks()
+    watch_data_parallel()
+    catch_built_run()
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    results = {}
+    for run in runs:
+        reset_probe()
+        gc.collect()
+        probe["allocated_before"] = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        code = main([str(a) for a in run["argv"]])
+        if code:
+            sys.exit(code)
+        results[run["name"]] = observations()
+        probe.clear()
+        gc.collect()
+    from launch_utils import write_result
+
+    write_result(results)
