@@ -33,7 +33,9 @@ from llm_pretrain.distributed import (
 )
 from llm_pretrain.errors import UsageError
 from llm_pretrain.flops import training_flops_per_token
-from llm_pretrain.metrics import MetricsLog, format_summary, format_train_line, peak_memory_mb, summarize
+from llm_pretrain.metrics import (
+    MetricsLog, format_summary, format_train_line, peak_memory_mb, reset_peak_memory, summarize,
+)
 from llm_pretrain.optim import build_optimizer, build_schedule
 from models.config import ModelConfig
 from models.decoder import CausalLM
@@ -379,6 +381,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     set_seed(args.seed)
 
     # 3. Model, optimizer, data.
+    reset_peak_memory(device)  # the peak reported is this run's (tests train several runs in one process)
     model = build_model(config, layout)
     if weights_file:
         load_full_weights(model, config, paddle.load(weights_file), weights_file)
