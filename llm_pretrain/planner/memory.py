@@ -126,6 +126,8 @@ def _norm_saved(config: ModelConfig, p: Precision) -> float:
     float32 normalized x and its output (multiply keeps both inputs); under AMP also x cast to float32.
     LayerNorm keeps its input (already counted), mean and variance (per token) and the output."""
     h = config.hidden_size
+    if config.norm_type == "rmsnorm" and config.use_fused_rms_norm:
+        return p.activation_bytes * h + 4  # fused_rms_norm keeps its input and 1/rms per token
     if config.norm_type == "rmsnorm":
         return 4 * h + p.activation_bytes * h + (4 * h if p.half else 0)
     return p.activation_bytes * h + 8
@@ -162,15 +164,17 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         attention_copies, mlp_copies = tokens * a * h * attention_inputs, tokens * a * h * mlp_inputs
     else:
         attention_copies = mlp_copies = 0.0  # they share the norm's output
-    # q/k projections and rotary (apply_rotary: multiply keeps x and rotate_half(x); cos/sin tables per layer).
+    # q/k rotary (decoder.apply_rotary casts to float32: multiply keeps x and rotate_half(x), 4 bytes each;
+    # the cos/sin tables are built per layer). The fused GPU kernel keeps neither.
     q_size, kv_size = heads * d, kv_heads * d
-    rope = c.position_embedding == "rope"
-    qk = tokens * a * 2 * (q_size + kv_size) if rope else 0.0
-    tables = 2 * s * d * 4 if rope else 0.0
+    rope = c.position_embedding == "rope" and not c.use_fused_rope
+    qk = tokens * 4 * 2 * (q_size + kv_size) if rope else 0.0
+    tables = 2 * s * d * 4 if c.position_embedding == "rope" else 0.0
     gqa = kv_heads != heads
     if c.use_flash_attention and c.position_embedding != "alibi":
-        # flash attention keeps q, k, v (repeated for GQA), its output and the log-sum-exp per head and token.
-        core = tokens * (a * 4 * q_size + 4 * heads)
+        # flash attention keeps q, k, v (repeated for GQA) and the log-sum-exp per head and token; its
+        # output is the o_proj input (`out`).
+        core = tokens * (a * 3 * q_size + 4 * heads)
         gqa_saved = 0.0
         core_inputs = tokens * a * (q_size + 2 * kv_size)
     else:
