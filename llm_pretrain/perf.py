@@ -57,6 +57,7 @@ CSV_COLUMNS = (
     "global_batch_size", "steps", "warmup_steps", "measured_steps", "tokens_per_card_per_sec", "step_time_s",
     "tflops_per_card", "peak_tflops_per_card", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb",
     "peak_rss_mb", "args_file", "test_time", "output_dir", "error",
+    "predicted_peak_mem_mb", "predicted_tokens_per_card_per_sec",
 )
 
 
@@ -138,6 +139,10 @@ def run_fields(run: dict) -> dict:
     }
     if run.get("time") is not None:
         fields["test_time"] = format_time(run["time"])
+    prediction = run.get("prediction") or {}
+    # The planner's allocated peak (what the trainer measures as peak_mem_allocated_mb); on GPU the reserve.
+    fields["predicted_peak_mem_mb"] = prediction.get("peak_mem_reserved_mb") or prediction.get("peak_mem_allocated_mb")
+    fields["predicted_tokens_per_card_per_sec"] = prediction.get("tokens_per_card_per_sec")
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -289,11 +294,24 @@ def _fmt(value, digits: int = 0, suffix: str = "") -> str:
 
 
 def memory_cell(record: dict) -> str:
-    if record.get("peak_mem_reserved_mb") is not None or record.get("peak_mem_allocated_mb") is not None:
+    return _measured_memory(record) + _predicted(record.get("predicted_peak_mem_mb"), 0)
+
+
+def _measured_memory(record: dict) -> str:
+    if record.get("peak_mem_reserved_mb") is not None:
         return f"{_fmt(record.get('peak_mem_allocated_mb'))} / {_fmt(record.get('peak_mem_reserved_mb'))}"
+    if record.get("peak_mem_allocated_mb") is not None and record.get("peak_rss_mb") is not None:
+        return f"{_fmt(record['peak_mem_allocated_mb'])} (RSS {_fmt(record['peak_rss_mb'])})"  # CPU allocator
+    if record.get("peak_mem_allocated_mb") is not None:
+        return _fmt(record["peak_mem_allocated_mb"])
     if record.get("peak_rss_mb") is not None:
         return _fmt(record["peak_rss_mb"])
     return "-"
+
+
+def _predicted(value, digits: int) -> str:
+    """The planner's prediction beside a measured figure (the run record's "prediction", llm_pretrain/planner)."""
+    return f" (predicted {_fmt(value, digits)})" if value is not None else ""
 
 
 def table_row(record: dict) -> list[str]:
@@ -301,7 +319,7 @@ def table_row(record: dict) -> list[str]:
     status = record.get("status", OK)
     ok = status == OK
     if ok:
-        speed = _fmt(record.get("tokens_per_card_per_sec"), 1)
+        speed = _fmt(record.get("tokens_per_card_per_sec"), 1) + _predicted(record.get("predicted_tokens_per_card_per_sec"), 1)
         tflops_cell = _fmt(record.get("tflops_per_card"), 4)
         mfu_value = record.get("mfu")
         mfu_cell = _fmt(mfu_value * 100 if mfu_value is not None else None, 2, "%")

@@ -164,6 +164,36 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     parallel_config_settings(args)
 
 
+def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: str) -> dict:
+    """The planner's estimate of this run (llm_pretrain/planner), for the run record and the memory warning.
+
+    A planner failure must not stop a valid run: it is recorded as {"error": ...} instead."""
+    from llm_pretrain.planner import estimate_setup, setup_from
+
+    try:
+        name = device_name(device) if device == "gpu" else "cpu"
+        result = estimate_setup(setup_from(args, layout, config, device), name)
+    except Exception as error:  # noqa: BLE001 -- recorded, never silent
+        return {"error": f"{type(error).__name__}: {error}"}
+    if device == "gpu":
+        total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
+        result["device_memory_mb"] = total
+        result["fits"] = result["peak_mem_reserved_mb"] <= total
+    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
+            "step_time_s", "tokens_per_card_per_sec", "mfu", "bottleneck")
+    memory_terms = [row for row in result["breakdown"] if row["kind"] == "memory"]
+    top = max(memory_terms, key=lambda row: row["mb"])
+    return {**{key: result[key] for key in keys}, "top_term": {"term": top["term"], "mb": top["mb"]}}
+
+
+def memory_warning(prediction: dict) -> str:
+    top = prediction["top_term"]
+    return (f"the planner predicts {prediction['peak_mem_reserved_mb']:,.0f} MB reserved on {prediction['peak_rank']} "
+            f"({prediction['peak_phase']}), more than the device's {prediction['device_memory_mb']:,.0f} MB; the "
+            f"largest term is {top['term']} ({top['mb']:,.0f} MB); see `python scripts/plan.py estimate` and "
+            "`search` for layouts that fit")
+
+
 def resolve_resume(args: Arguments) -> str | None:
     """The checkpoint to resume from: resume_from_checkpoint, else the newest complete one in output_dir."""
     if args.resume_from_checkpoint:
@@ -369,6 +399,9 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     check_model_fits_layout(config, layout)
     check_strategy(args, config, layout)
     check_data_inputs(args.input_dir, args.split)
+    prediction = predict_run(args, layout, config, device)
+    if device == "gpu" and prediction.get("fits") is False:
+        warn(memory_warning(prediction))
     resume_from = resolve_resume(args) if args.do_train else None
     if resume_from:
         check_checkpoint_matches(resume_from, layout)
@@ -426,7 +459,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
         "device": device, "device_name": device_name(device),
         "dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(precision.dtype, "fp32"),
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
-        "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
+        "flops_per_token": flops_per_token, "model_config": config.architecture_dict(), "prediction": prediction,
     })
     if layout.is_main:
         resumed = f", resumed from {resume_from}" if resume_from else ""

@@ -97,7 +97,8 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
                                            layout.data_parallel_degree)
         result["arguments"] = values
         fitting.append(result)
-    fitting.sort(key=lambda r: r["tokens_per_card_per_sec"], reverse=True)
+    # Fastest first; among equally fast layouts the one with the most memory left.
+    fitting.sort(key=lambda r: (-r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"]))
     return {"examined": examined, "refused_by_trainer": refused, "fitting": len(fitting), "headroom": headroom,
             "top": fitting[:top]}
 
