@@ -46,9 +46,38 @@ def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
     assert errors["single"][1] > 4 * 40_637_440 * 4 / MiB
 
 
-def test_trainer_reports_allocator_peak_beside_rss(measured_runs):
+def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
+    from parity_utils import run_record
+    from planner_runs import _slug, predict
+
     for run in measured_runs:
         assert 0 < run["measured_mb"] < run["rss_mb"], run
+        prediction = run_record(Path(run["output_dir"]))["prediction"]
+        assert prediction["peak_mem_allocated_mb"] == pytest.approx(predict(run)["peak_mem_allocated_mb"])
+        assert prediction["top_term"]["mb"] > 0 and prediction["step_time_s"] is None  # no CPU speed model
+
+
+def test_gpu_memory_warning_wiring(monkeypatch):
+    """On GPU the trainer compares the estimate with the card before fleet.init (CPU build: the card is faked)."""
+    from types import SimpleNamespace
+
+    import paddle
+    from llm_pretrain import trainer
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import plan_layout
+
+    monkeypatch.setattr(trainer, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=40 * 2**30))
+    args, _ = parse_arguments([str(REPO_ROOT / "configs" / "llama" / "pretrain-llama_13b-tp2sd4_stage2.json"),
+                               "--sharding", "", "--tensor_parallel_degree", "1"])
+    layout = plan_layout(args, 1)
+    config, _, _ = trainer.build_model_config(args, layout, "gpu")
+    prediction = trainer.predict_run(args, layout, config, "gpu")
+    assert prediction["fits"] is False and prediction["device_memory_mb"] == 40 * 1024
+    assert prediction["top_term"]["term"] == "Adam moments (fp32)"  # 13B x 8 bytes, the largest term
+    message = trainer.memory_warning(prediction)
+    assert "more than the device's 40,960 MB" in message and "Adam moments (fp32)" in message
 
 
 # ----------------------------------------------------------------------------- hand-computed memory terms

@@ -41,17 +41,25 @@ def base_arguments(model: str, seq: int, device: str) -> dict:
 
 
 def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch: int, device: str,
-               allow_inter_node_tp: bool = False, max_micro_batch: int = 16):
+               allow_inter_node_tp: bool = False, max_micro_batch: int = 8):
     """Arguments dicts of every combination (validity is checked by `search`)."""
+    from models.registry import resolve_model
+
+    layers = resolve_model(model)[0].num_hidden_layers
     base = base_arguments(model, seq, device)
     for tp in _divisors(gpus):
         if tp > gpus_per_node and not allow_inter_node_tp:
             continue
-        for pp in _divisors(gpus // tp):
+        # (pipeline degrees that do not divide the layers are refused by check_strategy; not generated)
+        for pp in [p for p in _divisors(gpus // tp) if layers % p == 0]:
             for vpp in ([1] if pp <= 2 else [1, 2, 4]):
                 rest = gpus // (tp * pp)
                 for stage in (0, 1, 2, 3):
-                    for sd in ([1] if stage == 0 else [d for d in _divisors(rest) if d > 1]):
+                    # Sharding over every data replica (PaddleNLP's default degree, world / (tp x pp)) or over
+                    # part of them with data parallelism across the groups (small clusters only: the
+                    # combinations multiply).
+                    degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
+                    for sd in ([1] if stage == 0 else degrees):
                         dp = rest // sd
                         for sp in ([False] if tp == 1 else [True]):
                             for recompute in RECOMPUTE_CHOICES:
