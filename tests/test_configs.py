@@ -72,7 +72,8 @@ def test_config_file(path, monkeypatch):
                              layout.sharding_stage, layout.virtual_pp_degree)
     assert match["strategy"] == strategy
     family = os.path.basename(os.path.dirname(path))
-    assert config.family == family or (family == "llama" and config.family == "baichuan")
+    # configs/industrial/ holds published layouts of any family (benchmarks/industrial_plans.md)
+    assert config.family == family or (family == "llama" and config.family == "baichuan") or family == "industrial"
 
 
 def test_tiny_files_run_on_cpu_with_the_embedded_corpus():

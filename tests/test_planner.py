@@ -131,9 +131,9 @@ def test_sequence_parallel_splits_norms_and_keeps_gathered_inputs():
 
 def test_optimizer_state_assignment_follows_paddle():
     params = parameter_list(ARCHITECTURES["llama-real"].replace(num_hidden_layers=2), 1)
-    stage1 = mem.stage1_owned(params, 2)  # sorted, largest first: embedding and head on different ranks
+    stage1 = mem.stage1_owned(tuple(params), 2)  # sorted, largest first: embedding and head on different ranks
     assert {p.name for p in stage1[0][:1] + stage1[1][:1]} == {"embeddings.word_embeddings.weight", "lm_head.weight"}
-    stage2 = mem.stage2_owned(params, 2)  # model order: rank 1 ends with 89.5 MiB, rank 0 with 65.5 MiB
+    stage2 = mem.stage2_owned(tuple(params), 2)  # model order: rank 1 ends with 89.5 MiB, rank 0 with 65.5 MiB
     assert [sum(p.numel for p in r) * 4 / MiB for r in stage2] == pytest.approx([65.50390625, 89.515625])
 
 

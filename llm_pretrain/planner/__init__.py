@@ -105,6 +105,7 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
         "peak_phase": worst.peak_phase,
         "ranks": {r.rank: r.peak_bytes / MB for r in ranks},
         "step_time_s": None, "tokens_per_card_per_sec": None, "mfu": None, "tflops_per_card": None,
+        "hardware_tflops_per_card": None,
         "bottleneck": None,
         "breakdown": breakdown,
     }
@@ -113,7 +114,7 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
 
         speed = step_time(setup, Cluster(device, **(cluster_options or {})))
         result.update({key: speed[key] for key in ("step_time_s", "tokens_per_card_per_sec", "mfu",
-                                                   "tflops_per_card", "bottleneck")})
+                                                   "tflops_per_card", "hardware_tflops_per_card", "bottleneck")})
         slowest = "pipeline stage 0" if setup.pp > 1 else "every rank"
         result["breakdown"] += [{"term": term, "s": seconds, "rank": slowest, "kind": "time"}
                                 for term, seconds in speed["terms"].items()]

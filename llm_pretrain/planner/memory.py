@@ -31,6 +31,7 @@ Constants and where they come from:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from llm_pretrain.planner.params import Param, stage_layers, stage_parameters
@@ -246,7 +247,8 @@ def in_flight_micro_batches(setup: Setup, stage: int) -> int:
 
 
 # ----------------------------------------------------------------------------- optimizer state ownership
-def stage1_owned(params: list[Param], degree: int) -> list[list[Param]]:
+@functools.lru_cache(maxsize=64)
+def stage1_owned(params: tuple[Param, ...], degree: int) -> list[list[Param]]:
     """Stage 1 (fleet's DygraphShardingOptimizer._partition_parameters): parameters sorted by size, largest
     first (FLAGS_sharding_sort_parameters defaults to 1), each to the rank with the least so far."""
     owned, sizes = [[] for _ in range(degree)], [0] * degree
@@ -257,7 +259,8 @@ def stage1_owned(params: list[Param], degree: int) -> list[list[Param]]:
     return owned
 
 
-def stage2_owned(params: list[Param], degree: int) -> list[list[Param]]:
+@functools.lru_cache(maxsize=64)
+def stage2_owned(params: tuple[Param, ...], degree: int) -> list[list[Param]]:
     """Stage 2/3 (GroupShardedOptimizerStage2._segment_params): in model order, each to the rank with the
     least so far (not sorted: uneven when the large embedding and head come first and last)."""
     owned, sizes = [[] for _ in range(degree)], [0] * degree
@@ -271,7 +274,7 @@ def stage2_owned(params: list[Param], degree: int) -> list[list[Param]]:
 # ----------------------------------------------------------------------------- one rank
 def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_process: bool | None = None) -> RankMemory:
     c, p = setup.config, setup.precision
-    params = stage_parameters(c, setup.tp, setup.pp, setup.vpp, stage)
+    params = tuple(stage_parameters(c, setup.tp, setup.pp, setup.vpp, stage))
     numel = sum(q.numel for q in params)
     pb, gb = p.param_bytes, p.grad_bytes
     name = []
@@ -392,7 +395,10 @@ def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     """(the rank with the highest peak, every distinct rank)."""
     ranks = []
     sharding_ranks = range(setup.sharding_degree) if setup.sharding_stage in (1, 2) and setup.sharding_degree > 1 else [0]
-    for stage in range(setup.pp):
+    # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
+    # interleaved schedule: as many), so the first, second and last stages bound every stage.
+    stages = range(setup.pp) if setup.pp <= 3 else (0, 1, setup.pp - 1)
+    for stage in stages:
         for sharding_rank in sharding_ranks:
             ranks.append(rank_memory(setup, stage, sharding_rank))
     return max(ranks, key=lambda r: r.peak_bytes), ranks
