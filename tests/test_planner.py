@@ -271,3 +271,18 @@ def test_cli_search_writes_file(tmp_path, capsys):
     written = list(tmp_path.glob("pretrain-gpt3_1_3b_en-*.json"))
     assert len(written) == 1 and str(written[0]) in out
     assert "bottleneck" in out
+
+
+# ----------------------------------------------------------------------------- one place decides validity
+def test_trainer_and_planner_share_one_validity_module():
+    from llm_pretrain import distributed, layout, trainer
+    from llm_pretrain.planner import validated_setup  # noqa: F401 (uses llm_pretrain.layout)
+
+    assert trainer.check_strategy is layout.check_strategy
+    assert trainer.check_model_fits_layout is layout.check_model_fits_layout
+    assert trainer.plan_layout is distributed.plan_layout is layout.plan_layout
+    assert distributed.parallel_config_settings is layout.parallel_config_settings
+    assert "import paddle" not in Path(layout.__file__).read_text()  # the planner needs no Paddle for validity
+    run = layout.Layout(world_size=32, data_parallel_degree=2, tensor_parallel_degree=2, pipeline_parallel_degree=4,
+                        sharding_degree=2, sharding_stage=1, virtual_pp_degree=2)
+    assert run.strategy == layout.strategy_name(2, 4, 2, 1, 2, 2) == "pp4vpp2tp2dp2sd2_stage1"
