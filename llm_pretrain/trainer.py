@@ -28,10 +28,12 @@ from llm_pretrain import checkpoint as ckpt
 from llm_pretrain.arguments import Arguments, arguments_to_dict
 from llm_pretrain.data import build_pretraining_datasets, check_data_inputs
 from llm_pretrain.distributed import (
-    Layout, all_reduce_max, all_reduce_mean_over_replicas, barrier, init_distributed,
-    launcher_world_size, parallel_config_settings, plan_layout, record_grad_norm, select_device, wrap_for_training,
+    all_reduce_max, all_reduce_mean_over_replicas, barrier, init_distributed, launcher_world_size, record_grad_norm,
+    select_device, wrap_for_training,
 )
 from llm_pretrain.errors import UsageError
+# The layout checks live in llm_pretrain/layout.py; imported here for train() and for existing callers.
+from llm_pretrain.layout import Layout, check_model_fits_layout, check_strategy, plan_layout, strategy_name  # noqa: F401
 from llm_pretrain.flops import training_flops_per_token
 from llm_pretrain.metrics import (
     MetricsLog, format_summary, format_train_line, peak_memory_mb, reset_peak_memory, summarize,
@@ -109,61 +111,6 @@ def _local_tokenizer_vocab_size(path: str) -> int | None:
     return load_tokenizer(path).vocab_size
 
 
-def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
-    tp = layout.tensor_parallel_degree
-    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
-        if getattr(config, key) % tp:
-            raise UsageError(f"tensor_parallel_degree: {tp} does not divide the model's {key} {getattr(config, key)}")
-    # Key/value heads are split over the ranks when tp divides them, replicated (each rank keeps
-    # the one its query heads share) when they divide tp.
-    kv = config.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise UsageError(f"tensor_parallel_degree: {tp} and the model's num_key_value_heads {kv} must divide one "
-                         "another (kv heads are split over the ranks or replicated on them)")
-    if kv < tp and config.fuse_attention_qkv:
-        raise UsageError(f"fuse_attention_qkv: cannot be true when the model's num_key_value_heads {kv} is smaller "
-                         f"than tensor_parallel_degree {tp} (replicated kv heads need separate k/v projections); "
-                         "set fuse_attention_qkv false")
-    if config.hidden_size % config.num_attention_heads:
-        raise UsageError(f"model: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
-                         f"{config.num_attention_heads}")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UsageError(f"model: num_attention_heads {config.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads {config.num_key_value_heads}")
-
-
-def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:
-    """Combinations of degrees and options that fleet cannot run (checked before fleet.init)."""
-    tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
-    if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
-        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
-                         f"{config.num_hidden_layers} must be divisible by {pp * vpp}")
-    if vpp > 1 and pp <= 2:
-        raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
-                         f"schedule), got pipeline_parallel_degree {pp}")
-    if args.sequence_parallel and tp <= 1:
-        raise UsageError("sequence_parallel: needs tensor_parallel_degree > 1 (got "
-                         f"{args.tensor_parallel_degree})")
-    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length) % tp:
-        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length = "
-                         f"{args.per_device_train_batch_size * args.max_seq_length} must be divisible by "
-                         f"tensor_parallel_degree {tp}")
-    if layout.sharding_stage in (2, 3) and pp > 1:
-        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with pipeline_parallel_degree "
-                         f"{pp} (use stage1 with pipeline parallelism)")
-    if layout.sharding_stage == 3 and tp > 1:
-        raise UsageError(f"sharding: stage3 cannot be combined with tensor_parallel_degree {tp}: Paddle's stage-3 "
-                         "gradient clip sums norms over the sharding group only (as PaddleNLP, use stage1 or stage2)")
-    if pp > 1 and args.gradient_accumulation_steps < pp:
-        raise UsageError(f"gradient_accumulation_steps: {args.gradient_accumulation_steps} is smaller than "
-                         f"pipeline_parallel_degree {pp}; the pipeline needs at least {pp} micro-batches per step")
-    if pp > 1 and args.do_eval and args.per_device_eval_batch_size != args.per_device_train_batch_size:
-        raise UsageError(f"per_device_eval_batch_size: {args.per_device_eval_batch_size} must equal "
-                         f"per_device_train_batch_size {args.per_device_train_batch_size} under pipeline "
-                         "parallelism (the pipeline's micro-batch size is fixed)")
-    parallel_config_settings(args)
-
-
 def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: str) -> dict:
     """The planner's estimate of this run (llm_pretrain/planner), for the run record and the memory warning.
 
@@ -218,27 +165,6 @@ def layout_summary(layout: Layout) -> dict:
     return {key: getattr(layout, key) for key in (
         "world_size", "data_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
         "sharding_degree", "sharding_stage", "virtual_pp_degree")}
-
-
-def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
-                  sharding_stage: int = 0, virtual_pp_degree: int = 1, data_parallel_degree: int | None = None) -> str:
-    """PaddleNLP-style strategy name: pp4tp2sd2_stage1, tp2sd4_stage2, sd8_stage2, tp2, dp8.
-
-    Order: pipeline (with virtual stages), tensor, data, sharding. Argument files don't know the
-    world size, so their names leave data parallelism out (data_parallel_degree None).
-    """
-    name = ""
-    if pipeline_parallel_degree > 1:
-        name += f"pp{pipeline_parallel_degree}"
-        if virtual_pp_degree > 1:
-            name += f"vpp{virtual_pp_degree}"
-    if tensor_parallel_degree > 1:
-        name += f"tp{tensor_parallel_degree}"
-    if data_parallel_degree is not None and (data_parallel_degree > 1 or not name and not sharding_stage):
-        name += f"dp{data_parallel_degree}"
-    if sharding_stage:
-        name += f"sd{sharding_degree}_stage{sharding_stage}"
-    return name or "dp"
 
 
 def set_seed(seed: int) -> None:
@@ -450,8 +376,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     metrics = MetricsLog(args.output_dir, enabled=layout.is_main)
     flops_per_token = training_flops_per_token(config, args.max_seq_length)
     global_tokens_per_step = train_plan.global_batch_size * args.max_seq_length
-    name = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
-                         layout.sharding_stage, layout.virtual_pp_degree, layout.data_parallel_degree)
+    name = layout.strategy
     metrics.write({
         "event": "run", "model": args.model_name_or_path, "family": config.family, "args_file": args_file,
         "strategy": name, "layout": layout_summary(layout), "seq_length": args.max_seq_length,

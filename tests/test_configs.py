@@ -20,8 +20,8 @@ import re
 import pytest
 
 from llm_pretrain.arguments import parse_arguments, validate_arguments
-from llm_pretrain.distributed import plan_layout
-from llm_pretrain.trainer import build_model_config, check_model_fits_layout, check_strategy, strategy_name
+from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
+from llm_pretrain.trainer import build_model_config
 from models.config import FAMILIES
 from models.registry import ARCHITECTURES
 

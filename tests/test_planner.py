@@ -64,7 +64,7 @@ def test_gpu_memory_warning_wiring(monkeypatch):
     import paddle
     from llm_pretrain import trainer
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import plan_layout
+    from llm_pretrain.layout import plan_layout
 
     monkeypatch.setattr(trainer, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(paddle.device.cuda, "get_device_properties",

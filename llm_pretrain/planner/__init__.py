@@ -59,8 +59,8 @@ def check_device(device: str) -> None:
 
 def validated_setup(args: Arguments, nproc: int, device: str):
     """(Setup, layout, config) after the trainer's own checks (UsageError for an invalid layout)."""
-    from llm_pretrain.distributed import plan_layout
-    from llm_pretrain.trainer import build_model_config, check_model_fits_layout, check_strategy
+    from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout
+    from llm_pretrain.trainer import build_model_config
 
     kind = device_kind(device)
     layout = plan_layout(args, nproc)
@@ -130,9 +130,5 @@ def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | N
     check_device(device)
     setup, layout, config = validated_setup(args, nproc, device)
     result = estimate_setup(setup, device, cluster_options)
-    from llm_pretrain.trainer import strategy_name
-
-    result["strategy"] = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree,
-                                       layout.sharding_degree, layout.sharding_stage, layout.virtual_pp_degree,
-                                       layout.data_parallel_degree)
+    result["strategy"] = layout.strategy
     return result

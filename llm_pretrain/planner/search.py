@@ -83,8 +83,6 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
 def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus_per_node: int = 8,
            top: int = 5, headroom: float = DEFAULT_HEADROOM, cluster_options: dict | None = None,
            allow_inter_node_tp: bool = False) -> dict:
-    from llm_pretrain.trainer import strategy_name
-
     capacity = device_memory_mb(device)
     options = dict(cluster_options or {}, gpus_per_node=gpus_per_node)
     fitting, examined, refused = [], 0, 0
@@ -100,9 +98,7 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
         result = estimate_setup(setup, device, options)
         if capacity is not None and result["peak_mem_reserved_mb"] > capacity * (1 - headroom):
             continue
-        result["strategy"] = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree,
-                                           layout.sharding_degree, layout.sharding_stage, layout.virtual_pp_degree,
-                                           layout.data_parallel_degree)
+        result["strategy"] = layout.strategy
         result["arguments"] = values
         fitting.append(result)
     # Fastest first; among equally fast layouts the one with the most memory left.
@@ -113,7 +109,7 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
 
 def file_strategy_name(arguments: dict) -> str:
     """The strategy part of a configs/ file name (data parallelism left out, as configs/README.md says)."""
-    from llm_pretrain.trainer import strategy_name
+    from llm_pretrain.layout import strategy_name
 
     stage = int(arguments["sharding"][-1]) if arguments.get("sharding") else 0
     return strategy_name(arguments.get("tensor_parallel_degree", 1), arguments.get("pipeline_parallel_degree", 1),
