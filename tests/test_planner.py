@@ -286,3 +286,18 @@ def test_trainer_and_planner_share_one_validity_module():
     run = layout.Layout(world_size=32, data_parallel_degree=2, tensor_parallel_degree=2, pipeline_parallel_degree=4,
                         sharding_degree=2, sharding_stage=1, virtual_pp_degree=2)
     assert run.strategy == layout.strategy_name(2, 4, 2, 1, 2, 2) == "pp4vpp2tp2dp2sd2_stage1"
+
+
+def test_perf_table_shows_prediction_beside_measured():
+    from llm_pretrain import perf
+
+    run = {"model": "llama-real", "strategy": "tp2", "layout": {"world_size": 2}, "device": "cpu",
+           "prediction": {"peak_mem_allocated_mb": 351.6, "peak_mem_reserved_mb": None, "tokens_per_card_per_sec": None}}
+    record = {**perf.run_fields(run), "status": "ok", "tokens_per_card_per_sec": 10.0, "peak_mem_allocated_mb": 349.6,
+              "peak_rss_mb": 749.0}
+    assert perf.memory_cell(record) == "350 (RSS 749) (predicted 352)"
+    gpu = {**perf.run_fields({**run, "prediction": {"peak_mem_reserved_mb": 70000.0, "tokens_per_card_per_sec": 3000.0}}),
+           "status": "ok", "tokens_per_card_per_sec": 2900.0, "peak_mem_allocated_mb": 60000.0,
+           "peak_mem_reserved_mb": 72000.0}
+    row = perf.table_row(gpu)
+    assert "2,900.0 (predicted 3,000.0)" in row and "60,000 / 72,000 (predicted 70,000)" in row
