@@ -394,11 +394,27 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
 def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     """(the rank with the highest peak, every distinct rank)."""
     ranks = []
-    sharding_ranks = range(setup.sharding_degree) if setup.sharding_stage in (1, 2) and setup.sharding_degree > 1 else [0]
     # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
     # interleaved schedule: as many), so the first, second and last stages bound every stage.
     stages = range(setup.pp) if setup.pp <= 3 else (0, 1, setup.pp - 1)
     for stage in stages:
-        for sharding_rank in sharding_ranks:
+        for sharding_rank in _sharding_ranks_to_check(setup, stage):
             ranks.append(rank_memory(setup, stage, sharding_rank))
     return max(ranks, key=lambda r: r.peak_bytes), ranks
+
+
+def _sharding_ranks_to_check(setup: Setup, stage: int) -> list[int]:
+    """Stage 1/2 ranks own different parameters: every rank of a small group; of a large one the rank owning
+    the most elements and the ranks with and without the word embedding (stage 2 keeps its gradient on the
+    others), which bound the rest."""
+    degree = setup.sharding_degree
+    if setup.sharding_stage not in (1, 2) or degree == 1:
+        return [0]
+    if degree <= 8:
+        return list(range(degree))
+    params = tuple(stage_parameters(setup.config, setup.tp, setup.pp, setup.vpp, stage))
+    owned = (stage1_owned if setup.sharding_stage == 1 else stage2_owned)(params, degree)
+    largest = max(range(degree), key=lambda r: sum(q.numel for q in owned[r]))
+    with_embedding = [r for r in range(degree) if any(q.part == "embedding" for q in owned[r])]
+    without = [r for r in range(degree) if r not in with_embedding]
+    return sorted({largest, *with_embedding[:1], *without[:1]})
