@@ -1,7 +1,8 @@
 """The parallel layout of a run: degrees from the arguments, fleet initialization, wrapping.
 
-The layout is read from the arguments and the launcher's world size, checked
-*before* fleet.init (a wrong combination is a one-line UsageError), then handed
+The layout is read from the arguments and the launcher's world size and checked
+by llm_pretrain/layout.py *before* fleet.init (a wrong combination is a one-line
+UsageError), then handed
 to fleet as a `DistributedStrategy`. On CPU the compatibility layer
 (llm_pretrain/cpu_compat.py) is applied first; nothing else here depends on
 the device.
@@ -10,84 +11,21 @@ the device.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import paddle
 import paddle.distributed as dist
 
 from llm_pretrain.arguments import Arguments
 from llm_pretrain.errors import UsageError
-
-
-@dataclass
-class Layout:
-    """Degrees of the run and this process's coordinate in each (ranks are 0-based)."""
-
-    world_size: int = 1
-    rank: int = 0
-    data_parallel_degree: int = 1
-    tensor_parallel_degree: int = 1
-    pipeline_parallel_degree: int = 1
-    sharding_degree: int = 1
-    sharding_stage: int = 0  # 0: no sharding
-    virtual_pp_degree: int = 1
-    data_parallel_rank: int = 0
-    tensor_parallel_rank: int = 0
-    pipeline_parallel_rank: int = 0
-    sharding_rank: int = 0
-    local_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def data_replicas(self) -> int:
-        """How many different slices of each global batch are read (dp x sharding)."""
-        return self.data_parallel_degree * self.sharding_degree
-
-    @property
-    def data_replica_rank(self) -> int:
-        return self.data_parallel_rank * self.sharding_degree + self.sharding_rank
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+# Moved to llm_pretrain/layout.py (one module decides validity); imported here for build_strategy
+# and for callers that still import them from this module.
+from llm_pretrain.layout import (  # noqa: F401
+    PARALLEL_CONFIG_OPTIONS, REFUSED_PARALLEL_CONFIG_OPTIONS, Layout, parallel_config_settings, plan_layout,
+)
 
 
 def launcher_world_size() -> int:
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
-
-
-def _degree(value: int) -> int:
-    return 1 if value == -1 else value
-
-
-def plan_layout(args: Arguments, world_size: int) -> Layout:
-    """Degrees from the arguments and the world size, validated; no communication."""
-    tp = _degree(args.tensor_parallel_degree)
-    pp = _degree(args.pipeline_parallel_degree)
-    stage = int(args.sharding[-1]) if args.sharding else 0
-    sharding_degree = _degree(args.sharding_parallel_degree if args.sharding_parallel_degree != -1 else args.sharding_degree)
-    if stage and args.sharding_parallel_degree == -1 and args.sharding_degree == -1:
-        sharding_degree = max(1, world_size // (tp * pp))  # PaddleNLP derives it from the world size
-    if not stage:
-        sharding_degree = 1
-    model_degrees = tp * pp * sharding_degree
-    if world_size % model_degrees != 0:
-        raise UsageError(
-            f"world size {world_size} is not a multiple of tensor_parallel_degree {tp} x pipeline_parallel_degree {pp}"
-            f" x sharding_parallel_degree {sharding_degree} = {model_degrees}"
-        )
-    return Layout(
-        world_size=world_size,
-        data_parallel_degree=world_size // model_degrees,
-        tensor_parallel_degree=tp,
-        pipeline_parallel_degree=pp,
-        sharding_degree=sharding_degree,
-        sharding_stage=stage,
-        virtual_pp_degree=args.virtual_pp_degree,
-    )
 
 
 def select_device(args: Arguments) -> str:
@@ -101,61 +39,6 @@ def select_device(args: Arguments) -> str:
     else:
         paddle.set_device("cpu")
     return device
-
-
-# PaddleNLP's option strings (e.g. pipeline_parallel_config "enable_delay_scale_loss
-# disable_p2p_cache_shape") -> the fleet strategy field each one sets.
-PARALLEL_CONFIG_OPTIONS: dict[str, dict[str, tuple[str, str, bool]]] = {
-    "tensor_parallel_config": {
-        "enable_mp_async_allreduce": ("mp_configs", "mp_async_allreduce", True),
-        "enable_mp_skip_c_identity": ("mp_configs", "mp_skip_c_identity", True),
-        "enable_mp_fused_linear_param_grad_add": ("mp_configs", "mp_fused_linear_param_grad_add", True),
-        "enable_sp_async_reduce_scatter": ("mp_configs", "sp_async_reduce_scatter", True),
-        "sync_param": ("mp_configs", "sync_param", True),
-        "sync_grad": ("mp_configs", "sync_grad", True),
-        "sync_moment": ("mp_configs", "sync_moment", True),
-    },
-    "pipeline_parallel_config": {
-        "enable_delay_scale_loss": ("pp_configs", "delay_scale_loss", True),
-        "enable_dp_comm_overlap": ("pp_configs", "dp_comm_overlap", True),
-        "enable_sharding_comm_overlap": ("pp_configs", "sharding_comm_overlap", True),
-        "enable_timer": ("pp_configs", "enable_timer", True),
-        "enable_release_grads": ("pp_configs", "release_gradients", True),
-        "enable_overlap_p2p_comm": ("pp_configs", "overlap_p2p_comm", True),
-        "enable_clear_every_step_cache": ("pp_configs", "clear_every_step_cache", True),
-        "disable_batch_p2p_comm": ("pp_configs", "use_batch_p2p_comm", False),
-        "disable_p2p_cache_shape": ("pipeline_configs", "p2p_cache_shape", False),
-        "disable_partial_send_recv": ("pipeline_configs", "enable_partial_send_recv", False),
-    },
-    "sharding_parallel_config": {
-        "enable_stage1_tensor_fusion": ("sharding_configs", "tensor_fusion", True),
-        "enable_stage1_overlap": ("sharding_configs", "comm_overlap", True),
-        "enable_release_grads": ("sharding_configs", "release_gradients", True),
-        "enable_fuse_optimizer_states": ("sharding_configs", "enable_fuse_optimizer_states", True),
-    },
-}
-
-
-# Options PaddleNLP knows that give wrong results with Paddle 3.3.1: refused, with the reason.
-REFUSED_PARALLEL_CONFIG_OPTIONS = {
-    ("sharding_parallel_config", "split_param"): (
-        "Paddle 3.3.1's split-parameter stage 1 (DygraphShardingOptimizerV2) drifts from a single process "
-        "from the second step on: clear_grad(set_to_zero=True) detaches param.grad from the fused buffer, "
-        "so later steps lose gradients; use plain stage1"),
-}
-
-
-def parallel_config_settings(args: Arguments) -> list[tuple[str, str, bool]]:
-    """The strategy fields set by the option strings; an unknown or refused option is a UsageError."""
-    settings = []
-    for key, options in PARALLEL_CONFIG_OPTIONS.items():
-        for option in getattr(args, key).replace(",", " ").split():
-            if (key, option) in REFUSED_PARALLEL_CONFIG_OPTIONS:
-                raise UsageError(f"{key}: {option!r} is refused: {REFUSED_PARALLEL_CONFIG_OPTIONS[key, option]}")
-            if option not in options:
-                raise UsageError(f"{key}: unknown option {option!r}; allowed: {', '.join(sorted(options))}")
-            settings.append(options[option])
-    return settings
 
 
 def build_strategy(layout: Layout, args: Arguments):

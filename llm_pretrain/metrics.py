@@ -25,13 +25,31 @@ TRAIN_LOG = "train_log.jsonl"
 
 
 def peak_memory_mb(device: str) -> dict[str, float]:
-    """GPU: max allocated and reserved by Paddle's allocator; CPU: peak resident set size."""
+    """GPU: max allocated and reserved by Paddle's allocator; CPU: the peak of Paddle's host
+    allocator (bytes its tensors held at once, what llm_pretrain/planner predicts) and the peak
+    resident set size (that plus the Python interpreter, Paddle's libraries and NumPy)."""
     if device == "gpu":
         return {
             "peak_mem_allocated_mb": paddle.device.cuda.max_memory_allocated() / 2**20,
             "peak_mem_reserved_mb": paddle.device.cuda.max_memory_reserved() / 2**20,
         }
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    # paddle/fluid/memory/stats.h: HOST_MEMORY_STAT_PEAK_VALUE(Allocated, 0), the host allocator's
+    # peak of allocated bytes since the process started.
+    return {"peak_mem_allocated_mb": paddle.base.core.host_memory_stat_peak_value("Allocated", 0) / 2**20,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start the allocator's peak afresh (several runs in one process each report their own peak);
+    the tensors of an earlier run are collected first."""
+    import gc
+
+    gc.collect()
+    if device == "gpu":
+        paddle.device.cuda.reset_max_memory_allocated()
+        paddle.device.cuda.reset_max_memory_reserved()
+    else:
+        paddle.base.core.host_memory_stat_reset_peak_value("Allocated", 0)
 
 
 def format_train_line(record: dict, max_steps: int) -> str:

@@ -58,6 +58,7 @@ CSV_COLUMNS = (
     "tflops_per_card", "peak_tflops_per_card", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb",
     "peak_rss_mb", "args_file", "test_time", "output_dir", "error",
     "built", "schedule", "sharding_implementation", "sequence_parallel", "recompute", "precision",
+    "predicted_peak_mem_mb", "predicted_tokens_per_card_per_sec",
 )
 
 
@@ -140,6 +141,10 @@ def run_fields(run: dict) -> dict:
     if run.get("time") is not None:
         fields["test_time"] = format_time(run["time"])
     fields.update(built_fields(run.get("built")))
+    prediction = run.get("prediction") or {}
+    # The planner's allocated peak (what the trainer measures as peak_mem_allocated_mb); on GPU the reserve.
+    fields["predicted_peak_mem_mb"] = prediction.get("peak_mem_reserved_mb") or prediction.get("peak_mem_allocated_mb")
+    fields["predicted_tokens_per_card_per_sec"] = prediction.get("tokens_per_card_per_sec")
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -312,11 +317,24 @@ def _fmt(value, digits: int = 0, suffix: str = "") -> str:
 
 
 def memory_cell(record: dict) -> str:
-    if record.get("peak_mem_reserved_mb") is not None or record.get("peak_mem_allocated_mb") is not None:
+    return _measured_memory(record) + _predicted(record.get("predicted_peak_mem_mb"), 0)
+
+
+def _measured_memory(record: dict) -> str:
+    if record.get("peak_mem_reserved_mb") is not None:
         return f"{_fmt(record.get('peak_mem_allocated_mb'))} / {_fmt(record.get('peak_mem_reserved_mb'))}"
+    if record.get("peak_mem_allocated_mb") is not None and record.get("peak_rss_mb") is not None:
+        return f"{_fmt(record['peak_mem_allocated_mb'])} (RSS {_fmt(record['peak_rss_mb'])})"  # CPU allocator
+    if record.get("peak_mem_allocated_mb") is not None:
+        return _fmt(record["peak_mem_allocated_mb"])
     if record.get("peak_rss_mb") is not None:
         return _fmt(record["peak_rss_mb"])
     return "-"
+
+
+def _predicted(value, digits: int) -> str:
+    """The planner's prediction beside a measured figure (the run record's "prediction", llm_pretrain/planner)."""
+    return f" (predicted {_fmt(value, digits)})" if value is not None else ""
 
 
 def table_row(record: dict) -> list[str]:
@@ -324,7 +342,7 @@ def table_row(record: dict) -> list[str]:
     status = record.get("status", OK)
     ok = status == OK
     if ok:
-        speed = _fmt(record.get("tokens_per_card_per_sec"), 1)
+        speed = _fmt(record.get("tokens_per_card_per_sec"), 1) + _predicted(record.get("predicted_tokens_per_card_per_sec"), 1)
         tflops_cell = _fmt(record.get("tflops_per_card"), 4)
         mfu_value = record.get("mfu")
         mfu_cell = _fmt(mfu_value * 100 if mfu_value is not None else None, 2, "%")

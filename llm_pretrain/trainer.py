@@ -32,13 +32,19 @@ from llm_pretrain.checkpoint import Checkpointer, OutputDirLock
 from llm_pretrain.arguments import Arguments, arguments_to_dict
 from llm_pretrain.data import build_pretraining_datasets, check_data_inputs
 from llm_pretrain.distributed import (
-    Layout, all_reduce_mean_over_replicas, barrier, init_distributed,
-    launcher_world_size, parallel_config_settings, plan_layout, record_grad_norm, select_device, wrap_for_training,
+    all_reduce_mean_over_replicas, barrier, init_distributed, launcher_world_size, record_grad_norm, select_device,
+    wrap_for_training,
 )
 from llm_pretrain.data.integrity import check_data_integrity, damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
-from llm_pretrain.metrics import MetricsLogger
+# The layout checks live in llm_pretrain/layout.py (the planner uses the same); imported here for train()
+# and for existing callers.
+from llm_pretrain.layout import (  # noqa: F401
+    Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout, predict_iterations,
+    strategy_name,
+)
+from llm_pretrain.metrics import MetricsLogger, reset_peak_memory
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.precision import Precision, check_master_grad
@@ -183,83 +189,34 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
                          "max_seq_length or per_device_train_batch_size")
 
 
-def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
-    tp = layout.tensor_parallel_degree
-    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
-        if getattr(config, key) % tp:
-            raise UsageError(f"tensor_parallel_degree: {tp} does not divide the model's {key} {getattr(config, key)}")
-    # Key/value heads are split over the ranks when tp divides them, replicated (each rank keeps
-    # the one its query heads share) when they divide tp.
-    kv = config.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise UsageError(f"tensor_parallel_degree: {tp} and the model's num_key_value_heads {kv} must divide one "
-                         "another (kv heads are split over the ranks or replicated on them)")
-    if kv < tp and config.fuse_attention_qkv:
-        raise UsageError(f"fuse_attention_qkv: cannot be true when the model's num_key_value_heads {kv} is smaller "
-                         f"than tensor_parallel_degree {tp} (replicated kv heads need separate k/v projections); "
-                         "set fuse_attention_qkv false")
-    if config.hidden_size % config.num_attention_heads:
-        raise UsageError(f"model: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
-                         f"{config.num_attention_heads}")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UsageError(f"model: num_attention_heads {config.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads {config.num_key_value_heads}")
+def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: str) -> dict:
+    """The planner's estimate of this run (llm_pretrain/planner), for the run record and the memory warning.
+
+    A planner failure must not stop a valid run: it is recorded as {"error": ...} instead."""
+    from llm_pretrain.planner import estimate_setup, setup_from
+
+    try:
+        name = device_name(device) if device == "gpu" else "cpu"
+        result = estimate_setup(setup_from(args, layout, config, device), name)
+    except Exception as error:  # noqa: BLE001 -- recorded, never silent
+        return {"error": f"{type(error).__name__}: {error}"}
+    if device == "gpu":
+        total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
+        result["device_memory_mb"] = total
+        result["fits"] = result["peak_mem_reserved_mb"] <= total
+    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
+            "step_time_s", "tokens_per_card_per_sec", "mfu", "bottleneck")
+    memory_terms = [row for row in result["breakdown"] if row["kind"] == "memory"]
+    top = max(memory_terms, key=lambda row: row["mb"])
+    return {**{key: result[key] for key in keys}, "top_term": {"term": top["term"], "mb": top["mb"]}}
 
 
-def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:
-    """Combinations of degrees and options that fleet cannot run (checked before fleet.init)."""
-    tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
-    if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
-        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
-                         f"{config.num_hidden_layers} must be divisible by {pp * vpp}")
-    if vpp > 1 and pp <= 2:
-        raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
-                         f"schedule), got pipeline_parallel_degree {pp}")
-    if args.sequence_parallel and tp <= 1:
-        raise UsageError("sequence_parallel: needs tensor_parallel_degree > 1 (got "
-                         f"{args.tensor_parallel_degree})")
-    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length) % tp:
-        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length = "
-                         f"{args.per_device_train_batch_size * args.max_seq_length} must be divisible by "
-                         f"tensor_parallel_degree {tp}")
-    if layout.sharding_stage in (2, 3) and pp > 1:
-        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with pipeline_parallel_degree "
-                         f"{pp} (use stage1 with pipeline parallelism)")
-    if layout.sharding_stage == 3 and tp > 1:
-        raise UsageError(f"sharding: stage3 cannot be combined with tensor_parallel_degree {tp}: Paddle's stage-3 "
-                         "gradient clip sums norms over the sharding group only (as PaddleNLP, use stage1 or stage2)")
-    if pp > 1 and args.gradient_accumulation_steps < pp:
-        raise UsageError(f"gradient_accumulation_steps: {args.gradient_accumulation_steps} is smaller than "
-                         f"pipeline_parallel_degree {pp}; the pipeline needs at least {pp} micro-batches per step")
-    for split_requested, iterations in ((args.do_eval, args.eval_iters), (args.do_predict, predict_iterations(args))):
-        if pp > 1 and split_requested:  # raises when the eval batches cannot be pipeline micro-batches
-            pipeline_eval_micro_batches(args, iterations, vpp)
-    parallel_config_settings(args)
-    check_master_grad(args, layout)
-
-
-def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:
-    """(pipeline calls, micro-batches per call) that evaluate `iterations` batches of per_device_eval_batch_size.
-
-    The pipeline's micro-batch has the training size (its p2p buffers are sized by it); an eval batch of
-    another size is split into several micro-batches -- all eval_iters batches of one evaluation pass
-    through the pipeline in calls of gradient_accumulation_steps micro-batches (or one call of them all).
-    The mean over equal micro-batches is PaddleNLP's mean over its per-batch losses.
-    """
-    micro, eval_batch = args.per_device_train_batch_size, args.per_device_eval_batch_size
-    if eval_batch % micro:
-        raise UsageError(f"per_device_eval_batch_size: {eval_batch} must be a multiple of "
-                         f"per_device_train_batch_size {micro} under pipeline parallelism (evaluation runs "
-                         "training-sized pipeline micro-batches)")
-    total = eval_batch // micro * iterations
-    if total % args.gradient_accumulation_steps == 0:
-        return total // args.gradient_accumulation_steps, args.gradient_accumulation_steps
-    if virtual_pp_degree > 1:  # the interleaved schedule runs only the micro-batch counts it was set up for
-        raise UsageError(f"per_device_eval_batch_size: {eval_batch} x {iterations} eval batches = "
-                         f"{total} micro-batches of {micro} is not a multiple of gradient_accumulation_steps "
-                         f"{args.gradient_accumulation_steps}, which the interleaved pipeline (virtual_pp_degree "
-                         f"{virtual_pp_degree}) needs")
-    return 1, total
+def memory_warning(prediction: dict) -> str:
+    top = prediction["top_term"]
+    return (f"the planner predicts {prediction['peak_mem_reserved_mb']:,.0f} MB reserved on {prediction['peak_rank']} "
+            f"({prediction['peak_phase']}), more than the device's {prediction['device_memory_mb']:,.0f} MB; the "
+            f"largest term is {top['term']} ({top['mb']:,.0f} MB); see `python scripts/plan.py estimate` and "
+            "`search` for layouts that fit")
 
 
 def launcher_rank() -> int:
@@ -324,27 +281,6 @@ def layout_summary(layout: Layout) -> dict:
     return {key: getattr(layout, key) for key in (
         "world_size", "data_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
         "sharding_degree", "sharding_stage", "virtual_pp_degree")}
-
-
-def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
-                  sharding_stage: int = 0, virtual_pp_degree: int = 1, data_parallel_degree: int | None = None) -> str:
-    """PaddleNLP-style strategy name: pp4tp2sd2_stage1, tp2sd4_stage2, sd8_stage2, tp2, dp8.
-
-    Order: pipeline (with virtual stages), tensor, data, sharding. Argument files don't know the
-    world size, so their names leave data parallelism out (data_parallel_degree None).
-    """
-    name = ""
-    if pipeline_parallel_degree > 1:
-        name += f"pp{pipeline_parallel_degree}"
-        if virtual_pp_degree > 1:
-            name += f"vpp{virtual_pp_degree}"
-    if tensor_parallel_degree > 1:
-        name += f"tp{tensor_parallel_degree}"
-    if data_parallel_degree is not None and (data_parallel_degree > 1 or not name and not sharding_stage):
-        name += f"dp{data_parallel_degree}"
-    if sharding_stage:
-        name += f"sd{sharding_degree}_stage{sharding_stage}"
-    return name or "dp"
 
 
 def set_seed(seed: int) -> None:
@@ -639,6 +575,9 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     check_strategy(args, config, layout)
     check_startup(args, config, layout, device)
     check_data_inputs(args.input_dir, args.split)
+    prediction = predict_run(args, layout, config, device)
+    if device == "gpu" and prediction.get("fits") is False:
+        warn(memory_warning(prediction))
     # The integrity passes read every .idx and .bin once (then cached): one process per node does them.
     check_data_integrity(args.input_dir, config.vocab_size, args.data_cache,
                          thorough=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
@@ -657,6 +596,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     set_seed(args.seed)
 
     # 3. Model, optimizer, data.
+    reset_peak_memory(device)  # the peak reported is this run's (tests train several runs in one process)
     model = build_model(config, layout)
     if weights_file:
         load_weights_file(model, config, weights_file)
@@ -715,6 +655,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         "dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(precision.dtype, "fp32"),
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
+        "prediction": prediction,
     })
     resumed = f", resumed from {resume_from}" if resume_from else ""
     metrics.say(f"training {args.model_name_or_path} ({config.family}, "
@@ -822,11 +763,6 @@ def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):
                 raise UsageError(f"data_cache: the sample index {damaged[0]} is still damaged after a rebuild")
     barrier(layout)
     return datasets if datasets is not None else build_pretraining_datasets(**kwargs)
-
-
-def predict_iterations(args: Arguments) -> int:
-    """Batches of the test split, as PaddleNLP's llm/run_pretrain.py: test_iters = eval_iters * 10."""
-    return 10 * args.eval_iters
 
 
 def valid_samples(args: Arguments, eval_plan: BatchPlan) -> int:

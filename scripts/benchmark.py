@@ -99,7 +99,7 @@ def read_degrees(values: dict, nproc: int | None = None) -> dict:
 
 
 def strategy_of(degrees: dict) -> str:
-    from llm_pretrain.trainer import strategy_name
+    from llm_pretrain.layout import strategy_name
 
     return strategy_name(degrees["tensor_parallel_degree"], degrees["pipeline_parallel_degree"],
                          degrees["sharding_degree"], degrees["sharding_stage"], degrees["virtual_pp_degree"],

@@ -16,9 +16,8 @@ import json
 import numpy as np
 import pytest
 
-from llm_pretrain.distributed import Layout
+from llm_pretrain.layout import Layout, check_model_fits_layout
 from llm_pretrain.errors import UsageError, exit_with_usage_error
-from llm_pretrain.trainer import check_model_fits_layout
 from models.config import make_config
 from parity_utils import argv, assert_same_training, base_arguments, final_weights, run_launch, run_single, write_json
 

@@ -20,7 +20,7 @@ import paddle
 import pytest
 
 from llm_pretrain import checkpoint as ckpt
-from llm_pretrain.distributed import Layout
+from llm_pretrain.layout import Layout
 from llm_pretrain.errors import UsageError
 from models.decoder import CausalLM
 from models.paddlenlp_interop import (
@@ -226,7 +226,7 @@ def test_import_baichuan_config_with_paddlenlp_llama_names(tmp_path):
 def test_imported_directory_continues_training(tmp_path):
     """The trainer's model setup takes the imported weights (continue_training) instead of a random init."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import plan_layout
+    from llm_pretrain.layout import plan_layout
     from llm_pretrain.trainer import build_model_config
 
     reference, _, _ = build_paddlenlp_model("qwen", seed=17)

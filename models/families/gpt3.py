@@ -39,6 +39,16 @@ ARCHITECTURES = {
     "gpt3-13B-en": _gpt3(5120, 40, 40),
     "gpt3-175B-en": _gpt3(12288, 96, 96, vocab=51200),
     "gpt2-medium-en": _gpt3(1024, 24, 16),
+    # Published industrial shapes as GPT-3-family models (configs/industrial/, benchmarks/industrial_plans.md).
+    # MT-NLG 530B (Smith et al. 2022): 105 layers, hidden 20480, 128 heads; GPT-2 vocabulary padded to 51200.
+    "mt-nlg-530B-gpt3": _gpt3(20480, 105, 128, vocab=51200),
+    # GPT-NeoX-20B (Black et al. 2022): 44 layers, hidden 6144, 64 heads, vocabulary 50432. Differs: NeoX has
+    # rotary positions on 25 % of each head, attention and MLP in parallel, untied head; here learned
+    # positions, sequential blocks, tied head (about 0.3B parameters fewer).
+    "gpt-neox-20B-gpt3": _gpt3(6144, 44, 64, vocab=50432),
+    # OPT-175B (Zhang et al. 2022): 96 layers, hidden 12288, 96 heads, vocabulary 50272. Differs: ReLU MLP
+    # (here GELU), learned positions offset by 2 (same count of parameters otherwise).
+    "opt-175B-gpt3": _gpt3(12288, 96, 96, vocab=50272),
     "gpt3-tiny": _config(**tiny_sizes(intermediate_size=256)),
 }
 

@@ -23,6 +23,11 @@ if __name__ == "__main__":
         code = main([str(a) for a in argv])
         if code:
             sys.exit(code)
+        # fleet.distributed_optimizer keeps the run's optimizer (and through it every weight, gradient
+        # and moment) in fleet's singleton until the next call: drop it, so that the next run's
+        # allocator peak (metrics.peak_memory_mb) is its own.
+        if "paddle.distributed.fleet" in sys.modules:
+            sys.modules["paddle.distributed.fleet"].fleet.user_defined_optimizer = None
     if os.environ.get("LAUNCH_RESULT_DIR"):  # under tests/launch_utils.launch: report success
         from launch_utils import write_result
 

@@ -1,0 +1,254 @@
+"""Whether a parallel layout is valid, decided in one place for the trainer and the planner.
+
+    plan_layout              degrees from the arguments and the world size (divisibility)
+    check_model_fits_layout  the model's sizes against tensor parallelism
+    check_strategy           combinations fleet cannot run (pipeline, sequence parallelism, sharding
+                             stages, option strings via parallel_config_settings)
+    strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
+
+Every check raises a one-line UsageError before any process group exists
+(llm_pretrain/trainer.py runs them before fleet.init; llm_pretrain/planner uses the same
+functions, so a layout the planner proposes is one the trainer accepts). No Paddle import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_pretrain.arguments import Arguments
+from llm_pretrain.errors import UsageError
+from llm_pretrain.precision import check_master_grad
+from models.config import ModelConfig
+
+
+@dataclass
+class Layout:
+    """Degrees of the run and this process's coordinate in each (ranks are 0-based)."""
+
+    world_size: int = 1
+    rank: int = 0
+    data_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    sharding_degree: int = 1
+    sharding_stage: int = 0  # 0: no sharding
+    virtual_pp_degree: int = 1
+    data_parallel_rank: int = 0
+    tensor_parallel_rank: int = 0
+    pipeline_parallel_rank: int = 0
+    sharding_rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def data_replicas(self) -> int:
+        """How many different slices of each global batch are read (dp x sharding)."""
+        return self.data_parallel_degree * self.sharding_degree
+
+    @property
+    def data_replica_rank(self) -> int:
+        return self.data_parallel_rank * self.sharding_degree + self.sharding_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def strategy(self) -> str:
+        """This run's strategy name (data parallelism included): pp4tp2sd2_stage1, tp2dp4, dp8."""
+        return strategy_name(self.tensor_parallel_degree, self.pipeline_parallel_degree, self.sharding_degree,
+                             self.sharding_stage, self.virtual_pp_degree, self.data_parallel_degree)
+
+
+def _degree(value: int) -> int:
+    return 1 if value == -1 else value
+
+
+def plan_layout(args: Arguments, world_size: int) -> Layout:
+    """Degrees from the arguments and the world size, validated; no communication."""
+    tp = _degree(args.tensor_parallel_degree)
+    pp = _degree(args.pipeline_parallel_degree)
+    stage = int(args.sharding[-1]) if args.sharding else 0
+    sharding_degree = _degree(args.sharding_parallel_degree if args.sharding_parallel_degree != -1 else args.sharding_degree)
+    if stage and args.sharding_parallel_degree == -1 and args.sharding_degree == -1:
+        sharding_degree = max(1, world_size // (tp * pp))  # PaddleNLP derives it from the world size
+    if not stage:
+        sharding_degree = 1
+    model_degrees = tp * pp * sharding_degree
+    if world_size % model_degrees != 0:
+        raise UsageError(
+            f"world size {world_size} is not a multiple of tensor_parallel_degree {tp} x pipeline_parallel_degree {pp}"
+            f" x sharding_parallel_degree {sharding_degree} = {model_degrees}"
+        )
+    return Layout(
+        world_size=world_size,
+        data_parallel_degree=world_size // model_degrees,
+        tensor_parallel_degree=tp,
+        pipeline_parallel_degree=pp,
+        sharding_degree=sharding_degree,
+        sharding_stage=stage,
+        virtual_pp_degree=args.virtual_pp_degree,
+    )
+
+
+def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
+                  sharding_stage: int = 0, virtual_pp_degree: int = 1, data_parallel_degree: int | None = None) -> str:
+    """PaddleNLP-style strategy name: pp4tp2sd2_stage1, tp2sd4_stage2, sd8_stage2, tp2, dp8.
+
+    Order: pipeline (with virtual stages), tensor, data, sharding. Argument files don't know the
+    world size, so their names leave data parallelism out (data_parallel_degree None).
+    """
+    name = ""
+    if pipeline_parallel_degree > 1:
+        name += f"pp{pipeline_parallel_degree}"
+        if virtual_pp_degree > 1:
+            name += f"vpp{virtual_pp_degree}"
+    if tensor_parallel_degree > 1:
+        name += f"tp{tensor_parallel_degree}"
+    if data_parallel_degree is not None and (data_parallel_degree > 1 or not name and not sharding_stage):
+        name += f"dp{data_parallel_degree}"
+    if sharding_stage:
+        name += f"sd{sharding_degree}_stage{sharding_stage}"
+    return name or "dp"
+
+
+# PaddleNLP's option strings (e.g. pipeline_parallel_config "enable_delay_scale_loss
+# disable_p2p_cache_shape") -> the fleet strategy field each one sets.
+PARALLEL_CONFIG_OPTIONS: dict[str, dict[str, tuple[str, str, bool]]] = {
+    "tensor_parallel_config": {
+        "enable_mp_async_allreduce": ("mp_configs", "mp_async_allreduce", True),
+        "enable_mp_skip_c_identity": ("mp_configs", "mp_skip_c_identity", True),
+        "enable_mp_fused_linear_param_grad_add": ("mp_configs", "mp_fused_linear_param_grad_add", True),
+        "enable_sp_async_reduce_scatter": ("mp_configs", "sp_async_reduce_scatter", True),
+        "sync_param": ("mp_configs", "sync_param", True),
+        "sync_grad": ("mp_configs", "sync_grad", True),
+        "sync_moment": ("mp_configs", "sync_moment", True),
+    },
+    "pipeline_parallel_config": {
+        "enable_delay_scale_loss": ("pp_configs", "delay_scale_loss", True),
+        "enable_dp_comm_overlap": ("pp_configs", "dp_comm_overlap", True),
+        "enable_sharding_comm_overlap": ("pp_configs", "sharding_comm_overlap", True),
+        "enable_timer": ("pp_configs", "enable_timer", True),
+        "enable_release_grads": ("pp_configs", "release_gradients", True),
+        "enable_overlap_p2p_comm": ("pp_configs", "overlap_p2p_comm", True),
+        "enable_clear_every_step_cache": ("pp_configs", "clear_every_step_cache", True),
+        "disable_batch_p2p_comm": ("pp_configs", "use_batch_p2p_comm", False),
+        "disable_p2p_cache_shape": ("pipeline_configs", "p2p_cache_shape", False),
+        "disable_partial_send_recv": ("pipeline_configs", "enable_partial_send_recv", False),
+    },
+    "sharding_parallel_config": {
+        "enable_stage1_tensor_fusion": ("sharding_configs", "tensor_fusion", True),
+        "enable_stage1_overlap": ("sharding_configs", "comm_overlap", True),
+        "enable_release_grads": ("sharding_configs", "release_gradients", True),
+        "enable_fuse_optimizer_states": ("sharding_configs", "enable_fuse_optimizer_states", True),
+    },
+}
+
+
+# Options PaddleNLP knows that give wrong results with Paddle 3.3.1: refused, with the reason.
+REFUSED_PARALLEL_CONFIG_OPTIONS = {
+    ("sharding_parallel_config", "split_param"): (
+        "Paddle 3.3.1's split-parameter stage 1 (DygraphShardingOptimizerV2) drifts from a single process "
+        "from the second step on: clear_grad(set_to_zero=True) detaches param.grad from the fused buffer, "
+        "so later steps lose gradients; use plain stage1"),
+}
+
+
+def parallel_config_settings(args: Arguments) -> list[tuple[str, str, bool]]:
+    """The strategy fields set by the option strings; an unknown or refused option is a UsageError."""
+    settings = []
+    for key, options in PARALLEL_CONFIG_OPTIONS.items():
+        for option in getattr(args, key).replace(",", " ").split():
+            if (key, option) in REFUSED_PARALLEL_CONFIG_OPTIONS:
+                raise UsageError(f"{key}: {option!r} is refused: {REFUSED_PARALLEL_CONFIG_OPTIONS[key, option]}")
+            if option not in options:
+                raise UsageError(f"{key}: unknown option {option!r}; allowed: {', '.join(sorted(options))}")
+            settings.append(options[option])
+    return settings
+
+
+def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
+    tp = layout.tensor_parallel_degree
+    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
+        if getattr(config, key) % tp:
+            raise UsageError(f"tensor_parallel_degree: {tp} does not divide the model's {key} {getattr(config, key)}")
+    # Key/value heads are split over the ranks when tp divides them, replicated (each rank keeps
+    # the one its query heads share) when they divide tp.
+    kv = config.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise UsageError(f"tensor_parallel_degree: {tp} and the model's num_key_value_heads {kv} must divide one "
+                         "another (kv heads are split over the ranks or replicated on them)")
+    if kv < tp and config.fuse_attention_qkv:
+        raise UsageError(f"fuse_attention_qkv: cannot be true when the model's num_key_value_heads {kv} is smaller "
+                         f"than tensor_parallel_degree {tp} (replicated kv heads need separate k/v projections); "
+                         "set fuse_attention_qkv false")
+    if config.hidden_size % config.num_attention_heads:
+        raise UsageError(f"model: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
+                         f"{config.num_attention_heads}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UsageError(f"model: num_attention_heads {config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads {config.num_key_value_heads}")
+
+
+def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+    """Combinations of degrees and options that fleet cannot run (checked before fleet.init)."""
+    tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
+    if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
+        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
+                         f"{config.num_hidden_layers} must be divisible by {pp * vpp}")
+    if vpp > 1 and pp <= 2:
+        raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
+                         f"schedule), got pipeline_parallel_degree {pp}")
+    if args.sequence_parallel and tp <= 1:
+        raise UsageError("sequence_parallel: needs tensor_parallel_degree > 1 (got "
+                         f"{args.tensor_parallel_degree})")
+    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length) % tp:
+        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length = "
+                         f"{args.per_device_train_batch_size * args.max_seq_length} must be divisible by "
+                         f"tensor_parallel_degree {tp}")
+    if layout.sharding_stage in (2, 3) and pp > 1:
+        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with pipeline_parallel_degree "
+                         f"{pp} (use stage1 with pipeline parallelism)")
+    if layout.sharding_stage == 3 and tp > 1:
+        raise UsageError(f"sharding: stage3 cannot be combined with tensor_parallel_degree {tp}: Paddle's stage-3 "
+                         "gradient clip sums norms over the sharding group only (as PaddleNLP, use stage1 or stage2)")
+    if pp > 1 and args.gradient_accumulation_steps < pp:
+        raise UsageError(f"gradient_accumulation_steps: {args.gradient_accumulation_steps} is smaller than "
+                         f"pipeline_parallel_degree {pp}; the pipeline needs at least {pp} micro-batches per step")
+    for split_requested, iterations in ((args.do_eval, args.eval_iters), (args.do_predict, predict_iterations(args))):
+        if pp > 1 and split_requested:  # raises when the eval batches cannot be pipeline micro-batches
+            pipeline_eval_micro_batches(args, iterations, vpp)
+    parallel_config_settings(args)
+    check_master_grad(args, layout)
+
+
+def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:
+    """(pipeline calls, micro-batches per call) that evaluate `iterations` batches of per_device_eval_batch_size.
+
+    The pipeline's micro-batch has the training size (its p2p buffers are sized by it); an eval batch of
+    another size is split into several micro-batches -- all eval_iters batches of one evaluation pass
+    through the pipeline in calls of gradient_accumulation_steps micro-batches (or one call of them all).
+    The mean over equal micro-batches is PaddleNLP's mean over its per-batch losses.
+    """
+    micro, eval_batch = args.per_device_train_batch_size, args.per_device_eval_batch_size
+    if eval_batch % micro:
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} must be a multiple of "
+                         f"per_device_train_batch_size {micro} under pipeline parallelism (evaluation runs "
+                         "training-sized pipeline micro-batches)")
+    total = eval_batch // micro * iterations
+    if total % args.gradient_accumulation_steps == 0:
+        return total // args.gradient_accumulation_steps, args.gradient_accumulation_steps
+    if virtual_pp_degree > 1:  # the interleaved schedule runs only the micro-batch counts it was set up for
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} x {iterations} eval batches = "
+                         f"{total} micro-batches of {micro} is not a multiple of gradient_accumulation_steps "
+                         f"{args.gradient_accumulation_steps}, which the interleaved pipeline (virtual_pp_degree "
+                         f"{virtual_pp_degree}) needs")
+    return 1, total
+
+
+def predict_iterations(args: Arguments) -> int:
+    """Batches of the test split, as PaddleNLP's llm/run_pretrain.py: test_iters = eval_iters * 10."""
+    return 10 * args.eval_iters

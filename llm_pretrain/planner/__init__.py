@@ -1,0 +1,134 @@
+"""The parallel-configuration planner: predicted per-rank memory and step time of an argument file
+on N processes of a device, from the same validation the trainer runs.
+
+    memory.py   what each rank allocates, tensor by tensor (measured on CPU against Paddle's allocator)
+    speed.py    step time on a GPU cluster (calibrated on the Megatron-LM paper's Table 1)
+    search.py   every valid layout for a model and cluster, ranked by predicted tokens/card/s
+
+`estimate(args, nproc, device)` is what `python scripts/plan.py estimate` prints and what the
+trainer records in its run record.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llm_pretrain.arguments import Arguments
+from llm_pretrain.errors import UsageError
+from llm_pretrain.planner.memory import MB, Precision, Setup, peak_memory
+
+# Memory per card in GiB by the name's "-80G" suffix, else by the card (NVIDIA datasheets).
+DEVICE_MEMORY_GIB = {"A100": 80, "A800": 80, "H100 SXM": 80, "H100 PCIE": 80, "H800": 80, "H800 PCIE": 80,
+                     "H100 NVL": 94, "H200": 141, "H20": 96, "A30": 24, "A10": 24, "V100": 32, "V100S": 32,
+                     "V100-PCIE": 32, "T4": 16}
+
+# Paddle's GPU allocator (auto_growth best fit) reserves more than it hands out: a freed block is reused
+# only by a request that fits in it. Not measured here (no GPU); taken as one more copy of the largest
+# transient of the peak phase (the block freed just before a slightly larger request).
+RESERVED_NOTE = "reserved = allocated + the largest transient of the peak phase (fragmentation; an assumption, not measured)"
+
+
+def device_kind(device: str) -> str:
+    return "cpu" if device.lower() == "cpu" else "gpu"
+
+
+def device_memory_mb(device: str) -> float | None:
+    """Memory of one card (MiB), None for a CPU (no fixed limit)."""
+    if device_kind(device) == "cpu":
+        return None
+    from llm_pretrain.flops import match_device
+
+    size = re.search(r"(\d+)\s*G", device.upper())
+    if size:
+        return int(size.group(1)) * 1024.0
+    key = match_device(device)
+    if key is None:
+        raise UsageError(f"--device: {device!r} is not a known GPU; use one of A100-80G, A100-40G, H100-80G, H800, "
+                         "A800, V100, ... (llm_pretrain/flops.py PEAK_TFLOPS) or cpu")
+    return DEVICE_MEMORY_GIB.get(key, 80) * 1024.0
+
+
+def check_device(device: str) -> None:
+    if device_kind(device) == "gpu":
+        from llm_pretrain.flops import match_device
+
+        if match_device(device) is None:
+            raise UsageError(f"--device: {device!r} is not a known GPU; use one of A100-80G, A100-40G, H100-80G, "
+                             "H800, A800, V100, ... (llm_pretrain/flops.py PEAK_TFLOPS) or cpu")
+
+
+def validated_setup(args: Arguments, nproc: int, device: str):
+    """(Setup, layout, config) after the trainer's own checks (UsageError for an invalid layout)."""
+    from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout
+    from llm_pretrain.trainer import build_model_config
+
+    kind = device_kind(device)
+    layout = plan_layout(args, nproc)
+    config, _, _ = build_model_config(args, layout, kind)
+    check_model_fits_layout(config, layout)
+    check_strategy(args, config, layout)
+    return setup_from(args, layout, config, kind), layout, config
+
+
+def setup_from(args: Arguments, layout, config, kind: str) -> Setup:
+    if kind == "gpu" and (args.bf16 or args.fp16):
+        precision = Precision("bf16" if args.bf16 else "fp16", args.fp16_opt_level, bool(args.amp_master_grad))
+    else:
+        precision = Precision()
+    return Setup(config, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                 tp=layout.tensor_parallel_degree, pp=layout.pipeline_parallel_degree, vpp=layout.virtual_pp_degree,
+                 dp=layout.data_parallel_degree, sharding_degree=layout.sharding_degree,
+                 sharding_stage=layout.sharding_stage, precision=precision)
+
+
+def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = None) -> dict:
+    """The estimate of a validated Setup (see `estimate`)."""
+    from models.registry import parameter_count
+
+    worst, ranks = peak_memory(setup)
+    allocated = worst.peak_bytes / MB
+    kind = device_kind(device)
+    reserved = None
+    if kind == "gpu":
+        reserved = allocated + max(worst.phases[worst.peak_phase].values()) / MB
+    capacity = device_memory_mb(device)
+    breakdown = [dict(row, kind="memory") for row in worst.breakdown()]
+    result = {
+        "params": parameter_count(setup.config),
+        "device": device,
+        "world_size": setup.world_size,
+        "peak_mem_allocated_mb": allocated,
+        "peak_mem_reserved_mb": reserved,
+        "device_memory_mb": capacity,
+        "fits": True if capacity is None else (reserved or allocated) <= capacity,
+        "peak_rank": worst.rank,
+        "peak_phase": worst.peak_phase,
+        "ranks": {r.rank: r.peak_bytes / MB for r in ranks},
+        "step_time_s": None, "tokens_per_card_per_sec": None, "mfu": None, "tflops_per_card": None,
+        "hardware_tflops_per_card": None,
+        "bottleneck": None,
+        "breakdown": breakdown,
+    }
+    if kind == "gpu":
+        from llm_pretrain.planner.speed import Cluster, step_time
+
+        speed = step_time(setup, Cluster(device, **(cluster_options or {})))
+        result.update({key: speed[key] for key in ("step_time_s", "tokens_per_card_per_sec", "mfu",
+                                                   "tflops_per_card", "hardware_tflops_per_card", "bottleneck")})
+        slowest = "pipeline stage 0" if setup.pp > 1 else "every rank"
+        result["breakdown"] += [{"term": term, "s": seconds, "rank": slowest, "kind": "time"}
+                                for term, seconds in speed["terms"].items()]
+    return result
+
+
+def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | None = None) -> dict:
+    """Predicted per-rank peak memory and speed of `args` on `nproc` processes of `device`.
+
+    device: "cpu" or a GPU name of llm_pretrain/flops.py's table ("A100-80G", "H100-80G", ...). Raises the
+    trainer's UsageError for a layout it would refuse. Speed is predicted for GPUs only (None on CPU).
+    """
+    check_device(device)
+    setup, layout, config = validated_setup(args, nproc, device)
+    result = estimate_setup(setup, device, cluster_options)
+    result["strategy"] = layout.strategy
+    return result

@@ -1,0 +1,100 @@
+"""The parameters of this toolkit's decoder, tensor by tensor, as each rank holds them.
+
+`parameter_list` mirrors models/decoder.py (and models/parallel_layers.py for what tensor
+parallelism splits): the same names, in the same registration order as
+`CausalLM.named_parameters()` (the order Paddle's sharding optimizers assign parameters to
+ranks in), with the full shape and the size on one tensor-parallel rank. `stage_parameters`
+cuts the list into pipeline stages as models/pipeline.py's PipelineLayer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str  # canonical name (as CausalLM.named_parameters())
+    full_numel: int  # elements of the whole tensor
+    numel: int  # elements on one tensor-parallel rank
+    layer: int | None  # decoder layer index; None for the embedding, final norm and head
+    part: str  # "embedding" | "layer" | "norm" | "head"
+
+
+def _linear(prefix: str, n_in: int, n_out: int, bias: bool, tp: int, split: str | None, layer: int) -> list[Param]:
+    """nn.Linear / fleet's Column/RowParallelLinear (parallel_layers.column_linear / row_linear):
+    the weight [in, out] is split on out (column) or in (row); a column bias is split, a row bias is not."""
+    weight = n_in * n_out
+    out = [Param(prefix + ".weight", weight, weight // tp if split else weight, layer, "layer")]
+    if bias:
+        out.append(Param(prefix + ".bias", n_out, n_out // tp if split == "column" else n_out, layer, "layer"))
+    return out
+
+
+def _norm(prefix: str, config: ModelConfig, layer: int | None, part: str) -> list[Param]:
+    """RMSNorm (weight) or LayerNorm (weight, bias), replicated (parallel_layers.norm)."""
+    h = config.hidden_size
+    names = ["weight"] if config.norm_type == "rmsnorm" else ["weight", "bias"]
+    return [Param(f"{prefix}.{n}", h, h, layer, part) for n in names]
+
+
+def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
+    h, d, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+    params = [Param("embeddings.word_embeddings.weight", v * h, v * h // tp, None, "embedding")]
+    if config.position_embedding == "learned":
+        n = config.max_position_embeddings * h
+        params.append(Param("embeddings.position_embeddings.weight", n, n, None, "embedding"))
+    if config.embedding_layernorm:
+        params += _norm("embeddings.word_embeddings_layernorm", config, None, "embedding")
+    qkv_bias = config.qkv_bias or config.linear_bias
+    replicated_kv = config.num_key_value_heads < tp  # decoder.Attention: k/v projections replicated
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        params += _norm(p + "input_layernorm", config, i, "layer")
+        if config.fuse_attention_qkv:
+            params += _linear(p + "self_attn.qkv_proj", h, q_size + 2 * kv_size, qkv_bias, tp, "column", i)
+        else:
+            params += _linear(p + "self_attn.q_proj", h, q_size, qkv_bias, tp, "column", i)
+            kv_split = None if replicated_kv else "column"
+            params += _linear(p + "self_attn.k_proj", h, kv_size, qkv_bias, tp, kv_split, i)
+            params += _linear(p + "self_attn.v_proj", h, kv_size, qkv_bias, tp, kv_split, i)
+        params += _linear(p + "self_attn.o_proj", q_size, h, config.linear_bias, tp, "row", i)
+        params += _norm(p + "post_attention_layernorm", config, i, "layer")
+        if config.uses_swiglu:
+            if config.fuse_attention_ffn:
+                params += _linear(p + "mlp.gate_up_proj", h, 2 * f, config.linear_bias, tp, "column", i)
+            else:
+                params += _linear(p + "mlp.gate_proj", h, f, config.linear_bias, tp, "column", i)
+                params += _linear(p + "mlp.up_proj", h, f, config.linear_bias, tp, "column", i)
+        else:
+            params += _linear(p + "mlp.up_proj", h, f, config.linear_bias, tp, "column", i)
+        params += _linear(p + "mlp.down_proj", f, h, config.linear_bias, tp, "row", i)
+    params += _norm("norm", config, None, "norm")
+    if not config.tie_word_embeddings:
+        params.append(Param("lm_head.weight", h * v, h * v // tp, None, "head"))
+    return params
+
+
+def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int) -> list[int]:
+    """Decoder layers on pipeline stage `stage`: PipelineLayer(seg_method="layer:DecoderLayer") cuts the
+    layers evenly into pp * vpp chunks and gives chunk c to stage c % pp (models/pipeline.py)."""
+    per_chunk = config.num_hidden_layers // (pp * vpp)
+    return [layer for chunk in range(stage, pp * vpp, pp) for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
+
+
+def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int) -> list[Param]:
+    """This stage's parameters: its layers, the embedding on the first stage, norm and head on the last;
+    a tied head is a second copy of the word embedding on the last stage (SharedLayerDesc)."""
+    params = parameter_list(config, tp)
+    if pp == 1:
+        return params
+    layers = set(stage_layers(config, pp, vpp, stage))
+    first, last = stage == 0, stage == pp - 1
+    out = [p for p in params if (p.part == "layer" and p.layer in layers) or (p.part == "embedding" and first)
+           or (p.part in ("norm", "head") and last)]
+    if last and config.tie_word_embeddings:
+        out += [p for p in params if p.part == "embedding"]  # the tied copy (Embeddings built again)
+    return out

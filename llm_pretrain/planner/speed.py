@@ -1,0 +1,212 @@
+"""Step time of a layout on a GPU cluster: compute, tensor-parallel collectives, pipeline bubble,
+data-parallel / sharding gradient traffic.
+
+    micro-batch time  t_mb = compute + TP collectives + pipeline send/recv     (nothing overlaps)
+    pipeline          (m + (p - 1) / v) * t_mb       bubble (p - 1) / (v m) of the m micro-batches
+    gradients         data-parallel all-reduce / sharding reduce-scatter + all-gather: overlapped with
+                      the backward without pipeline parallelism (paddle.DataParallel's reducer starts
+                      each fused group when it is ready), after the pipeline flush with it (fleet's
+                      HybridParallelOptimizer reduces after train_batch; PaddleNLP's
+                      enable_dp_comm_overlap is off by default). Stage 3 also gathers every sliced
+                      weight for the forward and again for the backward of each micro-batch.
+    optimizer step    neglected (AdamW reads/writes ~16 bytes per parameter: ~1 % of a step at the
+                      Megatron table's sizes)
+
+Compute is `training_flops_per_token` of llm_pretrain/flops.py (recompute included) at a fraction
+of the device's peak (`matmul_efficiency`). Collectives run at ring-algorithm volumes:
+all-reduce 2 (n-1)/n x bytes, all-gather / reduce-scatter (n-1)/n x bytes, over NVLink when the
+group lies inside a node and over InfiniBand otherwise.
+
+Calibration (the only fitted numbers are in MATMUL_EFFICIENCY, one pair for every model): the ten
+rows of Narayanan et al. 2021, Table 1 (`CALIBRATION_SOURCE`), reproduced by tests/test_planner.py
+and listed with their errors in benchmarks/planner_accuracy.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llm_pretrain.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
+from llm_pretrain.planner.memory import Setup
+from llm_pretrain.planner.params import stage_parameters
+
+CALIBRATION_SOURCE = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
+                      "Megatron-LM (SC21), Table 1: GPT 1.7B-1T, seq 2048, vocab 51200, fp16, A100-80GB DGX nodes")
+
+# Achievable fraction of the dense tensor-core peak for the matrix products of one GPU, growing with the
+# width of its matrices (hidden / tp): eff = EFF_MAX * w / (w + EFF_HALF_WIDTH). Fitted once on the Megatron
+# table (scripts/planner_accuracy.py --calibrate prints the fit); not per model.
+EFF_MAX = 0.63
+EFF_HALF_WIDTH = 100.0
+# With these, the ten rows are reproduced within 15 % (worst: 1.7B, +14.6 %; 8 of 10 within 7.5 %).
+MEGATRON_TOLERANCE = 0.15
+
+# Link bandwidths per GPU, one direction, GB/s (gigabytes). NVLink: A100 (NVLink 3, NVSwitch) 600 GB/s
+# bidirectional -> 300, H100 (NVLink 4) 900 -> 450 (NVIDIA A100/H100 datasheets); nccl-tests reach ~80 % of
+# it as bus bandwidth. InfiniBand: DGX A100 has one HDR 200 Gb/s NIC per GPU = 25 GB/s, DGX H100 one NDR
+# 400 Gb/s per GPU = 50 GB/s (DGX user guides).
+DEFAULT_LINKS = {
+    "A100": (240.0, 25.0), "A800": (160.0, 25.0),  # A800: NVLink cut to 400 GB/s bidirectional
+    "H100 SXM": (360.0, 50.0), "H800": (160.0, 50.0), "H200": (360.0, 50.0),
+    "V100": (120.0, 12.5),  # NVLink 2: 300 GB/s bidirectional; EDR 100 Gb/s per GPU
+}
+FALLBACK_LINKS = (100.0, 12.5)
+DEFAULT_GPUS_PER_NODE = 8
+
+
+@dataclass
+class Cluster:
+    device: str  # "A100-80G", "H100-80G", ...
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    intra_node_gbps: float | None = None  # GB/s per GPU; None: DEFAULT_LINKS for the device
+    inter_node_gbps: float | None = None
+
+    def links(self) -> tuple[float, float]:
+        from llm_pretrain.flops import match_device
+
+        default = DEFAULT_LINKS.get(match_device(self.device) or "", FALLBACK_LINKS)
+        return (self.intra_node_gbps or default[0], self.inter_node_gbps or default[1])
+
+
+def matmul_efficiency(width: float) -> float:
+    return EFF_MAX * width / (width + EFF_HALF_WIDTH)
+
+
+def _ring(kind: str, n: int, nbytes: float, gbps: float) -> float:
+    if n <= 1:
+        return 0.0
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return factor * nbytes / (gbps * 1e9)
+
+
+def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True) -> dict:
+    """Seconds per optimizer step on the slowest pipeline stage, by term, and the derived rates."""
+    c, p = setup.config, setup.precision
+    tp, pp, vpp, dp, sd = setup.tp, setup.pp, setup.vpp, setup.dp, setup.sharding_degree
+    dtype = p.compute if p.half else "fp32"
+    peak = device_peak_tflops(cluster.device, dtype)
+    if peak is None:
+        raise ValueError(f"no peak TFLOPs for device {cluster.device} at {dtype}")
+    intra, inter = cluster.links()
+    node = cluster.gpus_per_node
+    s, b, m = c.seq_length, setup.micro_batch, setup.accumulation
+    tokens_mb = b * s
+    act_bytes = p.activation_bytes
+
+    hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c))
+    compute_mb = hardware_flops * tokens_mb / (tp * pp) / (peak * 1e12 * matmul_efficiency(c.hidden_size / tp))
+
+    # Tensor parallelism: per layer 2 all-reduces forward (attention, MLP outputs) and 2 backward (their
+    # inputs' gradients), 2 more for a recomputed forward; sequence parallelism replaces each all-reduce by
+    # an all-gather + reduce-scatter (same volume). Kept inside a node when tp <= gpus_per_node.
+    tp_link = intra if tp <= node else inter
+    collectives = 4 + (2 if c.recompute and c.recompute_granularity in ("full", "full_attn") else 0)
+    layers_per_stage = c.num_hidden_layers / pp
+    tp_mb = layers_per_stage * collectives * _ring("all_reduce", tp, tokens_mb * c.hidden_size * act_bytes, tp_link)
+
+    # Pipeline: each micro-batch's activation goes forward and its gradient back across a stage boundary;
+    # stages lie in different nodes once tp * pp exceeds a node.
+    pp_link = intra if tp * pp <= node else inter
+    p2p_bytes = tokens_mb * c.hidden_size * act_bytes / (tp if c.sequence_parallel else 1)
+    pp_mb = 2 * p2p_bytes / (pp_link * 1e9) if pp > 1 else 0.0
+
+    micro = compute_mb + tp_mb + pp_mb
+    pipeline = m * micro
+    bubble = (pp - 1) / vpp * micro if pp > 1 else 0.0
+
+    # Gradient traffic of the rank holding the most parameters (the first stage).
+    params = sum(q.numel for q in stage_parameters(c, tp, pp, vpp, 0))
+    grad_bytes = params * (4 if (p.master_grad or not p.half or p.level == "O1") else 2)
+    replicas_link = intra if tp * pp * dp * sd <= node else inter
+    data = _ring("all_reduce", dp, grad_bytes, replicas_link)
+    sharding = _ring("all_reduce", sd, grad_bytes, replicas_link) if setup.sharding_stage else 0.0
+    if setup.sharding_stage == 3:
+        # gather the weights for forward and backward of every micro-batch
+        sharding += 2 * m * _ring("all_gather", sd, params * p.param_bytes, replicas_link)
+    gradient_comm = data + sharding
+    if pp == 1 and overlap_gradient_comm:
+        backward = 2 / 3 * compute_mb  # the last micro-batch's backward hides the reduce of earlier groups
+        exposed = max(0.0, gradient_comm - backward)
+    else:
+        exposed = gradient_comm
+    total = pipeline + bubble + exposed
+
+    world = setup.world_size
+    tokens_per_card = b * m * dp * sd * s / world / total
+    model_flops = model_flops_per_token(c, s)
+    terms = {
+        "compute": m * compute_mb,
+        "tensor-parallel communication": m * tp_mb,
+        "pipeline send/recv": m * pp_mb,
+        "pipeline bubble": bubble,
+        "data-parallel/sharding communication (exposed)": exposed,
+    }
+    return {
+        "step_time_s": total,
+        "terms": terms,
+        "tokens_per_card_per_sec": tokens_per_card,
+        "tflops_per_card": model_flops * tokens_per_card / 1e12,
+        "hardware_tflops_per_card": hardware_flops * tokens_per_card / 1e12,
+        "mfu": model_flops * tokens_per_card / (peak * 1e12),
+        "peak_tflops": peak,
+        "bottleneck": bottleneck(terms),
+    }
+
+
+def bottleneck(terms: dict[str, float]) -> str:
+    names = {"compute": "compute", "tensor-parallel communication": "TP communication",
+             "pipeline send/recv": "pipeline send/recv", "pipeline bubble": "bubble",
+             "data-parallel/sharding communication (exposed)": "DP communication"}
+    non_compute = {k: v for k, v in terms.items() if k != "compute"}
+    worst = max(non_compute, key=non_compute.get)
+    # Compute-bound unless one overhead is at least a quarter of the compute.
+    return names[worst] if non_compute[worst] >= 0.25 * terms["compute"] else "compute"
+
+
+def megatron_row_setup(row: dict, micro_batch: int = 1) -> tuple[Setup, Cluster]:
+    """A Megatron Table 1 row as a Setup: GPT (GELU 4h MLP, learned positions, tied head), fp16, full
+    recompute, 1F1B (the table gives neither micro-batch size nor interleaving: micro-batch 1, no vpp)."""
+    from llm_pretrain.planner.memory import Precision
+    from models.config import make_config
+
+    h, layers, heads = int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"])
+    tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
+    dp = gpus // (tp * pp)
+    config = make_config("gpt3", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=4 * h, vocab_size=51200, max_position_embeddings=2048, seq_length=2048,
+                         tensor_parallel_degree=tp, recompute=True, recompute_granularity="full")
+    accumulation = int(row["global_batch_size"]) // (dp * micro_batch)
+    setup = Setup(config, micro_batch, accumulation, tp=tp, pp=pp, dp=dp,
+                  precision=Precision("fp16", "O2", master_grad=True))
+    return setup, Cluster("A100-80G")
+
+
+def megatron_tflops(setup: Setup, cluster: Cluster) -> float:
+    """Per-GPU TFLOP/s as the table counts them: 96 B s l h^2 (1 + s/6h + V/16lh) per iteration (with recompute)."""
+    c = setup.config
+    B = setup.micro_batch * setup.accumulation * setup.dp
+    s, l, h, V = c.seq_length, c.num_hidden_layers, c.hidden_size, c.vocab_size
+    flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    # Megatron-LM (2021) all-reduces the gradients after the last micro-batch's backward, not during it.
+    return flops / step_time(setup, cluster, overlap_gradient_comm=False)["step_time_s"] / setup.world_size / 1e12
+
+
+def fit_efficiency(rows: list[dict]) -> tuple[float, float, list[float]]:
+    """Grid least-squares fit (log errors) of EFF_MAX (0.40-1.00 by 0.01) and EFF_HALF_WIDTH (0-1600 by 100)
+    to the table's TFLOP/s; returns (EFF_MAX, EFF_HALF_WIDTH, relative error per row). A few minutes."""
+    global EFF_MAX, EFF_HALF_WIDTH
+    saved = EFF_MAX, EFF_HALF_WIDTH
+    setups = [megatron_row_setup(r) for r in rows]
+    best = None
+    try:
+        for half in range(0, 1601, 100):
+            for eff in [x / 100 for x in range(40, 101)]:
+                EFF_MAX, EFF_HALF_WIDTH = eff, float(half)
+                errors = [math.log(megatron_tflops(*s) / float(r["tflops_per_gpu"])) for s, r in zip(setups, rows)]
+                total = sum(e * e for e in errors)
+                if best is None or total < best[0]:
+                    best = (total, eff, float(half), [math.exp(e) - 1 for e in errors])
+    finally:
+        EFF_MAX, EFF_HALF_WIDTH = saved
+    return best[1], best[2], best[3]

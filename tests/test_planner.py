@@ -1,0 +1,303 @@
+"""The planner (llm_pretrain/planner): memory against real CPU trainings, hand-computed terms,
+the Megatron calibration, search and scripts/plan.py."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_utils import REPO_ROOT
+from llm_pretrain.planner import memory as mem
+from llm_pretrain.planner import speed
+from llm_pretrain.planner.params import parameter_list, stage_parameters
+from models.registry import ARCHITECTURES, parameter_count
+
+MEGATRON_CSV = Path("/work/shared/data/megatron_table1.csv")
+PLAN = REPO_ROOT / "scripts" / "plan.py"
+MiB = 2**20
+
+
+# ----------------------------------------------------------------------------- measured on CPU
+@pytest.fixture(scope="module")
+def measured_runs(embedded_corpus, tmp_path_factory):
+    from planner_runs import run_all
+
+    return run_all(embedded_corpus, tmp_path_factory.mktemp("planner"))
+
+
+def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
+    """Predicted per-rank peak vs Paddle's host allocator peak (max over ranks) of real trainings."""
+    from planner_runs import LAUNCHES, predict
+
+    names = [name for _, runs in LAUNCHES.values() for name in runs]
+    assert [r["name"] for r in measured_runs] == names
+    errors = {}
+    for run in measured_runs:
+        predicted = predict(run)["peak_mem_allocated_mb"]
+        errors[run["name"]] = (predicted, run["measured_mb"], predicted / run["measured_mb"] - 1)
+    bad = {k: v for k, v in errors.items() if abs(v[2]) > 0.10}
+    assert not bad, f"outside 10 %: {bad}; all: {errors}"
+    # The weights dominate as intended (hidden 1024): weights + gradients + moments of 40.6M parameters.
+    assert errors["single"][1] > 4 * 40_637_440 * 4 / MiB
+
+
+def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
+    from parity_utils import run_record
+    from planner_runs import _slug, predict
+
+    for run in measured_runs:
+        assert 0 < run["measured_mb"] < run["rss_mb"], run
+        prediction = run_record(Path(run["output_dir"]))["prediction"]
+        assert prediction["peak_mem_allocated_mb"] == pytest.approx(predict(run)["peak_mem_allocated_mb"])
+        assert prediction["top_term"]["mb"] > 0 and prediction["step_time_s"] is None  # no CPU speed model
+
+
+def test_gpu_memory_warning_wiring(monkeypatch):
+    """On GPU the trainer compares the estimate with the card before fleet.init (CPU build: the card is faked)."""
+    from types import SimpleNamespace
+
+    import paddle
+    from llm_pretrain import trainer
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.layout import plan_layout
+
+    monkeypatch.setattr(trainer, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=40 * 2**30))
+    args, _ = parse_arguments([str(REPO_ROOT / "configs" / "llama" / "pretrain-llama_13b-tp2sd4_stage2.json"),
+                               "--sharding", "", "--tensor_parallel_degree", "1"])
+    layout = plan_layout(args, 1)
+    config, _, _ = trainer.build_model_config(args, layout, "gpu")
+    prediction = trainer.predict_run(args, layout, config, "gpu")
+    assert prediction["fits"] is False and prediction["device_memory_mb"] == 40 * 1024
+    assert prediction["top_term"]["term"] == "Adam moments (fp32)"  # 13B x 8 bytes, the largest term
+    message = trainer.memory_warning(prediction)
+    assert "more than the device's 40,960 MB" in message and "Adam moments (fp32)" in message
+
+
+# ----------------------------------------------------------------------------- hand-computed memory terms
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen-tiny", "baichuan-tiny", "gpt3-tiny", "bloom-tiny", "llama-real",
+                                  "facebook/llama-7b", "meta-llama/Llama-2-70b", "gpt3-175B-en", "bigscience/bloom"])
+def test_parameter_list_matches_registry_count_and_model(name):
+    config = ARCHITECTURES[name]
+    assert sum(p.numel for p in parameter_list(config, 1)) == parameter_count(config)
+
+
+def test_parameter_list_is_the_models_parameters_on_each_tp_rank():
+    """Names, order and local sizes are those of the built model (single process: tp 1)."""
+    from models.decoder import CausalLM
+
+    config = ARCHITECTURES["llama-tiny"].replace(num_hidden_layers=2)
+    model = CausalLM(config)
+    built = [(name, int(p.numel())) for name, p in model.named_parameters()]
+    assert [(p.name, p.numel) for p in parameter_list(config, 1)] == built
+    # tp 2 of llama-real by hand: q 1024x512, k/v 1024x256, o 512x1024, MLP 3 x 1024x1408, norms 2 x 1024
+    # per layer; final norm 1024; embedding and head 8320/2 x 1024 each.
+    real = ARCHITECTURES["llama-real"]
+    per_layer = 1024 * 512 + 2 * 1024 * 256 + 512 * 1024 + 3 * 1024 * 1408 + 2 * 1024
+    assert sum(p.numel for p in parameter_list(real, 2)) == 2 * per_layer + 1024 + 2 * 4160 * 1024 == 20_321_280
+
+
+def test_layer_activations_by_hand():
+    """llama-real, 1 x 128 tokens, fp32 (4 bytes), per decoder layer, in units of tokens x hidden x 4 bytes:
+    input 1, RMSNorm 2 (normalized, output), q + rotated q 2, k + rotated k 1, repeat_interleave keeps k, v 1,
+    q scaled, k^T, v^T 3, o_proj input 1, residual 1, RMSNorm 2, SwiGLU 4 x 2.75 = 11 -> 25; the scores
+    8 heads x 128 / 1024 = 1; the rotary tables 2 x 128 x 128 floats = 0.25 per token."""
+    config = ARCHITECTURES["llama-real"].replace(seq_length=128, num_hidden_layers=2)
+    setup = mem.Setup(config, micro_batch=1, accumulation=2)
+    unit = 128 * 1024 * 4
+    assert mem.layer_activation_bytes(config, setup, 0) == pytest.approx(26.25 * unit)
+    recompute = {"full": 1, "full_attn": 1 + 14, "core_attn": 26.25 - 5 + 2}
+    for granularity, units in recompute.items():
+        c = config.replace(recompute=True, recompute_granularity=granularity)
+        assert mem.layer_activation_bytes(c, mem.Setup(c, 1, 2), 0) == pytest.approx(units * unit), granularity
+    # head: final norm input + 2 saved, softmax over the vocabulary in float32
+    assert mem.head_activation_bytes(config, setup) == pytest.approx(3 * unit + 128 * 8320 * 4)
+
+
+def test_sequence_parallel_splits_norms_and_keeps_gathered_inputs():
+    config = ARCHITECTURES["llama-real"].replace(seq_length=128, tensor_parallel_degree=2, sequence_parallel=True)
+    setup = mem.Setup(config, 1, 2, tp=2)
+    # per token x hidden x 4 bytes: residual/norm parts 6 / 2 = 3, five gathered projection inputs 5,
+    # q/k rotary 1.5, repeat 0.5, core 1.5 + scores 4 x 128 / 1024 = 0.5, o_proj input 0.5, SwiGLU 4 x 1.375
+    units = 3 + 5 + 1.5 + 0.5 + 1.5 + 0.5 + 0.5 + 5.5
+    assert mem.layer_activation_bytes(config, setup, 0) == pytest.approx(units * 128 * 1024 * 4 + 2 * 128 * 128 * 4)
+
+
+def test_optimizer_state_assignment_follows_paddle():
+    params = parameter_list(ARCHITECTURES["llama-real"].replace(num_hidden_layers=2), 1)
+    stage1 = mem.stage1_owned(tuple(params), 2)  # sorted, largest first: embedding and head on different ranks
+    assert {p.name for p in stage1[0][:1] + stage1[1][:1]} == {"embeddings.word_embeddings.weight", "lm_head.weight"}
+    stage2 = mem.stage2_owned(tuple(params), 2)  # model order: rank 1 ends with 89.5 MiB, rank 0 with 65.5 MiB
+    assert [sum(p.numel for p in r) * 4 / MiB for r in stage2] == pytest.approx([65.50390625, 89.515625])
+
+
+def test_stage3_slices_parameters_above_2_pow_20():
+    config = ARCHITECTURES["llama-real"].replace(seq_length=128, num_hidden_layers=2)
+    rank = mem.rank_memory(mem.Setup(config, 1, 2, sharding_degree=2, sharding_stage=3))
+    params = parameter_list(config, 1)
+    sliced = sum(p.numel for p in params if p.numel > 2**20)  # embedding, head, MLP (q, o are exactly 2**20)
+    whole = sum(p.numel for p in params if p.numel <= 2**20)
+    assert rank.persistent["weights"] == (sliced // 2 + whole) * 4
+
+
+def test_pipeline_in_flight_micro_batches():
+    config = ARCHITECTURES["llama-real"].replace(num_hidden_layers=8)
+    one_f_one_b = mem.Setup(config, 1, 8, pp=4)
+    assert [mem.in_flight_micro_batches(one_f_one_b, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [mem.in_flight_micro_batches(mem.Setup(config, 1, 2, pp=4), s) for s in range(4)] == [2, 2, 2, 1]
+    interleaved = mem.Setup(config, 1, 4, pp=4, vpp=2)
+    assert [mem.in_flight_micro_batches(interleaved, s) for s in range(4)] == [8, 8, 8, 8]
+    # the first stage holds the embedding, the last the norm and head; layers 0-1 | 2-3 | ...
+    names = [p.name for p in stage_parameters(config, 1, 4, 1, 0)]
+    assert names[0] == "embeddings.word_embeddings.weight" and "lm_head.weight" not in names
+    assert {p.layer for p in stage_parameters(config, 1, 4, 2, 1) if p.layer is not None} == {1, 5}
+
+
+def test_amp_o2_memory_terms():
+    config = ARCHITECTURES["facebook/llama-7b"].replace(seq_length=2048)
+    setup = mem.Setup(config, 1, 1, precision=mem.Precision("bf16", "O2", master_grad=True))
+    rank = mem.rank_memory(setup)
+    n = parameter_count(config)
+    assert rank.persistent["weights"] == 2 * n and rank.persistent["gradients"] == 2 * n
+    assert rank.persistent["master weights (fp32)"] == 4 * n and rank.persistent["master gradients (fp32)"] == 4 * n
+    assert rank.persistent["Adam moments (fp32)"] == 8 * n
+
+
+# ----------------------------------------------------------------------------- time terms by hand
+def test_time_terms_by_hand():
+    from llm_pretrain.flops import training_flops_per_token
+
+    config = ARCHITECTURES["gpt3-6.7B-en"].replace(seq_length=1024, tensor_parallel_degree=2)
+    setup = mem.Setup(config, 2, 8, tp=2, pp=2, dp=2, precision=mem.Precision("bf16", "O2", True))
+    cluster = speed.Cluster("A100-80G", gpus_per_node=8, intra_node_gbps=200.0, inter_node_gbps=20.0)
+    result = speed.step_time(setup, cluster)
+    terms = result["terms"]
+    compute_mb = (training_flops_per_token(config, 1024) * 2 * 1024 / 4
+                  / (312e12 * speed.matmul_efficiency(4096 / 2)))
+    assert terms["compute"] == pytest.approx(8 * compute_mb)
+    # 16 layers per stage x 4 all-reduces of 2 x 1024 x 4096 bf16 values over 2 ranks (ring: 2 (n-1)/n)
+    tp_mb = 16 * 4 * (2 * 1 / 2) * (2 * 1024 * 4096 * 2) / 200e9
+    assert terms["tensor-parallel communication"] == pytest.approx(8 * tp_mb)
+    pp_mb = 2 * (2 * 1024 * 4096 * 2) / 200e9  # tp x pp = 4 GPUs: inside the node
+    assert terms["pipeline send/recv"] == pytest.approx(8 * pp_mb)
+    assert terms["pipeline bubble"] == pytest.approx((2 - 1) * (compute_mb + tp_mb + pp_mb))  # (p-1)/m of m mbs
+    first_stage = sum(p.numel for p in stage_parameters(config, 2, 2, 1, 0))
+    assert terms["data-parallel/sharding communication (exposed)"] == pytest.approx(
+        2 * (1 / 2) * first_stage * 4 / 200e9)  # fp32 master gradients, not overlapped under pp
+    assert result["step_time_s"] == pytest.approx(sum(terms.values()))
+
+
+# ----------------------------------------------------------------------------- Megatron calibration
+def megatron_rows():
+    with open(MEGATRON_CSV) as f:
+        return list(csv.DictReader(f))
+
+
+def test_megatron_table_reproduced_within_stated_accuracy():
+    for row in megatron_rows():
+        predicted = speed.megatron_tflops(*speed.megatron_row_setup(row))
+        error = predicted / float(row["tflops_per_gpu"]) - 1
+        assert abs(error) <= speed.MEGATRON_TOLERANCE, (row["params_billion"], predicted, row["tflops_per_gpu"])
+
+
+# ----------------------------------------------------------------------------- search and the CLI
+def run_plan(capsys, *args) -> tuple[int, str, str]:
+    """scripts/plan.py in this process: (exit code, stdout, stderr)."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import plan
+
+    try:
+        code = plan.main([str(a) for a in args])
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_results_pass_the_trainers_validation_and_write_round_trips(tmp_path):
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.search import search, write_arguments
+
+    result = search("gpt3-1.3B-en", "A100-40G", gpus=8, seq=1024, global_batch=16, top=6)
+    assert result["refused_by_trainer"] > 0 and result["top"]  # the trainer's rules removed some candidates
+    speeds = [r["tokens_per_card_per_sec"] for r in result["top"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for i, chosen in enumerate(result["top"]):
+        path = write_arguments(chosen["arguments"], str(tmp_path / f"d{i}") + "/")
+        assert Path(path).name.startswith("pretrain-gpt3_1_3b_en-")
+        args, warnings = parse_arguments([path])  # the trainer's parser and validation accept it
+        again = estimate(args, 8, "A100-40G")  # ... and the layout checks (raises UsageError otherwise)
+        assert again["strategy"] == chosen["strategy"]
+        assert again["peak_mem_reserved_mb"] == pytest.approx(chosen["peak_mem_reserved_mb"])
+        assert again["peak_mem_reserved_mb"] <= 40 * 1024 * (1 - result["headroom"])
+
+
+def test_cli_estimate_json_and_invalid_layouts(capsys):
+    config = REPO_ROOT / "configs" / "llama" / "pretrain-llama_7b-tp2sd4_stage2.json"
+    code, out, err = run_plan(capsys, "estimate", config, "--nproc", 8, "--device", "A100-80G", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    for key in ("params", "peak_mem_allocated_mb", "peak_mem_reserved_mb", "step_time_s", "tokens_per_card_per_sec",
+                "mfu", "fits", "breakdown"):
+        assert key in result
+    assert result["params"] == parameter_count(ARCHITECTURES["facebook/llama-7b"])
+    assert {row["kind"] for row in result["breakdown"]} == {"memory", "time"}
+    assert all("rank" in row for row in result["breakdown"])
+    code, out, err = run_plan(capsys, "estimate", config, "--nproc", 8, "--device", "A100-80G")
+    assert code == 0 and "peak memory allocated" in out and "tokens/card/s" in out
+    code, out, err = run_plan(capsys, "estimate", config, "--nproc", 7, "--device", "A100-80G")
+    assert code == 2 and err.startswith("error: world size 7") and err.count("\n") == 1
+    code, out, err = run_plan(capsys, "estimate", config, "--nproc", 8, "--device", "Z9000")
+    assert code == 2 and "--device" in err
+    # The real command line: the trainer's own one-line error, exit code 2, no traceback.
+    refused = subprocess.run([sys.executable, str(PLAN), "estimate", str(config), "--nproc", "8", "--device",
+                              "A100-80G", "--sharding", "stage3"], capture_output=True, text=True, timeout=300,
+                             cwd=REPO_ROOT)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: sharding: stage3 cannot be combined with tensor_parallel_degree")
+
+
+def test_cli_search_writes_file(tmp_path, capsys):
+    code, out, err = run_plan(capsys, "search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 4,
+                              "--seq", 1024, "--global_batch_size", 8, "--top", 3, "--write", str(tmp_path) + "/")
+    assert code == 0, err
+    written = list(tmp_path.glob("pretrain-gpt3_1_3b_en-*.json"))
+    assert len(written) == 1 and str(written[0]) in out
+    assert "bottleneck" in out
+
+
+# ----------------------------------------------------------------------------- one place decides validity
+def test_trainer_and_planner_share_one_validity_module():
+    from llm_pretrain import distributed, layout, trainer
+    from llm_pretrain.planner import validated_setup  # noqa: F401 (uses llm_pretrain.layout)
+
+    assert trainer.check_strategy is layout.check_strategy
+    assert trainer.check_model_fits_layout is layout.check_model_fits_layout
+    assert trainer.plan_layout is distributed.plan_layout is layout.plan_layout
+    assert distributed.parallel_config_settings is layout.parallel_config_settings
+    assert "import paddle" not in Path(layout.__file__).read_text()  # the planner needs no Paddle for validity
+    run = layout.Layout(world_size=32, data_parallel_degree=2, tensor_parallel_degree=2, pipeline_parallel_degree=4,
+                        sharding_degree=2, sharding_stage=1, virtual_pp_degree=2)
+    assert run.strategy == layout.strategy_name(2, 4, 2, 1, 2, 2) == "pp4vpp2tp2dp2sd2_stage1"
+
+
+def test_perf_table_shows_prediction_beside_measured():
+    from llm_pretrain import perf
+
+    run = {"model": "llama-real", "strategy": "tp2", "layout": {"world_size": 2}, "device": "cpu",
+           "prediction": {"peak_mem_allocated_mb": 351.6, "peak_mem_reserved_mb": None, "tokens_per_card_per_sec": None}}
+    record = {**perf.run_fields(run), "status": "ok", "tokens_per_card_per_sec": 10.0, "peak_mem_allocated_mb": 349.6,
+              "peak_rss_mb": 749.0}
+    assert perf.memory_cell(record) == "350 (RSS 749) (predicted 352)"
+    gpu = {**perf.run_fields({**run, "prediction": {"peak_mem_reserved_mb": 70000.0, "tokens_per_card_per_sec": 3000.0}}),
+           "status": "ok", "tokens_per_card_per_sec": 2900.0, "peak_mem_allocated_mb": 60000.0,
+           "peak_mem_reserved_mb": 72000.0}
+    row = perf.table_row(gpu)
+    assert "2,900.0 (predicted 3,000.0)" in row and "60,000 / 72,000 (predicted 70,000)" in row
