@@ -3,14 +3,17 @@
 Layout of a checkpoint directory:
 
     trainer_state.json                  step, consumed samples, arguments, model config, layout
-    model_state.tp00_pp00.pdparams      weights, one file per tensor/pipeline shard
-    optimizer.tp00_pp00.pdopt           AdamW moments + learning-rate schedule, per shard
+    tensors.index.json                  every weight and optimizer tensor (single-process name, shape,
+                                        dtype) -> its slices (offsets, shape) -> the file holding each
+    tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/dist_checkpoint.py)
     rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
     COMPLETE                            written last: only such directories are resumed from
 
 Every rank writes its own files into `checkpoint-N.partial/`; after a barrier
 rank 0 writes COMPLETE and renames the directory to `checkpoint-N` (an atomic
 rename on one filesystem), then deletes checkpoints beyond save_total_limit.
+Checkpoints written before the layout-free format hold model_state.tpXX_ppXX.pdparams and
+optimizer.tpXX_ppXX[_sdXX].pdopt per shard; they load under the layout that wrote them.
 A crash at any point leaves either the `.partial` directory (ignored, removed
 by the next save) or a complete checkpoint. Checkpoints live on a filesystem
 shared by all nodes, as with PaddleNLP.
@@ -28,6 +31,7 @@ import shutil
 import numpy as np
 import paddle
 
+from llm_pretrain import dist_checkpoint
 from llm_pretrain.distributed import Layout, barrier
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -80,14 +84,6 @@ def rng_file(layout: Layout) -> str:
     return f"rng_state.rank{layout.rank:05d}.pkl"
 
 
-def saves_model(layout: Layout) -> bool:
-    return layout.data_parallel_rank == 0 and (layout.sharding_rank == 0 or layout.sharding_stage == 3)
-
-
-def saves_optimizer(layout: Layout) -> bool:
-    return layout.data_parallel_rank == 0
-
-
 def rng_states() -> dict:
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "paddle": paddle.get_rng_state()}
     try:
@@ -118,22 +114,14 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state:
         os.makedirs(staging)
     barrier(layout)
 
-    if saves_model(layout):
-        # Canonical names (those of the single-process model), so that shards can be merged
-        # into full weights whatever the layout (see merge_checkpoint).
-        named = model.canonical_named_parameters()
-        weights = {name: param for name, param in named}
-        weights[SPLIT_KEY] = {name: [getattr(param, "tp_split_axis", None), getattr(param, "tp_split_parts", None),
-                                     getattr(param, "is_firstly_shared", True) is False] for name, param in named}
-        paddle.save(weights, os.path.join(staging, model_file(layout)))
-    if saves_optimizer(layout):
-        state = rename_optimizer_state(optimizer.state_dict(), _internal_to_canonical(model))
-        paddle.save(state, os.path.join(staging, optimizer_file(layout)))
+    # Every rank writes the slices it holds (llm_pretrain/dist_checkpoint.py); no gathering.
+    dist_checkpoint.save_state(staging, model, optimizer, layout)
     with open(os.path.join(staging, rng_file(layout)), "wb") as f:
         pickle.dump(rng_states(), f)
     barrier(layout)
 
     if layout.is_main:
+        dist_checkpoint.finish_save(staging, layout.world_size, trainer_state.get("layout", {}))
         with open(os.path.join(staging, TRAINER_STATE), "w") as f:
             json.dump(trainer_state, f, indent=2)
         with open(os.path.join(staging, COMPLETE_MARKER), "w") as f:
@@ -191,7 +179,30 @@ def read_trainer_state(path: str) -> dict:
 
 
 def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
-    """Restore this rank's weights, optimizer and RNG state; returns the trainer state."""
+    """Restore this rank's weights, optimizer and RNG state; returns the trainer state.
+
+    A checkpoint in the layout-free format loads under any layout; one written before it (per-layout
+    model_state/optimizer files) only under the layout that wrote it (checked in trainer.py)."""
+    trainer_state = read_trainer_state(path)
+    if dist_checkpoint.is_layout_free(path):
+        dist_checkpoint.load_state(path, model, optimizer, layout)
+    else:
+        load_legacy_state(path, model, optimizer, layout)
+    # RNG streams: each rank's own when the layout is the same; otherwise every rank takes rank 0's
+    # global streams (Python, NumPy, Paddle: seeded alike on all ranks) and keeps the tensor-parallel
+    # streams fleet derived for its new rank (dropout masks differ across layouts, see README).
+    saved_layout = trainer_state.get("layout") or {}
+    same_layout = bool(saved_layout) and all(getattr(layout, key) == value for key, value in saved_layout.items())
+    with open(os.path.join(path, rng_file(layout) if same_layout else rng_file(Layout())), "rb") as f:
+        states = pickle.load(f)
+    if not same_layout:
+        states.pop("tensor_parallel", None)
+    set_rng_states(states)
+    return trainer_state
+
+
+def load_legacy_state(path: str, model, optimizer, layout: Layout) -> None:
+    """A checkpoint of the per-layout format (before the layout-free one), under its own layout."""
     weights = paddle.load(os.path.join(path, model_file(layout)))
     with paddle.no_grad():
         for name, param in model.canonical_named_parameters():
@@ -199,13 +210,17 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
     canonical_to_internal = {v: k for k, v in _internal_to_canonical(model).items()}
     optimizer_state = paddle.load(os.path.join(path, optimizer_file(layout)))
     optimizer.set_state_dict(rename_optimizer_state(optimizer_state, canonical_to_internal))
-    with open(os.path.join(path, rng_file(layout)), "rb") as f:
-        set_rng_states(pickle.load(f))
-    return read_trainer_state(path)
+
+
+def has_weights(path: str) -> bool:
+    return dist_checkpoint.is_layout_free(path) or any(
+        f.startswith("model_state.") and f.endswith(".pdparams") for f in os.listdir(path))
 
 
 def merge_checkpoint(path: str) -> dict[str, np.ndarray]:
     """The full weights of a checkpoint (canonical names), merged across its tensor/pipeline shards."""
+    if dist_checkpoint.is_layout_free(path):
+        return dist_checkpoint.read_full_weights(path)
     from types import SimpleNamespace
 
     from models.weights import merge_slices

@@ -174,12 +174,12 @@ def resolve_resume(args: Arguments) -> str | None:
     return ckpt.latest_checkpoint(args.output_dir)
 
 
-def check_checkpoint_matches(path: str, layout: Layout) -> None:
-    saved = ckpt.read_trainer_state(path)["layout"]
-    current = layout_summary(layout)
-    if saved != current:
-        raise UsageError(f"checkpoint {path} was saved with layout {saved}; resume it with the same layout "
-                         f"(now {current}) or set overwrite_output_dir to start over")
+def check_checkpoint_matches(path: str, config: ModelConfig, args: Arguments, layout: Layout) -> None:
+    """The checkpoint is of this model; any layout may resume it (llm_pretrain/dist_checkpoint.py)."""
+    from llm_pretrain.dist_checkpoint import check_resumable
+
+    check_resumable(path, ckpt.read_trainer_state(path), config.architecture_dict(), args.max_seq_length,
+                    layout_summary(layout))
 
 
 def layout_summary(layout: Layout) -> dict:
@@ -369,7 +369,7 @@ def train(args: Arguments, argument_warnings: list[str], args_file: str | None =
     check_data_inputs(args.input_dir, args.split)
     resume_from = resolve_resume(args) if args.do_train else None
     if resume_from:
-        check_checkpoint_matches(resume_from, layout)
+        check_checkpoint_matches(resume_from, config, args, layout)
 
     # 2. Processes and groups.
     layout = init_distributed(layout, device, args)
