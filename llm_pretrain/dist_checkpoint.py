@@ -281,11 +281,15 @@ def save_state(directory: str, model, optimizer, layout) -> None:
         if key in master:
             suffix = MASTER_WEIGHT
         # Stage 1/2 states exist only on the owning rank; stage-3 states of whole parameters on all.
+        # A scalar state (beta powers) is the same on every rank that holds a part of the parameter.
+        scalar = suffix in SCALAR_STATES
         owner = sharding_owner(h) if layout.sharding_stage == 3 else None
-        if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated, owner):
+        if scalar and h.stage3_slice:
+            owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
+        if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated or scalar, owner):
             continue
         array, dtype = _numpy(value)
-        add(f"{h.name}/{suffix}", h, array, dtype, scalar=suffix in SCALAR_STATES)
+        add(f"{h.name}/{suffix}", h, array, dtype, scalar=scalar)
 
     if arrays:
         save_file(arrays, os.path.join(directory, data_file(layout.rank)))

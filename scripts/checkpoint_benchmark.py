@@ -1,0 +1,192 @@
+"""Checkpoint save/load time and bytes for a >=300M-parameter model on CPU, before and after a change.
+
+    python scripts/checkpoint_benchmark.py --before /path/to/old/tree [--out benchmarks/] [--rounds 2]
+
+Measures this tree (the layout-free format, llm_pretrain/dist_checkpoint.py) and, with --before,
+another checkout of the repository (e.g. `git archive <commit> | tar -x -C /tmp/old`: the
+per-layout format) with the same worker (the worker imports llm_pretrain from the tree it is
+given), in one process and in 4 processes (tensor parallel 2 x pipeline parallel 2). Each run:
+build the model (MODEL, fp32) and AdamW under the layout, one optimizer step on a tiny batch (so
+that Adam's moments exist), then --rounds times: llm_pretrain.checkpoint.save_checkpoint (timed on
+every rank from the barrier before it to its return, the slowest rank reported), the bytes of the
+checkpoint directory, and load_checkpoint into the same model and optimizer (the slowest rank).
+Writes OUT/checkpoint_io.md and OUT/checkpoint_io.json. Run it on an otherwise idle machine
+(about 10 minutes on 2 cores); the checkpoints go to --work (default: a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "gpt3-350M-en"  # 24 layers, hidden 1024, vocabulary 50304 (tied): 355M parameters
+LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
+    4, ["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"])}
+
+
+# ----------------------------------------------------------------------------- worker (one layout, one tree)
+def worker(tree: str, work: str, rounds: int, extra: list[str], result_file: str) -> None:
+    sys.path.insert(0, tree)
+    import paddle
+
+    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
+    from llm_pretrain.optim import build_optimizer, build_schedule
+    from llm_pretrain.trainer import build_model, build_model_config, layout_summary
+    from models.weights import init_weights
+
+    args, _ = parse_arguments(["--model_name_or_path", MODEL, "--max_seq_length", "16", "--device", "cpu",
+                               "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+                               "--max_steps", "10", "--output_dir", work, *extra])
+    layout = plan_layout(args, int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
+    config, _, _ = build_model_config(args, layout, "cpu")
+    layout = init_distributed(layout, "cpu", args)
+    paddle.seed(1)
+    model = build_model(config, layout)
+    init_weights(model, config, 1)
+    optimizer = build_optimizer(args, model, build_schedule(args))
+    unwrapped = model
+    model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
+    tokens = paddle.randint(0, config.vocab_size, [2, 17])
+    if hasattr(model, "train_batch"):
+        model.train_batch([tokens[:, :-1], tokens[:, 1:]], optimizer)
+    else:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.clear_grad()
+    parameters = all_reduce_sum(sum(int(p.numel()) for _, p in unwrapped.canonical_named_parameters()
+                                    if getattr(p, "is_firstly_shared", True) is not False), layout)
+    state = {"global_step": 1, "consumed_samples": 2, "layout": layout_summary(layout), "args": {},
+             "model_config": config.architecture_dict()}
+    saves, loads, sizes = [], [], []
+    for round_ in range(rounds):
+        barrier(layout)
+        start = time.perf_counter()
+        path = ckpt.save_checkpoint(work, round_ + 1, unwrapped, optimizer, state, layout, 1)
+        saves.append(all_reduce_max(time.perf_counter() - start, layout))
+        sizes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+        barrier(layout)
+        start = time.perf_counter()
+        ckpt.load_checkpoint(path, unwrapped, optimizer, layout)
+        loads.append(all_reduce_max(time.perf_counter() - start, layout))
+    if layout.is_main:
+        with open(result_file, "w") as f:
+            json.dump({"save_s": saves, "load_s": loads, "bytes": sizes[-1], "parameters": parameters,
+                       "files": len(os.listdir(path))}, f)
+
+
+def all_reduce_sum(value: int, layout) -> int:
+    """Parameters over the pipeline stages (tensor-parallel ranks hold parts of the same ones)."""
+    if not layout.distributed:
+        return value
+    import paddle
+    import paddle.distributed as dist
+
+    tensor = paddle.to_tensor([value / layout.tensor_parallel_degree], dtype="float64")
+    dist.all_reduce(tensor)
+    return int(round(float(tensor.item()) / layout.data_parallel_degree / layout.sharding_degree))
+
+
+# ----------------------------------------------------------------------------- driver
+def measure(tree: str, processes: int, extra: list[str], work: str, rounds: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    result_file = os.path.join(work, "result.json")
+    command = [os.path.abspath(__file__), "--worker", "--tree", tree, "--work", work, "--rounds", str(rounds),
+               "--result", result_file, "--", *extra]
+    env = {**os.environ, "PYTHONPATH": tree}
+    env.pop("PADDLE_TRAINERS_NUM", None)
+    if processes == 1:
+        command = [sys.executable] + command
+    else:
+        command = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(processes),
+                   "--log_dir", os.path.join(work, "log")] + command
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if completed.returncode != 0 or not os.path.isfile(result_file):
+        logs = ""
+        log_dir = os.path.join(work, "log")
+        if os.path.isdir(log_dir):
+            logs = "".join(open(os.path.join(log_dir, f)).read()[-2000:] for f in sorted(os.listdir(log_dir)))
+        raise SystemExit(f"error: benchmark run failed ({tree}, {processes} processes):\n"
+                         f"{completed.stderr[-3000:]}{logs}")
+    with open(result_file) as f:
+        result = json.load(f)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def write_report(results: dict, out: str, rounds: int, before: str | None) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [
+        "# Checkpoint save and load",
+        "",
+        f"`python scripts/checkpoint_benchmark.py{' --before ' + before if before else ''} --rounds {rounds}` on "
+        f"{datetime.date.today().isoformat()}: {MODEL} in fp32 with AdamW moments, CPU, one process and 4 processes "
+        "(tensor parallel 2 x pipeline parallel 2) on the same machine and disk. Times are the median over "
+        "the rounds of the slowest rank (save: from the barrier before it to the renamed directory; load: "
+        "weights, optimizer state and RNG of every rank).",
+        "",
+        "| format | layout | parameters | save s | load s | bytes | files |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        fmt, layout = key.split(" | ")
+        lines.append(f"| {fmt} | {layout} | {r['parameters'] / 1e6:.0f}M | {statistics.median(r['save_s']):.2f} | "
+                     f"{statistics.median(r['load_s']):.2f} | {r['bytes'] / 1e9:.3f} GB | {r['files']} |")
+    path = os.path.join(out, "checkpoint_io.md")
+    findings = ""
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = f.read()
+        if "## Findings" in old:
+            findings = old[old.index("## Findings"):]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n\n" + findings)
+    print("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, REPO_ROOT)
+    from llm_pretrain.errors import UsageArgumentParser
+
+    parser = UsageArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", help="another checkout of this repository to measure too (the old format)")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.tree, args.work, args.rounds, args.extra, args.result)
+        return 0
+    if args.before and not os.path.isfile(os.path.join(args.before, "llm_pretrain", "checkpoint.py")):
+        parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint.py)")
+    work = args.work or tempfile.mkdtemp(prefix="checkpoint_benchmark.")
+    trees = ([("before (per-layout .pdparams/.pdopt)", os.path.abspath(args.before))] if args.before else []) + \
+        [("after (layout-free safetensors)", REPO_ROOT)]
+    results = {}
+    for layout, (processes, extra) in LAYOUTS.items():
+        for name, tree in trees:
+            print(f"measuring {name}, {layout} ...", flush=True)
+            results[f"{name} | {layout}"] = measure(tree, processes, extra, os.path.join(work, "run"), args.rounds)
+    write_report(results, args.out, args.rounds, args.before and "OLD_TREE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
