@@ -363,9 +363,7 @@ class CheckpointReader:
                 continue
             source = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, s["offsets"]))
             target = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, offsets))
-            data = self._file(name, s["file"]).get_slice(s["key"])[source] if len(shape) else \
-                self._file(name, s["file"]).get_tensor(s["key"])
-            out[target] = data
+            out[target] = self._file(name, s["file"]).get_slice(s["key"])[source]
             covered += math.prod(hi - lo for lo, hi in zip(low, high))
         if covered != math.prod(shape):
             files = sorted({s["file"] for s in entry["slices"]})
@@ -445,8 +443,8 @@ def load_state(directory: str, model, optimizer, layout) -> None:
                 local = _fill(reader, name, h.pieces, np.empty(h.param.shape, _storage_dtype(saved_dtype)))
             value = _to_tensor(local, saved_dtype, _paddle_dtype(saved_dtype))
             key = prefix + h.param.name
-            if suffix == MASTER_WEIGHT:
-                value.name = key
+            if suffix == MASTER_WEIGHT:  # keyed by the parameter's name (Optimizer._create_master_weight)
+                value.name = key + "_fp32_master_0"
                 master[key] = value
             else:
                 state[f"{key}_{suffix}"] = value

@@ -34,20 +34,24 @@ LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
 
 
 # ----------------------------------------------------------------------------- worker (one layout, one tree)
-def worker(tree: str, work: str, rounds: int, extra: list[str], result_file: str) -> None:
+def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str], result_file: str) -> None:
     sys.path.insert(0, tree)
     import paddle
+
+    import llm_pretrain
+    assert os.path.dirname(os.path.dirname(os.path.abspath(llm_pretrain.__file__))) == os.path.abspath(tree)
 
     from llm_pretrain import checkpoint as ckpt
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
     from llm_pretrain.optim import build_optimizer, build_schedule
     from llm_pretrain.trainer import build_model, build_model_config, layout_summary
+    from models.registry import parameter_count
     from models.weights import init_weights
 
-    args, _ = parse_arguments(["--model_name_or_path", MODEL, "--max_seq_length", "16", "--device", "cpu",
+    args, _ = parse_arguments(["--model_name_or_path", model_name, "--max_seq_length", "16", "--device", "cpu",
                                "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
-                               "--max_steps", "10", "--output_dir", work, *extra])
+                               "--max_steps", "10", "--output_dir", work, "--input_dir", work, *extra])
     layout = plan_layout(args, int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
     config, _, _ = build_model_config(args, layout, "cpu")
     layout = init_distributed(layout, "cpu", args)
@@ -64,8 +68,7 @@ def worker(tree: str, work: str, rounds: int, extra: list[str], result_file: str
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.clear_grad()
-    parameters = all_reduce_sum(sum(int(p.numel()) for _, p in unwrapped.canonical_named_parameters()
-                                    if getattr(p, "is_firstly_shared", True) is not False), layout)
+    parameters = parameter_count(config)
     state = {"global_step": 1, "consumed_samples": 2, "layout": layout_summary(layout), "args": {},
              "model_config": config.architecture_dict()}
     saves, loads, sizes = [], [], []
@@ -85,24 +88,12 @@ def worker(tree: str, work: str, rounds: int, extra: list[str], result_file: str
                        "files": len(os.listdir(path))}, f)
 
 
-def all_reduce_sum(value: int, layout) -> int:
-    """Parameters over the pipeline stages (tensor-parallel ranks hold parts of the same ones)."""
-    if not layout.distributed:
-        return value
-    import paddle
-    import paddle.distributed as dist
-
-    tensor = paddle.to_tensor([value / layout.tensor_parallel_degree], dtype="float64")
-    dist.all_reduce(tensor)
-    return int(round(float(tensor.item()) / layout.data_parallel_degree / layout.sharding_degree))
-
-
 # ----------------------------------------------------------------------------- driver
-def measure(tree: str, processes: int, extra: list[str], work: str, rounds: int) -> dict:
+def measure(tree: str, model_name: str, processes: int, extra: list[str], work: str, rounds: int) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     result_file = os.path.join(work, "result.json")
-    command = [os.path.abspath(__file__), "--worker", "--tree", tree, "--work", work, "--rounds", str(rounds),
+    command = [os.path.abspath(__file__), "--worker", "--tree", tree, "--model", model_name, "--work", work, "--rounds", str(rounds),
                "--result", result_file, "--", *extra]
     env = {**os.environ, "PYTHONPATH": tree}
     env.pop("PADDLE_TRAINERS_NUM", None)
@@ -125,7 +116,7 @@ def measure(tree: str, processes: int, extra: list[str], work: str, rounds: int)
     return result
 
 
-def write_report(results: dict, out: str, rounds: int, before: str | None) -> None:
+def write_report(results: dict, model_name: str, out: str, rounds: int, before: str | None) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -133,7 +124,7 @@ def write_report(results: dict, out: str, rounds: int, before: str | None) -> No
         "# Checkpoint save and load",
         "",
         f"`python scripts/checkpoint_benchmark.py{' --before ' + before if before else ''} --rounds {rounds}` on "
-        f"{datetime.date.today().isoformat()}: {MODEL} in fp32 with AdamW moments, CPU, one process and 4 processes "
+        f"{datetime.date.today().isoformat()}: {model_name} in fp32 with AdamW moments, CPU, one process and 4 processes "
         "(tensor parallel 2 x pipeline parallel 2) on the same machine and disk. Times are the median over "
         "the rounds of the slowest rank (save: from the barrier before it to the renamed directory; load: "
         "weights, optimizer state and RNG of every rank).",
@@ -158,6 +149,16 @@ def write_report(results: dict, out: str, rounds: int, before: str | None) -> No
 
 
 def main(argv: list[str]) -> int:
+    if "--worker" in argv:  # import llm_pretrain from the tree under measurement, nothing before
+        parser = argparse.ArgumentParser()
+        for key in ("--tree", "--model", "--work", "--result"):
+            parser.add_argument(key)
+        parser.add_argument("--rounds", type=int)
+        parser.add_argument("--worker", action="store_true")
+        parser.add_argument("extra", nargs="*")
+        args = parser.parse_args(argv)
+        worker(args.tree, args.model, args.work, args.rounds, args.extra, args.result)
+        return 0
     sys.path.insert(0, REPO_ROOT)
     from llm_pretrain.errors import UsageArgumentParser
 
@@ -165,15 +166,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--before", help="another checkout of this repository to measure too (the old format)")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default=MODEL, help=f"a built-in architecture (default {MODEL})")
     parser.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tree", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.tree, args.work, args.rounds, args.extra, args.result)
-        return 0
     if args.before and not os.path.isfile(os.path.join(args.before, "llm_pretrain", "checkpoint.py")):
         parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint.py)")
     work = args.work or tempfile.mkdtemp(prefix="checkpoint_benchmark.")
@@ -183,8 +178,9 @@ def main(argv: list[str]) -> int:
     for layout, (processes, extra) in LAYOUTS.items():
         for name, tree in trees:
             print(f"measuring {name}, {layout} ...", flush=True)
-            results[f"{name} | {layout}"] = measure(tree, processes, extra, os.path.join(work, "run"), args.rounds)
-    write_report(results, args.out, args.rounds, args.before and "OLD_TREE")
+            results[f"{name} | {layout}"] = measure(tree, args.model, processes, extra,
+                                                          os.path.join(work, "run"), args.rounds)
+    write_report(results, args.model, args.out, args.rounds, args.before and "OLD_TREE")
     return 0
 
 

@@ -14,7 +14,9 @@ already differs.
     tp2 -> pp2               llama-tiny with fused q|k|v, gate|up    per-part slices of fused projections
     pp2 -> stage1            gpt3-tiny (tied embeddings)             the last stage's tied copy
     pp4 interleaved -> tp2 x sd2  gpt3-tiny (tied)                   virtual stages, tied copy, 4 -> 4
-    stage3 -> dp2            llama-real (above 2**20: sliced)        Paddle's stage-3 flat slices
+    tp2 -> stage2            gpt3-tiny                               loaded into stage 2's fused buffers
+    stage3 -> dp2            llama-real (above 2**20: sliced)        Paddle's stage-3 flat slices, saved
+    1 process -> stage3      llama-real                              ... and loaded into the slices
 
 The global batch is 8 samples in every layout (gradient_accumulation_steps 4 / data replicas),
 so the samples of each step are the same. Launches are grouped by layout (fleet is initialized
@@ -56,7 +58,9 @@ PAIRS = [  # (model, layout A, layout B)
     ("llama_fused", "tp2", "pp2"),
     ("gpt3", "pp2", "sd2_stage1"),
     ("gpt3", "pp4vpp2", "tp2sd2"),
+    ("gpt3", "tp2", "sd2_stage2"),
     ("real", "sd2_stage3", "dp2"),
+    ("real", "single", "sd2_stage3"),
 ]
 # Launches in an order that runs every A before its B (sd2 and single twice: the pairs form cycles).
 # The three sharding stages share one fleet layout (sharding degree 2), so "sd2" runs any of them.
@@ -66,7 +70,9 @@ MODELS = {
     "llama": {},
     "llama_fused": {"fuse_attention_qkv": True, "fuse_attention_ffn": True},
     "gpt3": {"model_name_or_path": "gpt3-tiny"},
-    "real": {"model_name_or_path": "llama-real", "num_hidden_layers": 2},
+    # Weight decay 0: it does not touch resharding, and Paddle's stage 3 renames sliced parameters
+    # ("slice@..."), which the decay filter must handle on its own (llm_pretrain/optim.py).
+    "real": {"model_name_or_path": "llama-real", "num_hidden_layers": 2, "weight_decay": 0.0},
 }
 
 
