@@ -123,3 +123,33 @@ def test_old_format_resumes_and_bad_checkpoints_are_one_line_errors(embedded_cor
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert "layers.1.mlp.up_proj.weight/moment2_0" in result.stderr and "tensors.rank00007.safetensors" \
         in result.stderr
+
+
+def test_bfloat16_weights_load_into_a_float32_model(tmp_path):
+    """AMP O2 keeps bf16 weights (numpy has no bfloat16: stored as raw bits, dtype in the index);
+    a float32 run (e.g. one process on CPU, or export) reads them back as the same values."""
+    import paddle
+
+    from llm_pretrain.distributed import Layout
+    from models.config import make_config
+    from models.decoder import CausalLM
+
+    config = make_config("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=32, max_position_embeddings=32)
+    paddle.seed(3)
+    half = CausalLM(config)
+    half.to(dtype="bfloat16")
+    optimizer = paddle.optimizer.AdamW(parameters=half.parameters())
+    dc.save_state(str(tmp_path), half, optimizer, Layout())
+    dc.finish_save(str(tmp_path), 1, {})
+    index = json.loads((tmp_path / dc.INDEX_FILE).read_text())
+    assert {entry["dtype"] for entry in index["tensors"].values()} == {"bfloat16"}
+
+    paddle.seed(4)
+    full = CausalLM(config)
+    dc.load_state(str(tmp_path), full, paddle.optimizer.AdamW(parameters=full.parameters()), Layout())
+    merged = dc.read_full_weights(str(tmp_path))
+    for (name, a), (_, b) in zip(half.canonical_named_parameters(), full.canonical_named_parameters()):
+        expected = a.astype("float32").numpy()
+        assert b.dtype == paddle.float32 and np.array_equal(b.numpy(), expected), name
+        assert np.array_equal(merged[name], expected), name
