@@ -232,31 +232,16 @@ def _split_state_key(key: str, by_internal: dict[str, Holding]) -> tuple[Holding
 
 # ----------------------------------------------------------------------------- save
 def _numpy(tensor) -> tuple[np.ndarray, str]:
-    """(array, logical dtype); bfloat16 has no numpy dtype and is stored as its raw uint16 bits."""
-    dtype = str(tensor.dtype).replace("paddle.", "")
-    array = tensor.numpy()
-    return array, dtype
+    """(array, logical dtype); bfloat16 has no numpy dtype: Paddle gives its raw uint16 bits."""
+    return tensor.numpy(), str(tensor.dtype).replace("paddle.", "")
 
 
 def save_state(directory: str, model, optimizer, layout) -> None:
     """Write this rank's slices of the weights and optimizer state (every rank calls this)."""
-    from safetensors.numpy import save_file
-
     held = holdings(model, layout)
     owners, _ = _sharding_optimizer(optimizer)
     by_internal = {h.param.name: h for h in held}
-    arrays: dict[str, np.ndarray] = {}
-    entries: dict[str, dict] = {}
-
-    def add(tensor_name: str, holding: Holding, local: np.ndarray, dtype: str, scalar: bool) -> None:
-        shape = (1,) if scalar else holding.global_shape
-        pieces = [Piece((0,), (1,), (slice(None),))] if scalar else holding.pieces
-        entry = entries.setdefault(tensor_name, {"shape": list(shape), "dtype": dtype, "slices": []})
-        for piece in pieces:
-            key = f"{tensor_name}@{','.join(map(str, piece.offsets))}"
-            arrays[key] = np.ascontiguousarray(piece.take(local))
-            entry["slices"].append({"file": data_file(layout.rank), "key": key, "offsets": list(piece.offsets),
-                                    "shape": list(piece.shape)})
+    to_write: list[tuple[str, object, tuple, list[Piece]]] = []  # (tensor name, local tensor, global shape, pieces)
 
     def sharding_owner(holding: Holding) -> int | None:
         if layout.sharding_stage in (1, 2) and owners is not None:
@@ -268,15 +253,12 @@ def save_state(directory: str, model, optimizer, layout) -> None:
     for h in held:
         if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated, sharding_owner(h)):
             continue
-        source = _stage3_storage(h.param) if h.stage3_slice else h.param
-        array, dtype = _numpy(source)
-        add(h.name, h, array, dtype, scalar=False)
+        to_write.append((h.name, _stage3_storage(h.param) if h.stage3_slice else h.param, h.global_shape, h.pieces))
 
     state = optimizer.state_dict()
     lr_scheduler = state.pop("LR_Scheduler", None)
     master = state.pop("master_weights", None) or {}
-    items = [(key, value) for key, value in state.items()] + [(key, value) for key, value in master.items()]
-    for key, value in items:
+    for key, value in list(state.items()) + list(master.items()):
         h, suffix, _ = _split_state_key(key, by_internal)
         if key in master:
             suffix = MASTER_WEIGHT
@@ -288,16 +270,53 @@ def save_state(directory: str, model, optimizer, layout) -> None:
             owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
         if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated or scalar, owner):
             continue
-        array, dtype = _numpy(value)
-        add(f"{h.name}/{suffix}", h, array, dtype, scalar=scalar)
+        to_write.append((f"{h.name}/{suffix}", value, (1,) if scalar else h.global_shape,
+                         [Piece((0,), (1,), (slice(None),))] if scalar else h.pieces))
 
-    if arrays:
-        save_file(arrays, os.path.join(directory, data_file(layout.rank)))
+    entries = _write_safetensors(directory, layout.rank, to_write)
     fragment = {"tensors": entries}
     if layout.rank == 0 and lr_scheduler is not None:
         fragment["lr_scheduler"] = {k: (v.item() if hasattr(v, "item") else v) for k, v in lr_scheduler.items()}
     with open(os.path.join(directory, _fragment_file(layout.rank)), "w") as f:
         json.dump(fragment, f)
+
+
+# safetensors' names of the numpy dtypes a checkpoint holds (bfloat16 travels as its uint16 bits)
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "uint16": "U16", "int64": "I64",
+                      "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+
+
+def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
+    """Write the pieces as one safetensors file, streaming one tensor at a time (safetensors'
+    own save_file first copies every array into one bytes object: twice the rank's state in
+    memory). Returns the index entries of this rank."""
+    entries: dict[str, dict] = {}
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, tensor, global_shape, pieces in to_write:
+        dtype = str(tensor.dtype).replace("paddle.", "")
+        numpy_dtype = np.dtype(_storage_dtype(dtype))
+        entry = entries.setdefault(name, {"shape": list(global_shape), "dtype": dtype, "slices": []})
+        for piece in pieces:
+            key = f"{name}@{','.join(map(str, piece.offsets))}"
+            size = math.prod(piece.shape) * numpy_dtype.itemsize
+            header[key] = {"dtype": SAFETENSORS_DTYPES[numpy_dtype.name], "shape": list(piece.shape),
+                           "data_offsets": [offset, offset + size]}
+            offset += size
+            entry["slices"].append({"file": data_file(rank), "key": key, "offsets": list(piece.offsets),
+                                    "shape": list(piece.shape)})
+    if not header:
+        return entries
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(os.path.join(directory, data_file(rank)), "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for _, tensor, _, pieces in to_write:
+            local, _ = _numpy(tensor)
+            for piece in pieces:
+                f.write(np.ascontiguousarray(piece.take(local)).data)
+    return entries
 
 
 def finish_save(directory: str, world_size: int, layout_summary: dict) -> None:
@@ -394,9 +413,10 @@ def _fill(reader: CheckpointReader, name: str, pieces: list[Piece], local: np.nd
 
 
 def _to_tensor(array: np.ndarray, saved_dtype: str, dtype):
+    """A Paddle tensor of `dtype` from the stored array (bfloat16 arrives as its uint16 bits)."""
     tensor = paddle.to_tensor(array)
     if saved_dtype == "bfloat16":
-        tensor = tensor.view(paddle.bfloat16) if hasattr(tensor, "view") else tensor
+        tensor = tensor.view(paddle.bfloat16)
     return tensor.astype(dtype) if tensor.dtype != dtype else tensor
 
 
@@ -441,7 +461,7 @@ def load_state(directory: str, model, optimizer, layout) -> None:
                                                                _storage_dtype(saved_dtype)))
             else:
                 local = _fill(reader, name, h.pieces, np.empty(h.param.shape, _storage_dtype(saved_dtype)))
-            value = _to_tensor(local, saved_dtype, _paddle_dtype(saved_dtype))
+            value = _to_tensor(local, saved_dtype, getattr(paddle, saved_dtype))
             key = prefix + h.param.name
             if suffix == MASTER_WEIGHT:  # keyed by the parameter's name (Optimizer._create_master_weight)
                 value.name = key + "_fp32_master_0"
@@ -453,10 +473,6 @@ def load_state(directory: str, model, optimizer, layout) -> None:
     if reader.index.get("lr_scheduler") is not None:
         state["LR_Scheduler"] = dict(reader.index["lr_scheduler"])
     optimizer.set_state_dict(state)
-
-
-def _paddle_dtype(dtype: str):
-    return getattr(paddle, dtype)
 
 
 def read_full_weights(directory: str) -> dict[str, np.ndarray]:

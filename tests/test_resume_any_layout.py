@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from parity_utils import argv, assert_same_training, base_arguments, run_launch, run_record, run_single, \
