@@ -12,6 +12,7 @@ already differs.
     stage2 -> tp2            llama-tiny                              stage-2 owners -> vocab/column/row slices
     dp2 -> 1 process         llama-tiny                              replicas written once; micro-batch 2 -> 4
     tp2 -> pp2               llama-tiny with fused q|k|v, gate|up    per-part slices of fused projections
+                                                                     (every tp2 run with sequence parallelism)
     pp2 -> stage1            gpt3-tiny (tied embeddings)             the last stage's tied copy
     pp4 interleaved -> tp2 x sd2  gpt3-tiny (tied)                   virtual stages, tied copy, 4 -> 4
     tp2 -> stage2            gpt3-tiny                               loaded into stage 2's fused buffers
@@ -41,7 +42,7 @@ LAYOUTS = {  # name -> (processes, overrides)
     "sd2_stage1": (2, SD2),
     "sd2_stage2": (2, {**SD2, "sharding": "stage2"}),
     "sd2_stage3": (2, {**SD2, "sharding": "stage3"}),
-    "tp2": (2, {"tensor_parallel_degree": 2}),
+    "tp2": (2, {"tensor_parallel_degree": 2, "sequence_parallel": True}),  # SP: same weights, other grads path
     "pp2": (2, {"pipeline_parallel_degree": 2}),
     "dp2": (2, {"gradient_accumulation_steps": 2}),
     "tp2sd2": (4, {**SD2, "tensor_parallel_degree": 2}),
