@@ -365,6 +365,17 @@ class CheckpointReader:
             self._open[file] = safe_open(path, framework="np")
         return self._open[file]
 
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def entry(self, name: str) -> dict:
         if name not in self.tensors:
             raise UsageError(f"checkpoint {self.directory} has no tensor {name} ({INDEX_FILE})")
@@ -431,7 +442,11 @@ def check_shapes(reader: CheckpointReader, model, layout) -> None:
 @paddle.no_grad()
 def load_state(directory: str, model, optimizer, layout) -> None:
     """Give this rank's parameters and optimizer the values of the checkpoint, whatever layout wrote it."""
-    reader = CheckpointReader(directory)
+    with CheckpointReader(directory) as reader:
+        _load_state(reader, model, optimizer, layout)
+
+
+def _load_state(reader: CheckpointReader, model, optimizer, layout) -> None:
     held = holdings(model, layout)
     check_shapes(reader, model, layout)
     for h in held:
@@ -477,13 +492,13 @@ def load_state(directory: str, model, optimizer, layout) -> None:
 
 def read_full_weights(directory: str) -> dict[str, np.ndarray]:
     """Every parameter whole (canonical names): the single-process view, for export and tests."""
-    reader = CheckpointReader(directory)
     weights = {}
-    for name in reader.parameter_names():
-        array = reader.read_full(name)
-        if reader.entry(name)["dtype"] == "bfloat16":  # raw bits -> float32
-            array = (array.astype(np.uint32) << 16).view(np.float32)
-        weights[name] = array
+    with CheckpointReader(directory) as reader:
+        for name in reader.parameter_names():
+            array = reader.read_full(name)
+            if reader.entry(name)["dtype"] == "bfloat16":  # raw bits -> float32
+                array = (array.astype(np.uint32) << 16).view(np.float32)
+            weights[name] = array
     return weights
 
 

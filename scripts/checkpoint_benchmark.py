@@ -116,26 +116,28 @@ def measure(tree: str, model_name: str, processes: int, extra: list[str], work: 
     return result
 
 
-def write_report(results: dict, model_name: str, out: str, rounds: int, before: str | None) -> None:
+def write_report(results: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = [
         "# Checkpoint save and load",
         "",
-        f"`python scripts/checkpoint_benchmark.py{' --before ' + before if before else ''} --rounds {rounds}` on "
-        f"{datetime.date.today().isoformat()}: {model_name} in fp32 with AdamW moments, CPU, one process and 4 processes "
-        "(tensor parallel 2 x pipeline parallel 2) on the same machine and disk. Times are the median over "
-        "the rounds of the slowest rank (save: from the barrier before it to the renamed directory; load: "
-        "weights, optimizer state and RNG of every rank).",
+        f"`python scripts/checkpoint_benchmark.py --before OLD_TREE` ({datetime.date.today().isoformat()}): a "
+        ">=300M-parameter model in fp32 with its AdamW moments on CPU, one process and 4 processes (tensor "
+        "parallel 2 x pipeline parallel 2), the same machine and disk for both formats. Times are the "
+        "median over the rounds of the slowest rank (save: from the barrier before it to the renamed "
+        "directory; load: weights, optimizer state and RNG of every rank). The load average is the "
+        "machine's when the measurement ended (this machine has 2 cores; other jobs were running).",
         "",
-        "| format | layout | parameters | save s | load s | bytes | files |",
-        "|---|---|---|---|---|---|---|",
+        "| format | layout | model | save s | load s | bytes | files | rounds | load average |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         fmt, layout = key.split(" | ")
-        lines.append(f"| {fmt} | {layout} | {r['parameters'] / 1e6:.0f}M | {statistics.median(r['save_s']):.2f} | "
-                     f"{statistics.median(r['load_s']):.2f} | {r['bytes'] / 1e9:.3f} GB | {r['files']} |")
+        lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
+                     f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
+                     f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
     path = os.path.join(out, "checkpoint_io.md")
     findings = ""
     if os.path.isfile(path):
@@ -168,19 +170,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=MODEL, help=f"a built-in architecture (default {MODEL})")
     parser.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS), help="measure only this layout")
     args = parser.parse_args(argv)
     if args.before and not os.path.isfile(os.path.join(args.before, "llm_pretrain", "checkpoint.py")):
         parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint.py)")
     work = args.work or tempfile.mkdtemp(prefix="checkpoint_benchmark.")
     trees = ([("before (per-layout .pdparams/.pdopt)", os.path.abspath(args.before))] if args.before else []) + \
         [("after (layout-free safetensors)", REPO_ROOT)]
+    # Results accumulate in OUT/checkpoint_io.json, so that layouts can be measured one at a time.
+    results_file = os.path.join(args.out, "checkpoint_io.json")
     results = {}
+    if os.path.isfile(results_file):
+        with open(results_file) as f:
+            results = json.load(f)
     for layout, (processes, extra) in LAYOUTS.items():
+        if args.layout and layout not in args.layout:
+            continue
         for name, tree in trees:
             print(f"measuring {name}, {layout} ...", flush=True)
-            results[f"{name} | {layout}"] = measure(tree, args.model, processes, extra,
-                                                          os.path.join(work, "run"), args.rounds)
-    write_report(results, args.model, args.out, args.rounds, args.before and "OLD_TREE")
+            result = measure(tree, args.model, processes, extra, os.path.join(work, "run"), args.rounds)
+            results[f"{name} | {layout}"] = {**result, "model": args.model, "rounds": args.rounds,
+                                             "load_average_1min": os.getloadavg()[0]}
+            write_report(results, args.out)
     return 0
 
 
