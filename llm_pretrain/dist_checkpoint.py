@@ -184,7 +184,8 @@ def holdings(model, layout) -> list[Holding]:
 
 # ----------------------------------------------------------------------------- sharding ownership
 def _sharding_optimizer(optimizer):
-    """(Paddle's sharding optimizer wrapper in the chain, name -> owning sharding rank, this rank) or Nones."""
+    """(parameter name -> the sharding rank that keeps its optimizer state, this sharding rank) under
+    sharding stage 1 or 2; (None, None) otherwise (every rank keeps the state of what it holds)."""
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
         DygraphShardingOptimizer,
     )
@@ -217,16 +218,16 @@ def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None) 
     return sharding_owner is None or layout.sharding_rank == sharding_owner
 
 
-def _split_state_key(key: str, by_internal: dict[str, Holding]) -> tuple[Holding, str, bool]:
-    """'slice@linear_3.w_0_moment1_0' -> (its parameter, 'moment1_0', stage-3 slice)."""
-    sliced = key.startswith(STAGE3_SLICE_PREFIX)
-    bare = key[len(STAGE3_SLICE_PREFIX):] if sliced else key
+def _split_state_key(key: str, by_internal: dict[str, Holding]) -> tuple[Holding, str]:
+    """'slice@linear_3.w_0_moment1_0' -> (its parameter, 'moment1_0'); a master weight's key is the
+    parameter's name itself."""
+    bare = key[len(STAGE3_SLICE_PREFIX):] if key.startswith(STAGE3_SLICE_PREFIX) else key
     # Parameter names are prefixes of their state names; the longest match is the right one
     # ("linear_1.w_0" is a prefix of "linear_1.w_0_moment1_0", not of "linear_11.w_0_...").
     for length in range(len(bare), 0, -1):
         holding = by_internal.get(bare[:length])
         if holding is not None and (length == len(bare) or bare[length] == "_"):
-            return holding, bare[length + 1:] or MASTER_WEIGHT, sliced
+            return holding, bare[length + 1:] or MASTER_WEIGHT
     raise ValueError(f"optimizer state {key!r} belongs to no parameter of the model")
 
 
@@ -259,9 +260,7 @@ def save_state(directory: str, model, optimizer, layout) -> None:
     lr_scheduler = state.pop("LR_Scheduler", None)
     master = state.pop("master_weights", None) or {}
     for key, value in list(state.items()) + list(master.items()):
-        h, suffix, _ = _split_state_key(key, by_internal)
-        if key in master:
-            suffix = MASTER_WEIGHT
+        h, suffix = _split_state_key(key, by_internal)
         # Stage 1/2 states exist only on the owning rank; stage-3 states of whole parameters on all.
         # A scalar state (beta powers) is the same on every rank that holds a part of the parameter.
         scalar = suffix in SCALAR_STATES
@@ -384,6 +383,9 @@ class CheckpointReader:
     def read(self, name: str, offsets, shape) -> np.ndarray:
         """The box (offsets, shape) of a tensor, assembled from the slices that overlap it."""
         entry = self.entry(name)
+        for s in entry["slices"]:  # the common case, the same layout: one slice is exactly the box
+            if list(s["offsets"]) == list(offsets) and list(s["shape"]) == list(shape):
+                return self._file(name, s["file"]).get_slice(s["key"])[tuple(slice(None) for _ in shape)]
         out = np.empty(tuple(shape), dtype=_storage_dtype(entry["dtype"]))
         covered = 0
         for s in entry["slices"]:
@@ -417,18 +419,32 @@ def _storage_dtype(dtype: str):
     return np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
 
 
-def _fill(reader: CheckpointReader, name: str, pieces: list[Piece], local: np.ndarray) -> np.ndarray:
+def _read_local(reader: CheckpointReader, name: str, pieces: list[Piece], local_shape, flat: bool) -> np.ndarray:
+    """This rank's local array of a tensor, assembled from the boxes of its pieces."""
+    if len(pieces) == 1 and not flat and tuple(pieces[0].shape) == tuple(local_shape):
+        return reader.read(name, pieces[0].offsets, pieces[0].shape)  # one box: no assembling copy
+    dtype = _storage_dtype(reader.entry(name)["dtype"])
+    local = np.zeros(local_shape, dtype) if flat else np.empty(local_shape, dtype)  # stage-3 padding stays 0
     for piece in pieces:
         piece.put(local, reader.read(name, piece.offsets, piece.shape))
     return local
 
 
-def _to_tensor(array: np.ndarray, saved_dtype: str, dtype):
-    """A Paddle tensor of `dtype` from the stored array (bfloat16 arrives as its uint16 bits)."""
+def _value(array: np.ndarray, saved_dtype: str, dtype: str):
+    """The stored array as `dtype`: a numpy array (Tensor.set_value copies it once) or, for
+    bfloat16 (stored as its uint16 bits), a Paddle tensor."""
+    if saved_dtype == dtype:
+        return array if dtype != "bfloat16" else paddle.to_tensor(array).view(paddle.bfloat16)
+    if "bfloat16" not in (saved_dtype, dtype):
+        return array.astype(dtype)
     tensor = paddle.to_tensor(array)
     if saved_dtype == "bfloat16":
         tensor = tensor.view(paddle.bfloat16)
-    return tensor.astype(dtype) if tensor.dtype != dtype else tensor
+    return tensor.astype(dtype)
+
+
+def _dtype_name(tensor) -> str:
+    return str(tensor.dtype).replace("paddle.", "")
 
 
 def check_shapes(reader: CheckpointReader, model, layout) -> None:
@@ -450,14 +466,9 @@ def _load_state(reader: CheckpointReader, model, optimizer, layout) -> None:
     held = holdings(model, layout)
     check_shapes(reader, model, layout)
     for h in held:
-        saved_dtype = reader.entry(h.name)["dtype"]
-        if h.stage3_slice:
-            storage = _stage3_storage(h.param)
-            local = _fill(reader, h.name, h.pieces, np.zeros(storage.shape, _storage_dtype(saved_dtype)))
-            storage.set_value(_to_tensor(local, saved_dtype, storage.dtype))
-        else:
-            local = _fill(reader, h.name, h.pieces, np.empty(h.param.shape, _storage_dtype(saved_dtype)))
-            h.param.set_value(_to_tensor(local, saved_dtype, h.param.dtype))
+        target = _stage3_storage(h.param) if h.stage3_slice else h.param
+        local = _read_local(reader, h.name, h.pieces, tuple(target.shape), flat=h.stage3_slice)
+        target.set_value(_value(local, reader.entry(h.name)["dtype"], _dtype_name(target)))
 
     owners, sharding_rank = _sharding_optimizer(optimizer)
     state: dict = {}
@@ -466,23 +477,21 @@ def _load_state(reader: CheckpointReader, model, optimizer, layout) -> None:
         if owners is not None and owners.get(h.param.name) != sharding_rank:
             continue  # stage 1/2: another sharding rank keeps this parameter's optimizer state
         prefix = STAGE3_SLICE_PREFIX if h.stage3_slice else ""
+        local_shape = tuple((_stage3_storage(h.param) if h.stage3_slice else h.param).shape)
         for suffix in reader.states_of(h.name):
             name = f"{h.name}/{suffix}"
             saved_dtype = reader.entry(name)["dtype"]
             if suffix in SCALAR_STATES:
                 local = reader.read(name, (0,), (1,))
-            elif h.stage3_slice:
-                local = _fill(reader, name, h.pieces, np.zeros(_stage3_storage(h.param).shape,
-                                                               _storage_dtype(saved_dtype)))
             else:
-                local = _fill(reader, name, h.pieces, np.empty(h.param.shape, _storage_dtype(saved_dtype)))
-            value = _to_tensor(local, saved_dtype, getattr(paddle, saved_dtype))
+                local = _read_local(reader, name, h.pieces, local_shape, flat=h.stage3_slice)
             key = prefix + h.param.name
-            if suffix == MASTER_WEIGHT:  # keyed by the parameter's name (Optimizer._create_master_weight)
+            if suffix == MASTER_WEIGHT:  # used as the variable itself (Optimizer._create_master_weight)
+                value = paddle.to_tensor(_value(local, saved_dtype, "float32"))
                 value.name = key + "_fp32_master_0"
                 master[key] = value
-            else:
-                state[f"{key}_{suffix}"] = value
+            else:  # copied into the accumulator by Tensor.set_value (Optimizer.set_state_dict/_add_accumulator)
+                state[f"{key}_{suffix}"] = _value(local, saved_dtype, saved_dtype)
     if master:
         state["master_weights"] = master
     if reader.index.get("lr_scheduler") is not None:
