@@ -3,13 +3,15 @@
 Layout of a checkpoint directory:
 
     trainer_state.json                  step, consumed samples, arguments, model config, layout
-    model_state.tp00_pp00.pdparams      weights, one file per tensor/pipeline shard
-    optimizer.tp00_pp00.pdopt           AdamW moments + learning-rate schedule, per shard
+    tensors.index.json                  every weight and optimizer tensor (single-process name, shape,
+                                        dtype) -> its slices (offsets, shape) -> the file holding each
+    tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/dist_checkpoint.py)
     rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
     manifest.json                       size and sha256 of every file above, and which rank wrote it
     COMPLETE                            written last: only such directories are resumed from
 
-What goes into the files is `write_rank_files` / `load_rank_files`; the lifecycle
+What goes into the files is `write_rank_files` / `load_checkpoint` (the layout-free format of
+llm_pretrain/dist_checkpoint.py); the lifecycle
 around them treats the files generically (whatever a rank writes is listed in the
 manifest), so the file format can change without touching it:
 
@@ -28,6 +30,8 @@ manifest), so the file format can change without touching it:
   * start: stale `.partial` directories are removed; an exclusive lock (`OutputDirLock`)
     keeps a second run off the same output_dir.
 Checkpoints live on a filesystem shared by all nodes, as with PaddleNLP.
+Checkpoints written before the layout-free format hold model_state.tpXX_ppXX.pdparams and
+optimizer.tpXX_ppXX[_sdXX].pdopt per shard; they load under the layout that wrote them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import socket
 import numpy as np
 import paddle
 
+from llm_pretrain import dist_checkpoint
 from llm_pretrain.distributed import Layout, all_reduce_max, barrier
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
 
@@ -102,14 +107,6 @@ def rng_file(layout: Layout) -> str:
     return f"rng_state.rank{layout.rank:05d}.pkl"
 
 
-def saves_model(layout: Layout) -> bool:
-    return layout.data_parallel_rank == 0 and (layout.sharding_rank == 0 or layout.sharding_stage == 3)
-
-
-def saves_optimizer(layout: Layout) -> bool:
-    return layout.data_parallel_rank == 0
-
-
 def rng_states() -> dict:
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "paddle": paddle.get_rng_state()}
     try:
@@ -132,21 +129,9 @@ def set_rng_states(states: dict) -> None:
 
 
 def write_rank_files(staging: str, model, optimizer, layout: Layout) -> list[str]:
-    """This rank's part of a checkpoint: writes its files into `staging`, returns their names."""
-    written = []
-    if saves_model(layout):
-        # Canonical names (those of the single-process model), so that shards can be merged
-        # into full weights whatever the layout (see merge_checkpoint).
-        named = model.canonical_named_parameters()
-        weights = {name: param for name, param in named}
-        weights[SPLIT_KEY] = {name: [getattr(param, "tp_split_axis", None), getattr(param, "tp_split_parts", None),
-                                     getattr(param, "is_firstly_shared", True) is False] for name, param in named}
-        paddle.save(weights, os.path.join(staging, model_file(layout)))
-        written.append(model_file(layout))
-    if saves_optimizer(layout):
-        state = rename_optimizer_state(optimizer.state_dict(), _internal_to_canonical(model))
-        paddle.save(state, os.path.join(staging, optimizer_file(layout)))
-        written.append(optimizer_file(layout))
+    """This rank's part of a checkpoint: the slices it holds of every weight and optimizer tensor
+    (llm_pretrain/dist_checkpoint.py; nothing is gathered) and its RNG states. Returns the file names."""
+    written = dist_checkpoint.save_state(staging, model, optimizer, layout)
     with open(os.path.join(staging, rng_file(layout)), "wb") as f:
         pickle.dump(rng_states(), f)
     written.append(rng_file(layout))
@@ -264,13 +249,16 @@ class Checkpointer:
         return final
 
     def _finalize(self, staging: str, final: str, step: int, trainer_state: dict) -> None:
-        """Rank 0: trainer_state.json, the merged manifest, COMPLETE, fsync, rename, fsync."""
+        """Rank 0: the tensor index, trainer_state.json, the merged manifest, COMPLETE, fsync, rename, fsync."""
+        # The ranks' slice lists become tensors.index.json (finish_save removes the lists).
+        dist_checkpoint.finish_save(staging, self.layout.world_size, trainer_state.get("layout", {}))
         _write_synced(os.path.join(staging, TRAINER_STATE), json.dumps(trainer_state, indent=2))
         files = {TRAINER_STATE: file_entry(os.path.join(staging, TRAINER_STATE), 0)}
         parts = sorted(name for name in os.listdir(staging) if re.fullmatch(r"manifest\.rank\d+\.json", name))
         for part in parts:
             with open(os.path.join(staging, part)) as f:
                 files.update(json.load(f))
+        files = {name: entry for name, entry in files.items() if os.path.exists(os.path.join(staging, name))}
         for name in _files_under(staging):  # anything written without being listed: rank 0 vouches for it
             if name not in files and name not in parts:
                 files[name] = file_entry(os.path.join(staging, name), 0)
@@ -322,8 +310,7 @@ class Checkpointer:
 
     # -- reading
     def load(self, path: str, model, optimizer) -> dict:
-        load_rank_files(path, model, optimizer, self.layout)
-        return read_trainer_state(path)
+        return load_checkpoint(path, model, optimizer, self.layout)
 
 
 class CheckpointWriteError(RunError):
@@ -512,8 +499,31 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def load_rank_files(path: str, model, optimizer, layout: Layout) -> None:
-    """Restore this rank's weights, optimizer and RNG state from its files of a checkpoint."""
+def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
+    """Restore this rank's weights, optimizer and RNG state; returns the trainer state.
+
+    A checkpoint in the layout-free format loads under any layout; one written before it (per-layout
+    model_state/optimizer files) only under the layout that wrote it (checked in trainer.py)."""
+    trainer_state = read_trainer_state(path)
+    if dist_checkpoint.is_layout_free(path):
+        dist_checkpoint.load_state(path, model, optimizer, layout)
+    else:
+        load_legacy_state(path, model, optimizer, layout)
+    # RNG streams: each rank's own when the layout is the same; otherwise every rank takes rank 0's
+    # global streams (Python, NumPy, Paddle: seeded alike on all ranks) and keeps the tensor-parallel
+    # streams fleet derived for its new rank (dropout masks differ across layouts, see README).
+    saved_layout = trainer_state.get("layout") or {}
+    same_layout = bool(saved_layout) and all(getattr(layout, key) == value for key, value in saved_layout.items())
+    with open(os.path.join(path, rng_file(layout) if same_layout else rng_file(Layout())), "rb") as f:
+        states = pickle.load(f)
+    if not same_layout:
+        states.pop("tensor_parallel", None)
+    set_rng_states(states)
+    return trainer_state
+
+
+def load_legacy_state(path: str, model, optimizer, layout: Layout) -> None:
+    """A checkpoint of the per-layout format (before the layout-free one), under its own layout."""
     weights = paddle.load(os.path.join(path, model_file(layout)))
     with paddle.no_grad():
         for name, param in model.canonical_named_parameters():
@@ -521,18 +531,17 @@ def load_rank_files(path: str, model, optimizer, layout: Layout) -> None:
     canonical_to_internal = {v: k for k, v in _internal_to_canonical(model).items()}
     optimizer_state = paddle.load(os.path.join(path, optimizer_file(layout)))
     optimizer.set_state_dict(rename_optimizer_state(optimizer_state, canonical_to_internal))
-    with open(os.path.join(path, rng_file(layout)), "rb") as f:
-        set_rng_states(pickle.load(f))
 
 
-def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
-    """Restore this rank's state; returns the trainer state."""
-    load_rank_files(path, model, optimizer, layout)
-    return read_trainer_state(path)
+def has_weights(path: str) -> bool:
+    return dist_checkpoint.is_layout_free(path) or any(
+        f.startswith("model_state.") and f.endswith(".pdparams") for f in os.listdir(path))
 
 
 def merge_checkpoint(path: str) -> dict[str, np.ndarray]:
     """The full weights of a checkpoint (canonical names), merged across its tensor/pipeline shards."""
+    if dist_checkpoint.is_layout_free(path):
+        return dist_checkpoint.read_full_weights(path)
     from types import SimpleNamespace
 
     from models.weights import merge_slices

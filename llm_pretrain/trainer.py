@@ -247,30 +247,15 @@ def find_resume(args: Arguments, world_size: int) -> tuple[int, list[str]]:
     return index, candidates
 
 
-# Architecture keys that may differ on resume (they do not change the weights' meaning or shapes).
-RESUME_MAY_CHANGE = ("initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob")
+def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, args: Arguments) -> list[str]:
+    """UsageError unless the checkpoint is of this model (architecture, vocabulary, sequence length);
+    any layout may resume it (llm_pretrain/dist_checkpoint.py). Returns a warning listing the other
+    keys that changed (learning rate, steps, seed, degrees ...)."""
+    from llm_pretrain.dist_checkpoint import check_resumable
 
-
-def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig | None = None,
-                             args: Arguments | None = None) -> list[str]:
-    """UsageError when the checkpoint cannot continue this run; returns warnings for changed keys."""
     state = ckpt.read_trainer_state(path)
-    saved = state.get("layout")
-    current = layout_summary(layout)
-    if saved != current:
-        raise UsageError(f"checkpoint {path} was saved with layout {saved}; resume it with the same layout "
-                         f"(now {current}) or set overwrite_output_dir to start over")
-    if config is None or args is None:
-        return []
-    saved_config, now = state.get("model_config", {}), config.architecture_dict()
-    for key in now:
-        if key not in RESUME_MAY_CHANGE and key in saved_config and saved_config[key] != now[key]:
-            raise UsageError(f"resume: checkpoint {path} has {key} {saved_config[key]}, this run {now[key]}; "
-                             "resume with the same model or set overwrite_output_dir to start over")
+    check_resumable(path, state, config.architecture_dict(), args.max_seq_length, layout_summary(layout))
     saved_args, now_args = state.get("args", {}), arguments_to_dict(args)
-    if "max_seq_length" in saved_args and saved_args["max_seq_length"] != args.max_seq_length:
-        raise UsageError(f"max_seq_length: checkpoint {path} was trained with {saved_args['max_seq_length']}, this "
-                         f"run has {args.max_seq_length}; resume with the same value or set overwrite_output_dir")
     ignored = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm"}
     changed = [f"{key} {saved_args[key]!r} -> {value!r}" for key, value in now_args.items()
                if key in saved_args and key not in ignored and saved_args[key] != value]

@@ -400,8 +400,8 @@ def _read_our_weights(path: str) -> tuple[ModelConfig, dict, str | None]:
         trainer_state = ckpt.read_trainer_state(path)
         if "model_config" not in trainer_state:
             raise UsageError(f"{path}/{ckpt.TRAINER_STATE} has no model_config")
-        if not any(f.startswith("model_state.") and f.endswith(".pdparams") for f in os.listdir(path)):
-            raise UsageError(f"{path} has no model_state.*.pdparams files")
+        if not ckpt.has_weights(path):
+            raise UsageError(f"{path} has no weights ({ckpt.dist_checkpoint.INDEX_FILE} or model_state.*.pdparams)")
         config = config_from_dict(trainer_state["model_config"], source=f"{path}/{ckpt.TRAINER_STATE}")
         args = trainer_state.get("args") or {}
         tokenizer = args.get("tokenizer_name_or_path") or args.get("model_name_or_path")

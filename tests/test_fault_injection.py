@@ -514,7 +514,7 @@ def test_overwrite_output_dir_starts_afresh_and_resume_checks_the_model(embedded
     for key, value in (("num_hidden_layers", 3), ("max_seq_length", 16)):
         other, _ = parse_arguments([str(args_file), "--output_dir", str(out), f"--{key}", str(value)])
         config, _, _ = build_model_config(other, Layout(), "cpu")
-        with pytest.raises(UsageError, match=key if key == "max_seq_length" else "num_hidden_layers 2, this run 3"):
+        with pytest.raises(UsageError, match=key if key == "max_seq_length" else "num_hidden_layers 2 in the checkpoint, 3 now"):
             check_checkpoint_matches(checkpoint, Layout(), config, other)
     other, _ = parse_arguments([str(args_file), "--output_dir", str(out), "--learning_rate", "0.001"])
     config, _, _ = build_model_config(other, Layout(), "cpu")

@@ -98,10 +98,12 @@ def _load(path):
 
 
 def _check_replicas_identical(checkpoint):
-    """Both tensor-parallel ranks hold the same replicated k/v weights after 5 steps (summed gradients)."""
-    states = [_load(checkpoint / f"model_state.tp{r:02d}_pp00.pdparams") for r in range(2)]
-    names = [n for n in states[0] if ".k_proj." in n or ".v_proj." in n]
+    """The replicated k/v weights (one kv head of 16, whole on both tensor-parallel ranks) are written
+    once, whole, by one of the ranks (llm_pretrain/dist_checkpoint.py); assert_same_training has
+    compared that copy with the single process's after 5 steps (summed gradients keep it equal)."""
+    tensors = json.loads((checkpoint / "tensors.index.json").read_text())["tensors"]
+    names = [n for n in tensors if (".k_proj." in n or ".v_proj." in n) and "/" not in n]
     assert names
     for name in names:
-        assert states[0][name].shape[-1] == 16
-        np.testing.assert_array_equal(states[0][name], states[1][name])
+        assert tensors[name]["shape"][-1] == 16
+        assert [s["shape"] for s in tensors[name]["slices"]] == [tensors[name]["shape"]], name

@@ -1,0 +1,199 @@
+"""Checkpoint save/load time and bytes for a >=300M-parameter model on CPU, before and after a change.
+
+    python scripts/checkpoint_benchmark.py --before /path/to/old/tree [--out benchmarks/] [--rounds 2]
+
+Measures this tree (the layout-free format, llm_pretrain/dist_checkpoint.py) and, with --before,
+another checkout of the repository (e.g. `git archive <commit> | tar -x -C /tmp/old`: the
+per-layout format) with the same worker (the worker imports llm_pretrain from the tree it is
+given), in one process and in 4 processes (tensor parallel 2 x pipeline parallel 2). Each run:
+build the model (MODEL, fp32) and AdamW under the layout, one optimizer step on a tiny batch (so
+that Adam's moments exist), then --rounds times: llm_pretrain.checkpoint.save_checkpoint (timed on
+every rank from the barrier before it to its return, the slowest rank reported), the bytes of the
+checkpoint directory, and load_checkpoint into the same model and optimizer (the slowest rank).
+Writes OUT/checkpoint_io.md and OUT/checkpoint_io.json. Run it on an otherwise idle machine
+(about 10 minutes on 2 cores); the checkpoints go to --work (default: a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "gpt3-350M-en"  # 24 layers, hidden 1024, vocabulary 50304 (tied): 355M parameters
+LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
+    4, ["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"])}
+
+
+# ----------------------------------------------------------------------------- worker (one layout, one tree)
+def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str], result_file: str) -> None:
+    sys.path.insert(0, tree)
+    import paddle
+
+    import llm_pretrain
+    assert os.path.dirname(os.path.dirname(os.path.abspath(llm_pretrain.__file__))) == os.path.abspath(tree)
+
+    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
+    from llm_pretrain.optim import build_optimizer, build_schedule
+    from llm_pretrain.trainer import build_model, build_model_config, layout_summary
+    from models.registry import parameter_count
+    from models.weights import init_weights
+
+    args, _ = parse_arguments(["--model_name_or_path", model_name, "--max_seq_length", "16", "--device", "cpu",
+                               "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+                               "--max_steps", "10", "--output_dir", work, "--input_dir", work, *extra])
+    layout = plan_layout(args, int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
+    config, _, _ = build_model_config(args, layout, "cpu")
+    layout = init_distributed(layout, "cpu", args)
+    paddle.seed(1)
+    model = build_model(config, layout)
+    init_weights(model, config, 1)
+    optimizer = build_optimizer(args, model, build_schedule(args))
+    unwrapped = model
+    model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
+    tokens = paddle.randint(0, config.vocab_size, [2, 17])
+    if hasattr(model, "train_batch"):
+        model.train_batch([tokens[:, :-1], tokens[:, 1:]], optimizer)
+    else:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.clear_grad()
+    parameters = parameter_count(config)
+    state = {"global_step": 1, "consumed_samples": 2, "layout": layout_summary(layout), "args": {},
+             "model_config": config.architecture_dict()}
+    saves, loads, sizes = [], [], []
+    for round_ in range(rounds):
+        barrier(layout)
+        start = time.perf_counter()
+        path = ckpt.save_checkpoint(work, round_ + 1, unwrapped, optimizer, state, layout, 1)
+        saves.append(all_reduce_max(time.perf_counter() - start, layout))
+        sizes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+        barrier(layout)
+        start = time.perf_counter()
+        ckpt.load_checkpoint(path, unwrapped, optimizer, layout)
+        loads.append(all_reduce_max(time.perf_counter() - start, layout))
+    if layout.is_main:
+        with open(result_file, "w") as f:
+            json.dump({"save_s": saves, "load_s": loads, "bytes": sizes[-1], "parameters": parameters,
+                       "files": len(os.listdir(path))}, f)
+
+
+# ----------------------------------------------------------------------------- driver
+def measure(tree: str, model_name: str, processes: int, extra: list[str], work: str, rounds: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    result_file = os.path.join(work, "result.json")
+    command = [os.path.abspath(__file__), "--worker", "--tree", tree, "--model", model_name, "--work", work, "--rounds", str(rounds),
+               "--result", result_file, "--", *extra]
+    env = {**os.environ, "PYTHONPATH": tree}
+    env.pop("PADDLE_TRAINERS_NUM", None)
+    if processes == 1:
+        command = [sys.executable] + command
+    else:
+        command = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(processes),
+                   "--log_dir", os.path.join(work, "log")] + command
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if completed.returncode != 0 or not os.path.isfile(result_file):
+        logs = ""
+        log_dir = os.path.join(work, "log")
+        if os.path.isdir(log_dir):
+            logs = "".join(open(os.path.join(log_dir, f)).read()[-2000:] for f in sorted(os.listdir(log_dir)))
+        raise SystemExit(f"error: benchmark run failed ({tree}, {processes} processes):\n"
+                         f"{completed.stderr[-3000:]}{logs}")
+    with open(result_file) as f:
+        result = json.load(f)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def write_report(results: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [
+        "# Checkpoint save and load",
+        "",
+        f"`python scripts/checkpoint_benchmark.py --before OLD_TREE` ({datetime.date.today().isoformat()}): a "
+        ">=300M-parameter model in fp32 with its AdamW moments on CPU, one process and 4 processes (tensor "
+        "parallel 2 x pipeline parallel 2), the same machine and disk for both formats. Times are the "
+        "median over the rounds of the slowest rank (save: from the barrier before it to the renamed "
+        "directory; load: weights, optimizer state and RNG of every rank). The load average is the "
+        "machine's when the measurement ended (this machine has 2 cores; other jobs were running).",
+        "",
+        "| format | layout | model | save s | load s | bytes | files | rounds | load average |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        fmt, layout = key.split(" | ")
+        lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
+                     f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
+                     f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
+    path = os.path.join(out, "checkpoint_io.md")
+    findings = ""
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = f.read()
+        if "## Findings" in old:
+            findings = old[old.index("## Findings"):]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n\n" + findings)
+    print("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    if "--worker" in argv:  # import llm_pretrain from the tree under measurement, nothing before
+        parser = argparse.ArgumentParser()
+        for key in ("--tree", "--model", "--work", "--result"):
+            parser.add_argument(key)
+        parser.add_argument("--rounds", type=int)
+        parser.add_argument("--worker", action="store_true")
+        parser.add_argument("extra", nargs="*")
+        args = parser.parse_args(argv)
+        worker(args.tree, args.model, args.work, args.rounds, args.extra, args.result)
+        return 0
+    sys.path.insert(0, REPO_ROOT)
+    from llm_pretrain.errors import UsageArgumentParser
+
+    parser = UsageArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", help="another checkout of this repository to measure too (the old format)")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default=MODEL, help=f"a built-in architecture (default {MODEL})")
+    parser.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS), help="measure only this layout")
+    args = parser.parse_args(argv)
+    if args.before and not os.path.isfile(os.path.join(args.before, "llm_pretrain", "checkpoint.py")):
+        parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint.py)")
+    work = args.work or tempfile.mkdtemp(prefix="checkpoint_benchmark.")
+    trees = ([("before (per-layout .pdparams/.pdopt)", os.path.abspath(args.before))] if args.before else []) + \
+        [("after (layout-free safetensors)", REPO_ROOT)]
+    # Results accumulate in OUT/checkpoint_io.json, so that layouts can be measured one at a time.
+    results_file = os.path.join(args.out, "checkpoint_io.json")
+    results = {}
+    if os.path.isfile(results_file):
+        with open(results_file) as f:
+            results = json.load(f)
+    for layout, (processes, extra) in LAYOUTS.items():
+        if args.layout and layout not in args.layout:
+            continue
+        for name, tree in trees:
+            print(f"measuring {name}, {layout} ...", flush=True)
+            result = measure(tree, args.model, processes, extra, os.path.join(work, "run"), args.rounds)
+            results[f"{name} | {layout}"] = {**result, "model": args.model, "rounds": args.rounds,
+                                             "load_average_1min": os.getloadavg()[0]}
+            write_report(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
