@@ -29,6 +29,7 @@ import numpy as np
 import paddle
 
 from llm_pretrain.distributed import Layout, barrier
+from llm_pretrain.optim import STAGE3_SLICE_PREFIX
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
@@ -68,8 +69,8 @@ def shard_tag(layout: Layout, with_sharding: bool) -> str:
 
 
 def model_file(layout: Layout) -> str:
-    # Stage 3 shards the parameters themselves; otherwise sharding ranks hold identical weights.
-    return f"model_state.{shard_tag(layout, with_sharding=layout.sharding_stage == 3)}.pdparams"
+    # Sharding ranks hold identical weights, or (stage 3) slices gathered into whole weights to save.
+    return f"model_state.{shard_tag(layout, with_sharding=False)}.pdparams"
 
 
 def optimizer_file(layout: Layout) -> str:
@@ -81,7 +82,7 @@ def rng_file(layout: Layout) -> str:
 
 
 def saves_model(layout: Layout) -> bool:
-    return layout.data_parallel_rank == 0 and (layout.sharding_rank == 0 or layout.sharding_stage == 3)
+    return layout.data_parallel_rank == 0 and layout.sharding_rank == 0
 
 
 def saves_optimizer(layout: Layout) -> bool:
@@ -118,11 +119,13 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state:
         os.makedirs(staging)
     barrier(layout)
 
-    if saves_model(layout):
+    if layout.data_parallel_rank == 0:  # every sharding rank takes part in gathering stage-3 slices
         # Canonical names (those of the single-process model), so that shards can be merged
         # into full weights whatever the layout (see merge_checkpoint).
         named = model.canonical_named_parameters()
-        weights = {name: param for name, param in named}
+        weights = {name: stage3_whole_value(param, layout) if is_stage3_sliced(param) else param
+                   for name, param in named}
+    if saves_model(layout):
         weights[SPLIT_KEY] = {name: [getattr(param, "tp_split_axis", None), getattr(param, "tp_split_parts", None),
                                      getattr(param, "is_firstly_shared", True) is False] for name, param in named}
         paddle.save(weights, os.path.join(staging, model_file(layout)))
@@ -156,7 +159,55 @@ def _delete_old_checkpoints(output_dir: str, save_total_limit: int | None) -> No
 
 
 def _internal_to_canonical(model) -> dict[str, str]:
-    return {param.name: name for name, param in model.canonical_named_parameters()}
+    renames = {}
+    for name, param in model.canonical_named_parameters():
+        renames[param.name] = name
+        # Under stage 3 the optimizer updates (and keys its state by) the slices of sliced parameters.
+        renames[STAGE3_SLICE_PREFIX + param.name] = STAGE3_SLICE_PREFIX + name
+    return renames
+
+
+# ----------------------------------------------------------------------------- sharding stage 3
+# Paddle's GroupShardedStage3 (paddle/distributed/fleet/meta_parallel/sharding/group_sharded_stage3.py,
+# _flatten_layer_params and _param_storage) slices every parameter of more than 2**20 elements
+# (segment_size): it is flattened and zero-padded to a buffer of n x group size elements, rank r
+# keeps elements [r*n, (r+1)*n) as `param.fw_storage` (a tensor named "slice@<name>", which the
+# optimizer steps), `param.status` becomes "part" and the parameter's own tensor is cleared; a
+# forward all-gathers it for the layer's use and clears it again afterwards. Smaller parameters
+# stay whole on every rank (`param.unslice`). The saved weights are whole (as PaddleNLP's
+# Trainer.save_model, which gathers them with get_all_parameters(convert2cpu=True) first,
+# trainer.py:2125); we gather parameter by parameter without touching the wrapper's state.
+
+
+def is_stage3_sliced(param) -> bool:
+    return getattr(param, "status", None) == "part" and getattr(param, "fw_storage", None) is not None
+
+
+def _sharding_group():
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_sharding_parallel_group()
+
+
+def stage3_whole_value(param, layout: Layout) -> paddle.Tensor:
+    """The whole parameter (on the host) from its slices on the sharding group: a collective."""
+    import paddle.distributed as dist
+
+    slices = []
+    dist.all_gather(slices, param.fw_storage, group=_sharding_group())
+    whole = paddle.concat(slices)[: int(np.prod(param.shape))].reshape(param.shape)
+    return whole.cpu()
+
+
+def set_stage3_slice(param, value, layout: Layout) -> None:
+    """Load this rank's slice of a whole value into a sliced parameter (the inverse of the gather)."""
+    flat = (value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)).reshape(-1)
+    size = int(np.prod(param.fw_storage.shape))
+    start = layout.sharding_rank * size
+    piece = np.zeros([size], dtype=flat.dtype)  # beyond the parameter's end: the buffer's zero padding
+    part = flat[start:start + size]
+    piece[:part.size] = part
+    param.fw_storage.set_value(piece)
 
 
 def rename_optimizer_state(state: dict, renames: dict[str, str]) -> dict:
@@ -195,7 +246,10 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
     weights = paddle.load(os.path.join(path, model_file(layout)))
     with paddle.no_grad():
         for name, param in model.canonical_named_parameters():
-            param.set_value(weights[name])
+            if is_stage3_sliced(param):
+                set_stage3_slice(param, weights[name], layout)
+            else:
+                param.set_value(weights[name])
     canonical_to_internal = {v: k for k, v in _internal_to_canonical(model).items()}
     optimizer_state = paddle.load(os.path.join(path, optimizer_file(layout)))
     optimizer.set_state_dict(rename_optimizer_state(optimizer_state, canonical_to_internal))
