@@ -16,6 +16,8 @@ CPU they are not collected at all (rather than skipped).
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +59,8 @@ def test_layout_matches_one_process_through_resume(selfcheck, layout, dtype):
         starts = [r["start_step"] for r in map(json.loads, f) if r["event"] == "run"]
     assert starts == [0, SAVE_STEP], "the second part must resume from the checkpoint"
     assert [r["step"] for r in train_records(output)] == [1, 2, 3, 4]
-    assert run_record(output)["strategy"] == layout
+    run = run_record(output)
+    assert run["strategy"] == layout and run["dtype"] == dtype and run["device"] == DEVICE
 
 
 def test_stage3_saves_and_resumes_sliced_parameters(selfcheck):
@@ -85,3 +88,87 @@ def test_selfcheck_prints_the_table(selfcheck):
             assert any(line.startswith(f"| {layout} | ") and f"| {dtype} |" in line and line.endswith("| pass |")
                        for line in lines), f"no passing row for {layout} {dtype}"
     assert (selfcheck.work / "selfcheck.md").read_text().startswith("| layout |")
+
+
+# ----------------------------------------------------------------------------- no launch
+def test_weight_decay_applies_to_the_same_parameters_as_stage3_slices():
+    """Stage 3 hands the optimizer "slice@<name>" for every parameter above 2**20 elements."""
+    import paddle
+
+    from llm_pretrain.arguments import Arguments
+    from llm_pretrain.optim import build_optimizer, build_schedule
+    from models.decoder import CausalLM
+    from models.registry import ARCHITECTURES
+
+    args = Arguments(max_steps=4, weight_decay=0.1)
+    paddle.seed(0)
+    model = CausalLM(ARCHITECTURES["llama-tiny"])
+    decides = build_optimizer(args, model, build_schedule(args))._apply_decay_param_fun
+    decayed = {name for name, param in model.canonical_named_parameters() if decides(param.name)}
+    assert decayed == {name for name, _ in model.canonical_named_parameters() if "norm" not in name}
+    for _, param in model.canonical_named_parameters():
+        assert decides("slice@" + param.name) == decides(param.name), param.name
+
+
+def test_the_device_of_the_parity_tests_comes_from_the_environment(monkeypatch, tmp_path):
+    import launch_utils
+
+    monkeypatch.setenv("LLM_PRETRAIN_TEST_DEVICE", "gpu")
+    assert launch_utils.device_under_test() == "gpu"
+    monkeypatch.setenv("LLM_PRETRAIN_TEST_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="allowed values are cpu, gpu"):
+        launch_utils.device_under_test()
+    monkeypatch.delenv("LLM_PRETRAIN_TEST_DEVICE")
+    assert launch_utils.device_under_test() == "cpu"
+
+    # What a GPU launch runs: one GPU per process, IEEE fp32 and deterministic kernels, no thread pin.
+    launched = []
+
+    class FakeLauncher:
+        pid, returncode = 0, 0
+
+        def __init__(self, cmd, env, **kwargs):
+            launched.append((cmd, env))
+
+        def communicate(self, timeout=None):
+            return b"", None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(launch_utils.subprocess, "Popen", FakeLauncher)
+        patched.delenv("OMP_NUM_THREADS", raising=False)
+        launch_utils.launch("worker.py", 4, log_dir=tmp_path / "gpu", device="gpu")
+        launch_utils.launch("worker.py", 2, log_dir=tmp_path / "cpu")
+    (gpu_cmd, gpu_env), (cpu_cmd, cpu_env) = launched
+    assert gpu_cmd[gpu_cmd.index("--devices") + 1] == "0,1,2,3" and "--nproc_per_node" not in gpu_cmd
+    assert gpu_env["NVIDIA_TF32_OVERRIDE"] == "0" and gpu_env["FLAGS_cudnn_deterministic"] == "1"
+    assert "OMP_NUM_THREADS" not in gpu_env
+    assert cpu_cmd[cpu_cmd.index("--nproc_per_node") + 1] == "2" and "--devices" not in cpu_cmd
+    assert cpu_env["OMP_NUM_THREADS"] == "1" and "NVIDIA_TF32_OVERRIDE" not in cpu_env
+
+    # The parity helpers read it once: runs are configured for, and launched on, that device.
+    probe = ("import json, parity_utils as p; calls = []; p.launch = lambda *a, **k: calls.append(k['device']) or "
+             "type('R', (), {'check': lambda self: self})(); p.run_launch(2, [], __import__('pathlib').Path("
+             f"{str(tmp_path)!r}), 'probe'); print(json.dumps([p.DEVICE, p.base_arguments("
+             "{'tokenizer': 't', 'input_dir': 'd'}, __import__('pathlib').Path('.'))['device'], calls[0]]))")
+    for device in ("gpu", "cpu"):
+        env = {**os.environ, "LLM_PRETRAIN_TEST_DEVICE": device, "PYTHONPATH": str(REPO_ROOT / "tests")}
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == [device] * 3, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cpu", "--dtypes", "bf16"], "error: --dtypes: bf16 needs --device gpu"),
+    (["--device", "cpu", "--layouts", "dp2,dp3"], "error: --layouts: unknown layout dp3; allowed: dp2, tp2"),
+    (["--device", "cpu", "--dtypes", "fp8"], "error: --dtypes: 'fp8'; allowed"),
+    (["--device", "tpu"], "error: argument --device: invalid choice"),
+    # A CPU build of Paddle (here), or a GPU build with no GPU visible.
+    (["--device", "gpu", "--layouts", "dp2"],
+     r"error: --(device gpu: this Paddle build has no CUDA|layouts need 2 GPUs, 0)"),
+])
+def test_selfcheck_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(SELFCHECK), *args, "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and re.match(message, out.stderr.strip()), out.stderr
+    assert not (tmp_path / "out").exists(), "nothing may run before the input is checked"
