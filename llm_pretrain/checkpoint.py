@@ -123,7 +123,7 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state:
         # Canonical names (those of the single-process model), so that shards can be merged
         # into full weights whatever the layout (see merge_checkpoint).
         named = model.canonical_named_parameters()
-        weights = {name: stage3_whole_value(param, layout) if is_stage3_sliced(param) else param
+        weights = {name: stage3_whole_value(param) if is_stage3_sliced(param) else param
                    for name, param in named}
     if saves_model(layout):
         weights[SPLIT_KEY] = {name: [getattr(param, "tp_split_axis", None), getattr(param, "tp_split_parts", None),
@@ -189,7 +189,7 @@ def _sharding_group():
     return fleet.get_hybrid_communicate_group().get_sharding_parallel_group()
 
 
-def stage3_whole_value(param, layout: Layout) -> paddle.Tensor:
+def stage3_whole_value(param) -> paddle.Tensor:
     """The whole parameter (on the host) from its slices on the sharding group: a collective."""
     import paddle.distributed as dist
 
@@ -200,7 +200,10 @@ def stage3_whole_value(param, layout: Layout) -> paddle.Tensor:
 
 
 def set_stage3_slice(param, value, layout: Layout) -> None:
-    """Load this rank's slice of a whole value into a sliced parameter (the inverse of the gather)."""
+    """Load this rank's slice of a whole value into a sliced parameter (the inverse of the gather).
+
+    On the host, in NumPy: bf16 arrives as its uint16 bit patterns, which set_value takes back as
+    bf16 (all-zero bits are 0.0, so the padding is right in every dtype)."""
     flat = (value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)).reshape(-1)
     size = int(np.prod(param.fw_storage.shape))
     start = layout.sharding_rank * size
