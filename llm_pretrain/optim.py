@@ -65,6 +65,16 @@ def _decays(structured_name: str) -> bool:
     return not any(word in structured_name for word in ("bias", "norm"))
 
 
+# Sharding stage 3 replaces each parameter above 2**20 elements, in the optimizer, by its slice
+# named "slice@<parameter name>" (group_sharded_stage3.py, _param_storage and _TensorWrapper).
+STAGE3_SLICE_PREFIX = "slice@"
+
+
+def decays_parameter(internal_name: str, decayed: set[str]) -> bool:
+    """Whether AdamW decays the parameter (or stage-3 slice of one) of this internal name."""
+    return internal_name.removeprefix(STAGE3_SLICE_PREFIX) in decayed
+
+
 def build_optimizer(args: Arguments, model, schedule: LRScheduler) -> paddle.optimizer.AdamW:
     named = model.canonical_named_parameters()
     decayed = {param.name for name, param in named if _decays(name)}
@@ -76,6 +86,6 @@ def build_optimizer(args: Arguments, model, schedule: LRScheduler) -> paddle.opt
         beta2=args.adam_beta2,
         epsilon=args.adam_epsilon,
         weight_decay=args.weight_decay,
-        apply_decay_param_fun=lambda internal_name: internal_name in decayed,
+        apply_decay_param_fun=lambda internal_name: decays_parameter(internal_name, decayed),
         grad_clip=clip,
     )

@@ -39,6 +39,39 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 RESULT_DIR_ENV = "LAUNCH_RESULT_DIR"
 
+# The device of the parity tests, from the environment: `LLM_PRETRAIN_TEST_DEVICE=gpu python -m
+# pytest tests` runs them on the visible GPUs (NCCL), one GPU per process. This is the one place
+# that decides it; parity_utils and scripts/gpu_selfcheck.py ask here.
+TEST_DEVICE_ENV = "LLM_PRETRAIN_TEST_DEVICE"
+DEVICES = ("cpu", "gpu")
+# CPU: one thread per process, so that a few ranks share two cores without thrashing.
+CPU_PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# GPU: fp32 parity within 1e-5 needs IEEE fp32 matrix products (Ampere and later use TF32 in
+# cuBLAS/cuDNN unless NVIDIA_TF32_OVERRIDE=0) and deterministic kernels, set as PaddleNLP's own
+# parity scripts do (model_zoo/gpt-3/projects/gpt/auto_gpt_345M_st.sh).
+GPU_PROCESS_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "FLAGS_cudnn_deterministic": "1", "FLAGS_embedding_deterministic": "1"}
+
+
+def device_under_test() -> str:
+    """'cpu' (the default) or 'gpu', from LLM_PRETRAIN_TEST_DEVICE."""
+    device = os.environ.get(TEST_DEVICE_ENV) or "cpu"
+    if device not in DEVICES:
+        raise ValueError(f"{TEST_DEVICE_ENV}={device!r}: allowed values are {', '.join(DEVICES)}")
+    return device
+
+
+def process_env(device: str) -> dict[str, str]:
+    """Environment entries for training processes on the device (launched or single)."""
+    return dict(GPU_PROCESS_ENV if device == "gpu" else CPU_PROCESS_ENV)
+
+
+def launcher_process_args(nproc: int, device: str, first_device: int = 0) -> list[str]:
+    """paddle.distributed.launch arguments for nproc processes on this node: one GPU each (NCCL),
+    or CPU processes (gloo)."""
+    if device == "gpu":
+        return ["--devices", ",".join(str(first_device + i) for i in range(nproc))]
+    return ["--nproc_per_node", str(nproc)]
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
@@ -110,8 +143,10 @@ def launch(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     master_port: int | None = None,
+    device: str = "cpu",
 ) -> LaunchResult:
-    """Run `python -m paddle.distributed.launch --nproc_per_node nproc script args...` on CPU.
+    """Run `python -m paddle.distributed.launch --nproc_per_node nproc script args...` on CPU
+    (device "gpu": `--devices 0,...,nproc-1`, one GPU per process).
 
     `log_dir` (created; a fresh temporary directory if None) receives
     workerlog.N and the per-rank result.N.json files. `env` entries are added to
@@ -123,10 +158,9 @@ def launch(
     for old in log_dir.glob("result.*.json"):
         old.unlink()
     run_env = dict(os.environ)
+    run_env.update(process_env(device))
     run_env.update(
         {
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             RESULT_DIR_ENV: str(log_dir),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")])),
@@ -135,7 +169,7 @@ def launch(
     run_env.update(env or {})
     cmd = [
         sys.executable, "-m", "paddle.distributed.launch",
-        "--nproc_per_node", str(nproc),
+        *launcher_process_args(nproc, device),
         *(["--master", f"127.0.0.1:{master_port}"] if master_port else []),
         "--log_dir", str(log_dir),
         str(script), *map(str, args),

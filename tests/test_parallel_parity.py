@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from launch_utils import REPO_ROOT, free_port
+from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_env
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, final_weights, run_launch,
-    run_record, run_single, train_records, write_json,
+    DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, final_weights,
+    run_launch, run_record, run_single, train_records, write_json,
 )
 
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
@@ -228,12 +228,13 @@ def test_two_nodes(parity):
     runs_file = write_json(parity.work / "two-nodes.runs.json",
                            [parity.run("two-nodes-dp2", gradient_accumulation_steps=2)])
     master = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **process_env(DEVICE),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2", "--master", master,
-         "--nproc_per_node", "1", "--log_dir", str(parity.work / f"two-nodes.log{node}"), str(TRAIN_RUNS),
-         str(runs_file)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         *launcher_process_args(1, DEVICE, first_device=node),
+         "--log_dir", str(parity.work / f"two-nodes.log{node}"), str(TRAIN_RUNS), str(runs_file)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)

@@ -24,7 +24,7 @@ def test_tiny_llama_learns_and_reports(embedded_corpus, tmp_path):
         embedded_corpus, tmp_path, num_hidden_layers=2, max_seq_length=64, per_device_train_batch_size=8,
         gradient_accumulation_steps=1, max_steps=60, warmup_steps=5, logging_steps=10, save_steps=0,
         do_eval=True, eval_steps=30, eval_iters=2, learning_rate=0.003,
-        bf16=True, use_flash_attention=True))
+        bf16=True, use_flash_attention=True, device="cpu"))  # CPU on any test device: checks the CPU warnings
     out = tmp_path / "out"
     result = run_cli(args_file, "--output_dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
