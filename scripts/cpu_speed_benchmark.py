@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,9 +60,11 @@ SWEEP_WIDTHS, SWEEP_LAYERS, SWEEP_BATCH = (128, 256, 512, 1024), 2, 4
 OPTIM = dict(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.01,
              max_grad_norm=1.0)
 SEED = 42
-# What the training processes see. "as is": no thread or MKL variable, i.e. what typing the command
-# gives (Paddle then pins OMP_NUM_THREADS to 1). "tuned": every core for Paddle's threads, and on
-# AMD CPUs MKL's AVX2 kernels (Paddle's bundled MKL runs a generic SSE path there otherwise).
+# What the training processes are started with. "as is": no thread or MKL variable, i.e. what typing the
+# command gives: our run_pretrain.py then sets its CPU defaults (llm_pretrain/cpu_threads.py), PaddleNLP's
+# Trainer runs as Paddle leaves it (OMP_NUM_THREADS pinned to 1, on AMD MKL's generic SSE path). "tuned":
+# every core for Paddle's threads, and on AMD CPUs MKL's AVX2 kernels, for both sides. What each side
+# actually ran with is recorded per run ("effective_environment").
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")
 ENVIRONMENTS = {"as is": {}, "tuned": {"OMP_NUM_THREADS": str(flops.cpu_count()),
                                        **({"MKL_DEBUG_CPU_TYPE": "5"} if flops.cpu_vendor() == "AuthenticAMD" else {})}}
@@ -78,6 +81,21 @@ def run(command: list[str], env_name: str, log_path: str, timeout: float = 1800)
     if code:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             raise SystemExit(f"failed ({code}): {' '.join(command)}\n" + "".join(f.readlines()[-25:]))
+
+
+def effective_environment(environ) -> dict:
+    """The thread/MKL variables a training process ran with (read after Paddle was imported)."""
+    return {k: environ[k] for k in THREAD_VARIABLES if k in environ}
+
+
+def ours_effective_environment(env_name: str, log_path: str) -> dict:
+    """The started environment plus what run_pretrain.py's one "cpu defaults: A=1 (...), B=2 (...)" line set."""
+    env = {"OMP_NUM_THREADS": "1", **ENVIRONMENTS[env_name]}  # Paddle's own default when nothing else is set
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("cpu defaults:"):
+                env.update(re.findall(r"(\w+)=(\S+) \(", line.split(";")[0]))
+    return {k: env[k] for k in THREAD_VARIABLES if k in env}
 
 
 def slug(name: str) -> str:
@@ -155,7 +173,7 @@ def paddlenlp_worker(spec_path: str) -> None:
                              disable_tqdm=True, seed=SEED, dataloader_num_workers=0, fp16=False, bf16=False, **OPTIM)
     InOrder(model=model, args=args, train_dataset=Samples(), callbacks=[StepTimer()]).train()
     with open(os.path.join(spec["output_dir"], "steps.json"), "w", encoding="utf-8") as f:
-        json.dump({"steps": timed, "losses": losses,
+        json.dump({"steps": timed, "losses": losses, "effective_environment": effective_environment(os.environ),
                    "params": sum(int(np.prod(p.shape)) for p in model.parameters())}, f)
 
 
@@ -183,6 +201,7 @@ def train_ours(root: str, corpus: dict, name: str, sizes: dict, batch: int, step
             for a, b in zip(train, train[1:])]
     architecture = {k: v for k, v in run_event["model_config"].items() if k != "family"}
     return {"step_records": train, "loop_records": loop, "losses": [r["loss"] for r in train],
+            "effective_environment": ours_effective_environment(env_name, out + ".log"),
             "flops_per_token": run_event["flops_per_token"], "params": parameter_count(make_config("llama", **architecture))}
 
 
@@ -202,7 +221,8 @@ def train_paddlenlp(root: str, corpus: dict, sizes: dict, batch: int, steps: int
                      "step_time_s": s["end"] - s["begin"]} for s in result["steps"]]
     loop = [{"step": b["step"], "tokens_per_card_per_sec": tokens / (b["end"] - a["end"])}
             for a, b in zip(result["steps"], result["steps"][1:])]
-    return {"step_records": step_records, "loop_records": loop, "losses": result["losses"], "params": result["params"]}
+    return {"step_records": step_records, "loop_records": loop, "losses": result["losses"], "params": result["params"],
+            "effective_environment": result["effective_environment"]}
 
 
 def speed(raws: list[dict], warmup: int) -> dict:
@@ -233,6 +253,10 @@ def environment() -> dict:
 
 
 # ----------------------------------------------------------------------------- report
+def _env_text(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items()) or "nothing set"
+
+
 def render(results: dict) -> str:
     env, c, s = results["environment"], results["compare"], results["sweep"]
     m = c["model"]
@@ -241,7 +265,11 @@ def render(results: dict) -> str:
              f" ({env['cpu_vendor']}), Paddle {env['paddle_version']}, PaddleNLP {env['paddlenlp_version']}, Python "
              f"{env['python']}. Raw figures: `cpu_speed.json`. Environments of the training processes: "
              + "; ".join(f"**{k}**: {' '.join(f'{a}={b}' for a, b in v.items()) or 'no thread/MKL variable set'}"
-                         for k, v in ENVIRONMENTS.items()) + ".", "",
+                         for k, v in ENVIRONMENTS.items()) + ". What the training processes ran with (after our "
+             "CPU defaults, llm_pretrain/cpu_threads.py, and Paddle's own `OMP_NUM_THREADS=1`): "
+             + "; ".join(f"**{name}**: ours {_env_text(r['ours']['effective_environment'])}, PaddleNLP "
+                         f"{_env_text(r['paddlenlp']['effective_environment'])}" for name, r in c["runs"].items())
+             + ".", "",
              "## Matrix-product peak (fp32, 2048 x 2048, best of repeated products)", "",
              "| environment | Paddle (MKL) TFLOPs | NumPy (OpenBLAS) TFLOPs | threads Paddle / NumPy |", "|---|---|---|---|"]
     for name, p in results["peak"].items():
@@ -339,7 +367,8 @@ def main(argv: list[str]) -> int:
                 print(f"[{env_name}, round {round_ + 1}] {side}: {speed([raw], options.warmup)['tokens_per_sec']:.0f}"
                       f" tokens/s, {raws[side][-1]['wall_s']} s", flush=True)
         pair = {side: {**speed(runs, options.warmup), "losses": runs[0]["losses"], "params": runs[0]["params"],
-                       "runs": runs} for side, runs in raws.items()}
+                       "effective_environment": runs[0]["effective_environment"], "runs": runs}
+                for side, runs in raws.items()}
         pair["ratio"] = pair["ours"]["tokens_per_sec"] / pair["paddlenlp"]["tokens_per_sec"]
         pair["max_loss_difference"] = max(abs(a - b) for a, b in zip(pair["ours"]["losses"],
                                                                       pair["paddlenlp"]["losses"]))
