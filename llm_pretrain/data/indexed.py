@@ -61,9 +61,14 @@ class IndexedDataset:
     """Read-only, memory-mapped view of prefix.bin/.idx. Indexing is by document.
 
     `dataset[d]` is document d (all its items concatenated) as a read-only array
-    of the stored dtype; `tokens` is the whole .bin; `document_offsets[d]` is the
-    token position where document d starts (one extra entry: the total).
+    of the stored dtype; `tokens` is the whole .bin; `document_start(d)` is the
+    token position where document d starts (d = num_documents: the total).
     Bad files raise UsageError naming input_dir and the file.
+
+    Opening reads only the header: a document's start is looked up when it is needed
+    (doc_idx, then pointers), and `document_sizes` is the index's own int32 `sizes`
+    (no copy) when there is one item per document, as this toolkit and PaddleNLP's
+    create_pretraining_data.py write it. `document_offsets` builds the whole array.
     """
 
     def __init__(self, prefix: str):
@@ -101,6 +106,7 @@ class IndexedDataset:
         self.tokens = (np.memmap(data, mode="r", dtype=self.dtype, shape=(self.num_tokens,))
                        if self.num_tokens else np.zeros(0, self.dtype))
         self._document_offsets = None
+        self._one_item_per_document = None
 
     @property
     def num_documents(self) -> int:
@@ -114,9 +120,30 @@ class IndexedDataset:
             self._document_offsets = item_starts[self.doc_idx]
         return self._document_offsets
 
+    def document_start(self, d: int) -> int:
+        """Where document d starts in `tokens` (d = num_documents: the number of tokens); reads two entries."""
+        item = int(self.doc_idx[d])
+        return int(self.pointers[item]) // self.dtype.itemsize if item < len(self.sizes) else self.num_tokens
+
+    @property
+    def one_item_per_document(self) -> bool:
+        """doc_idx is 0, 1, ..., n_items (checked once, a block at a time: no n-sized temporary)."""
+        if self._one_item_per_document is None:
+            n = len(self.sizes)
+            same = len(self.doc_idx) == n + 1
+            block = 1 << 20
+            for start in range(0, n + 1, block):
+                if not same:
+                    break
+                end = min(start + block, n + 1)
+                same = bool(np.array_equal(self.doc_idx[start:end], np.arange(start, end)))
+            self._one_item_per_document = same
+        return self._one_item_per_document
+
     @property
     def document_sizes(self) -> np.ndarray:
-        return np.diff(self.document_offsets)
+        """Tokens per document: the index's int32 `sizes` itself when each document is one item."""
+        return self.sizes if self.one_item_per_document else np.diff(self.document_offsets)
 
     def __len__(self) -> int:
         return self.num_documents
@@ -125,8 +152,7 @@ class IndexedDataset:
         if not -self.num_documents <= d < self.num_documents:
             raise IndexError(f"document {d} out of range ({self.num_documents} documents)")
         d %= self.num_documents
-        offsets = self.document_offsets
-        return self.tokens[offsets[d]:offsets[d + 1]]
+        return self.tokens[self.document_start(d):self.document_start(d + 1)]
 
     def warmup(self) -> None:
         """Read the files once so the page cache holds them (PaddleNLP's skip_warmup=False)."""
