@@ -106,7 +106,6 @@ class IndexedDataset:
         self.tokens = (np.memmap(data, mode="r", dtype=self.dtype, shape=(self.num_tokens,))
                        if self.num_tokens else np.zeros(0, self.dtype))
         self._document_offsets = None
-        self._one_item_per_document = None
 
     @property
     def num_documents(self) -> int:
@@ -125,25 +124,41 @@ class IndexedDataset:
         item = int(self.doc_idx[d])
         return int(self.pointers[item]) // self.dtype.itemsize if item < len(self.sizes) else self.num_tokens
 
-    @property
-    def one_item_per_document(self) -> bool:
-        """doc_idx is 0, 1, ..., n_items (checked once, a block at a time: no n-sized temporary)."""
-        if self._one_item_per_document is None:
-            n = len(self.sizes)
-            same = len(self.doc_idx) == n + 1
-            block = 1 << 20
-            for start in range(0, n + 1, block):
-                if not same:
-                    break
-                end = min(start + block, n + 1)
-                same = bool(np.array_equal(self.doc_idx[start:end], np.arange(start, end)))
-            self._one_item_per_document = same
-        return self._one_item_per_document
+    def one_item_per_document(self, start: int = 0, end: int | None = None) -> bool:
+        """Documents start..end-1 are items start..end-1 (doc_idx[start:end+1] counts up by one).
+
+        Read a block at a time (no temporary of the range's size); only that part of doc_idx.
+        """
+        end = self.num_documents if end is None else end
+        if end >= len(self.doc_idx) or end - start > len(self.sizes):
+            return False
+        block = 1 << 20
+        return all(np.array_equal(self.doc_idx[b:min(b + block, end + 1)], np.arange(b, min(b + block, end + 1)))
+                   for b in range(start, end + 1, block))
+
+    def document_sizes_for(self, start: int, end: int) -> np.ndarray:
+        """Tokens per document, right for the documents start..end-1 (indexed by document id).
+
+        The index's own int32 `sizes`, no copy and nothing read but those entries, when those
+        documents are one item each (as this toolkit and PaddleNLP's create_pretraining_data.py
+        write them); else computed for all documents from the offsets.
+        """
+        return self.sizes if self.one_item_per_document(start, end) else self.document_sizes
 
     @property
     def document_sizes(self) -> np.ndarray:
-        """Tokens per document: the index's int32 `sizes` itself when each document is one item."""
-        return self.sizes if self.one_item_per_document else np.diff(self.document_offsets)
+        return np.diff(self.document_offsets)
+
+    def document_spans(self, documents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) in `tokens` of several documents at once (int64)."""
+        documents = np.asarray(documents, dtype=np.int64)
+        items = self.doc_idx[documents]
+        if len(self.sizes) and np.array_equal(items, documents) and np.array_equal(self.doc_idx[documents + 1],
+                                                                                   documents + 1):
+            starts = self.pointers[documents] // self.dtype.itemsize  # one item each: no offsets array needed
+            return starts, starts + self.sizes[documents]
+        offsets = self.document_offsets
+        return offsets[documents], offsets[documents + 1]
 
     def __len__(self) -> int:
         return self.num_documents

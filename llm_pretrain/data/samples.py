@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 
 import numpy as np
+from numpy.random import RandomState  # numpy loads numpy.random lazily: at import, not inside the timed build
 
 from llm_pretrain.data.indexed import IndexedDataset, idx_path
 from llm_pretrain.data.inputs import open_sources, parse_split, split_document_ranges
@@ -58,7 +59,7 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
 
 
 def build_sample_idx(document_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
-                     num_samples: int) -> np.ndarray:
+                     num_samples: int, longest: int | None = None) -> np.ndarray:
     """[num_samples + 1, 2]: (position in doc_idx, token offset) where each window starts.
 
     Vectorized form of Megatron's build_sample_idx loop: window k starts at stream token
@@ -69,7 +70,8 @@ def build_sample_idx(document_sizes: np.ndarray, doc_idx: np.ndarray, seq_length
     the result: memory beyond the result is a few block-sized arrays (PaddleNLP's C++ loop
     needs none either), and the gathered sizes stay in their own dtype (int32).
     """
-    longest = int(document_sizes.max(initial=0))  # bounds every offset (a document of 2**31 tokens: int64)
+    if longest is None:  # the longest document in doc_idx: it bounds every offset
+        longest = int(document_sizes[np.unique(doc_idx)].max(initial=0))
     dtype = np.int32 if max(len(doc_idx), longest) < 2**31 else np.int64
     sample_idx = np.zeros((num_samples + 1, 2), dtype)  # row 0 is (0, 0), as the loop records its start
     block = 1 << 20
@@ -109,7 +111,9 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 def build_index_arrays(document_sizes: np.ndarray, documents: np.ndarray, num_samples: int,
                        seq_length: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """doc_idx, sample_idx, shuffle_idx for `num_samples` windows over `documents` (Megatron's rules)."""
-    tokens_per_epoch = int(document_sizes[documents].sum())
+    epoch_sizes = document_sizes[documents]
+    tokens_per_epoch, longest = int(epoch_sizes.sum()), int(epoch_sizes.max(initial=0))
+    del epoch_sizes
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
     separate_last_epoch = False
     if num_epochs > 1:
@@ -118,10 +122,10 @@ def build_index_arrays(document_sizes: np.ndarray, documents: np.ndarray, num_sa
         from_full_epochs = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         per_epoch = (tokens_per_epoch - 1) // seq_length
         separate_last_epoch = num_samples - from_full_epochs < int(0.80 * per_epoch)
-    rng = np.random.RandomState(seed=seed)
+    rng = RandomState(seed=seed)
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate_last_epoch)
     total = (num_epochs * tokens_per_epoch - 1) // seq_length
-    sample_idx = build_sample_idx(document_sizes, doc_idx, seq_length, total)
+    sample_idx = build_sample_idx(document_sizes, doc_idx, seq_length, total, longest)
     shuffled = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate_last_epoch else total
     shuffle_idx = build_shuffle_idx(shuffled, total, rng)
     return doc_idx, sample_idx, shuffle_idx
@@ -278,7 +282,8 @@ class GPTDataset:
         self.cache_key = cache_name(f"gpt_{split_name}", key)
 
         def build():  # the sizes are read only here: a cached index never touches them
-            return build_index_arrays(data.document_sizes, np.arange(start, end), num_samples, seq_length, seed)
+            return build_index_arrays(data.document_sizes_for(start, end), np.arange(start, end), num_samples,
+                                      seq_length, seed)
 
         def valid(doc_idx, sample_idx, shuffle_idx):
             return (sample_idx.ndim == 2 and sample_idx.shape[1] == 2 and len(shuffle_idx) == len(sample_idx) - 1
@@ -298,18 +303,13 @@ class GPTDataset:
             raise IndexError(f"sample {i} out of range ({len(self)} samples)")
         k = int(self.shuffle_idx[i])
         (first, start), (last, end) = self.sample_idx[k], self.sample_idx[k + 1]
-        tokens, start_of = self.data.tokens, self.data.document_start
-
-        def document(position):
-            d = int(self.doc_idx[position])
-            return tokens[start_of(d):start_of(d + 1)]
-
+        starts, ends = self.data.document_spans(self.doc_idx[first:last + 1])
+        ends[-1] = starts[-1] + end + 1  # the window ends inside its last document (inclusive)...
+        starts[0] += start  # ...and starts inside its first
+        tokens = self.data.tokens
         if first == last:
-            pieces = [document(first)[start:end + 1]]
-        else:
-            pieces = ([document(first)[start:]] + [document(p) for p in range(first + 1, last)]
-                      + [document(last)[:end + 1]])
-        return np.concatenate(pieces).astype(np.int64)
+            return tokens[starts[0]:ends[0]].astype(np.int64)
+        return np.concatenate([tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).astype(np.int64)
 
 
 class BlendedDataset:
