@@ -249,7 +249,8 @@ def environment() -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "paddle_version": paddle.__version__,
             "paddle_commit": paddle.version.commit, "paddlenlp_version": version("paddlenlp"),
             "python": platform.python_version(), "cpu_model": perf.cpu_model_name(), "cpu_vendor": flops.cpu_vendor(),
-            "cpu_count": flops.cpu_count(), "environments": ENVIRONMENTS}
+            "cpu_count": flops.cpu_count(), "environments": ENVIRONMENTS,
+            "load_average_1_5_15_min": list(os.getloadavg())}  # other jobs on the machine while it ran
 
 
 # ----------------------------------------------------------------------------- report
@@ -263,7 +264,9 @@ def render(results: dict) -> str:
     lines = ["# CPU speed: this toolkit vs PaddleNLP, and MFU by width", "",
              f"`python scripts/cpu_speed_benchmark.py`, {env['date']}: {env['cpu_count']} cores of {env['cpu_model']}"
              f" ({env['cpu_vendor']}), Paddle {env['paddle_version']}, PaddleNLP {env['paddlenlp_version']}, Python "
-             f"{env['python']}. Raw figures: `cpu_speed.json`. Environments of the training processes: "
+             f"{env['python']}; load average at the end {env['load_average_1_5_15_min'][0]:.1f} / "
+             f"{env['load_average_1_5_15_min'][1]:.1f} / {env['load_average_1_5_15_min'][2]:.1f} (1 / 5 / 15 min). "
+             "Raw figures: `cpu_speed.json`. Environments of the training processes: "
              + "; ".join(f"**{k}**: {' '.join(f'{a}={b}' for a, b in v.items()) or 'no thread/MKL variable set'}"
                          for k, v in ENVIRONMENTS.items()) + ". What the training processes ran with (after our "
              "CPU defaults, llm_pretrain/cpu_threads.py, and Paddle's own `OMP_NUM_THREADS=1`): "
@@ -279,8 +282,8 @@ def render(results: dict) -> str:
               "## Same model, same data, same initial weights: ours vs PaddleNLP's Trainer", "",
               f"LLaMA hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
               f"({m['num_key_value_heads']} kv), MLP {m['intermediate_size']}, vocab {m['vocab_size']} "
-              f"({c['runs']['tuned']['ours']['params']:,} parameters, PaddleNLP's model: "
-              f"{c['runs']['tuned']['paddlenlp']['params']:,}); batch {c['batch']} x {c['seq']} tokens; AdamW lr "
+              f"({next(iter(c['runs'].values()))['ours']['params']:,} parameters, PaddleNLP's model: "
+              f"{next(iter(c['runs'].values()))['paddlenlp']['params']:,}); batch {c['batch']} x {c['seq']} tokens; AdamW lr "
               f"{OPTIM['learning_rate']} constant, betas {OPTIM['adam_beta1']}/{OPTIM['adam_beta2']}, eps "
               f"{OPTIM['adam_epsilon']}, weight decay {OPTIM['weight_decay']}, clip {OPTIM['max_grad_norm']}; fp32; "
               f"{c['rounds']} alternating runs per side of {c['steps']} steps, medians over the steps after each "
@@ -292,6 +295,8 @@ def render(results: dict) -> str:
         lines.append(f"| {name} | {o['tokens_per_sec']:.0f} | {p['tokens_per_sec']:.0f} | **{r['ratio']:.2f}** | "
                      f"{o['step_time_s'] * 1e3:.0f} / {p['step_time_s'] * 1e3:.0f} | {o['loop_tokens_per_sec']:.0f} / "
                      f"{p['loop_tokens_per_sec']:.0f} | {r['max_loss_difference']:.1e} |")
+    if not s["rows"]:
+        return "\n".join(lines) + "\n"
     lines += ["", "## MFU of our training step by width", "",
               f"{SWEEP_LAYERS} layers, head size 64, MLP 2.6875 x hidden (LLaMA's 11008/4096), vocab {VOCAB}, batch "
               f"{SWEEP_BATCH} x {SEQ} tokens, {s['steps']} steps, medians after {s['warmup']}; achieved = the "
@@ -324,6 +329,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="comparison runs per side, alternating (default 2)")
     parser.add_argument("--sweep-steps", type=int, default=8, help="steps per width of the MFU sweep (default 8)")
     parser.add_argument("--sweep-warmup", type=int, default=3, help="warm-up steps of the sweep (default 3)")
+    parser.add_argument("--environments", default=",".join(ENVIRONMENTS),
+                        help=f"comma-separated, of: {', '.join(ENVIRONMENTS)} (default: all)")
+    parser.add_argument("--sweep-widths", default=",".join(map(str, SWEEP_WIDTHS)),
+                        help="widths of the MFU sweep, comma-separated; empty: no sweep (default: %(default)s)")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"), help="for the .md and .json")
     parser.add_argument("--work-dir", help="runs, logs, corpus; kept (default: a temporary directory, removed)")
     parser.add_argument("--worker", choices=("peak", "paddlenlp"), help=argparse.SUPPRESS)
@@ -335,6 +344,16 @@ def main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if min(options.steps - options.warmup, options.sweep_steps - options.sweep_warmup) < 2:
         parser.error("--steps/--sweep-steps must leave at least 2 steps after the warm-up")
+    chosen = [name.strip() for name in options.environments.split(",") if name.strip()]
+    if not chosen or any(name not in ENVIRONMENTS for name in chosen):
+        parser.error(f"--environments: {options.environments!r}; choose from {', '.join(ENVIRONMENTS)}")
+    try:
+        widths = [int(w) for w in options.sweep_widths.split(",") if w.strip()]
+    except ValueError:
+        parser.error(f"--sweep-widths: {options.sweep_widths!r} is not a list of integers")
+    for name in list(ENVIRONMENTS):
+        if name not in chosen:
+            del ENVIRONMENTS[name]
 
     from llm_pretrain.data import ensure_embedded_corpus
     from llm_pretrain.data.embedded import DEFAULT_OUT_DIR
@@ -378,7 +397,7 @@ def main(argv: list[str]) -> int:
     results["compare"] = compare
 
     sweep = {"steps": options.sweep_steps, "warmup": options.sweep_warmup, "rows": []}
-    for width in SWEEP_WIDTHS:
+    for width in widths:
         heads = max(1, width // 64)
         sizes = dict(hidden_size=width, num_hidden_layers=SWEEP_LAYERS, num_attention_heads=heads,
                      num_key_value_heads=heads, intermediate_size=width * 43 // 16, vocab_size=VOCAB)

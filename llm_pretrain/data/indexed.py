@@ -95,6 +95,7 @@ class IndexedDataset:
         self.pointers = np.frombuffer(index, np.int64, n_items, offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(index, np.int64, n_doc_idx, offset)
+        self._doc_idx_offset = offset
 
         # Items are contiguous, so the end of the last item is the number of tokens.
         self.num_tokens = int(self.pointers[-1] // self.dtype.itemsize + self.sizes[-1]) if n_items else 0
@@ -127,14 +128,20 @@ class IndexedDataset:
     def one_item_per_document(self, start: int = 0, end: int | None = None) -> bool:
         """Documents start..end-1 are items start..end-1 (doc_idx[start:end+1] counts up by one).
 
-        Read a block at a time (no temporary of the range's size); only that part of doc_idx.
+        Only that part of doc_idx is read, a block at a time with pread rather than through the
+        memory map, so that it does not stay in this process' memory (it is used once).
         """
         end = self.num_documents if end is None else end
         if end >= len(self.doc_idx) or end - start > len(self.sizes):
             return False
         block = 1 << 20
-        return all(np.array_equal(self.doc_idx[b:min(b + block, end + 1)], np.arange(b, min(b + block, end + 1)))
-                   for b in range(start, end + 1, block))
+        with open(idx_path(self.prefix), "rb") as f:
+            for b in range(start, end + 1, block):
+                count = min(block, end + 1 - b)
+                values = np.frombuffer(os.pread(f.fileno(), 8 * count, self._doc_idx_offset + 8 * b), np.int64)
+                if not np.array_equal(values, np.arange(b, b + count)):
+                    return False
+        return True
 
     def document_sizes_for(self, start: int, end: int) -> np.ndarray:
         """Tokens per document, right for the documents start..end-1 (indexed by document id).

@@ -53,7 +53,7 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
         first = build_doc_idx(documents, num_epochs - 1, rng, False)
         return np.concatenate([first, build_doc_idx(documents, 1, rng, False)])
     dtype = np.int32 if documents.size == 0 or documents.max() < 2**31 else np.int64
-    doc_idx = np.tile(documents.astype(dtype), num_epochs)
+    doc_idx = np.tile(documents.astype(dtype, copy=False), num_epochs)
     rng.shuffle(doc_idx)
     return doc_idx
 
@@ -111,7 +111,8 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 def build_index_arrays(document_sizes: np.ndarray, documents: np.ndarray, num_samples: int,
                        seq_length: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """doc_idx, sample_idx, shuffle_idx for `num_samples` windows over `documents` (Megatron's rules)."""
-    epoch_sizes = document_sizes[documents]
+    contiguous = len(documents) and int(documents[-1]) - int(documents[0]) + 1 == len(documents)
+    epoch_sizes = document_sizes[int(documents[0]):int(documents[-1]) + 1] if contiguous else document_sizes[documents]
     tokens_per_epoch, longest = int(epoch_sizes.sum()), int(epoch_sizes.max(initial=0))
     del epoch_sizes
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
@@ -282,8 +283,8 @@ class GPTDataset:
         self.cache_key = cache_name(f"gpt_{split_name}", key)
 
         def build():  # the sizes are read only here: a cached index never touches them
-            return build_index_arrays(data.document_sizes_for(start, end), np.arange(start, end), num_samples,
-                                      seq_length, seed)
+            documents = np.arange(start, end, dtype=np.int32 if end < 2**31 else np.int64)
+            return build_index_arrays(data.document_sizes_for(start, end), documents, num_samples, seq_length, seed)
 
         def valid(doc_idx, sample_idx, shuffle_idx):
             return (sample_idx.ndim == 2 and sample_idx.shape[1] == 2 and len(shuffle_idx) == len(sample_idx) - 1
