@@ -18,6 +18,7 @@ characters here, as that one token by PaddleNLP's tokenizers.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -70,10 +71,19 @@ def _encode_chunk(chunk: tuple[str, int, list[str]]) -> tuple[np.ndarray, np.nda
     documents = _worker["tokenizer"].encode_batch(texts) if texts else []
     if repeated is not None:
         documents = [ids for ids in documents if ids]
-    if _worker["eos_id"] is not None:
-        documents = [ids + [_worker["eos_id"]] for ids in documents]
-    sizes = np.array([len(ids) for ids in documents], dtype=np.int64)
-    tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in documents] or [np.zeros(0, np.int64)])
+    # One pass over all ids (np.fromiter over the chained lists), not an array per document:
+    # converting was a third of the tokenizer's own time.
+    sizes = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+    ids = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=int(sizes.sum()))
+    if _worker["eos_id"] is not None:  # EOS after each document
+        sizes += 1
+        ends = np.cumsum(sizes) - 1
+        tokens = np.full(int(sizes.sum()), _worker["eos_id"], dtype=np.int64)
+        body = np.ones(len(tokens), dtype=bool)
+        body[ends] = False
+        tokens[body] = ids
+    else:
+        tokens = ids
     nbytes = sum(len(line.encode("utf-8")) for line in lines)
     return tokens.astype(_worker["dtype"]), sizes, nbytes
 
