@@ -150,8 +150,17 @@ def test_index_arrays_equal_paddlenlp_over_epochs_and_blends(tmp_path, paddlenlp
         assert np.array_equal(ours[i], theirs[i]["text"])
 
 
-def test_compiled_blending_equals_the_python_loop():
-    assert samples.compiled_blending() is not None  # a C compiler is part of this test machine
+def test_compiled_helpers_equal_the_numpy_and_python_versions():
+    assert samples.compiled_helpers() is not None  # a C compiler is part of this test machine
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 300, 5000).astype(np.int32)
+    sizes[::7] = 0  # empty documents are skipped
+    doc_idx = np.tile(np.arange(100, 5000, dtype=np.int32), 3)
+    rng.shuffle(doc_idx)
+    total = (int(sizes[doc_idx].sum()) - 1) // 64
+    compiled = samples.build_sample_idx(sizes, doc_idx, 64, total, int(sizes.max()))  # int32: the C loop
+    blocks = samples.build_sample_idx(sizes, doc_idx.astype(np.int64), 64, total, int(sizes.max()))  # NumPy
+    assert compiled.dtype == blocks.dtype == np.int32 and np.array_equal(compiled, blocks)
     rng = np.random.default_rng(0)
     for weights, size in (([0.5, 0.2, 0.3], 50000), ([1 / 3] * 3, 50000), (rng.dirichlet(np.ones(7)), 50000),
                           (rng.dirichlet(np.ones(300)), 3000)):  # 300: int64 dataset ids

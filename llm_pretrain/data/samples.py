@@ -73,6 +73,14 @@ def build_sample_idx(document_sizes: np.ndarray, doc_idx: np.ndarray, seq_length
     if longest is None:  # the longest document in doc_idx: it bounds every offset
         longest = int(document_sizes[np.unique(doc_idx)].max(initial=0))
     dtype = np.int32 if max(len(doc_idx), longest) < 2**31 else np.int64
+    compiled = compiled_helpers()
+    if (compiled is not None and dtype == np.int32 and document_sizes.dtype == np.int32 and doc_idx.dtype == np.int32
+            and document_sizes.flags.c_contiguous and doc_idx.flags.c_contiguous):
+        # Megatron's loop in C (helpers.c): no temporary at all, 3x the NumPy blocks below.
+        sample_idx = np.zeros((num_samples + 1, 2), np.int32)
+        compiled.build_sample_idx_int32(document_sizes.ctypes.data, doc_idx.ctypes.data, seq_length, num_samples,
+                                        sample_idx.ctypes.data)
+        return sample_idx
     sample_idx = np.zeros((num_samples + 1, 2), dtype)  # row 0 is (0, 0), as the loop records its start
     block = 1 << 20
     first_window, stream_start = 1, 0  # next window to place, tokens before this block
@@ -133,19 +141,19 @@ def build_index_arrays(document_sizes: np.ndarray, documents: np.ndarray, num_sa
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_blending():
-    """blending.c's build_blending_indices through ctypes, compiled on first use; None without a C compiler.
+def compiled_helpers():
+    """helpers.c (the blending and sample-index loops) through ctypes, compiled on first use; None without cc.
 
     Megatron builds its helpers at run time the same way; PaddleNLP ships them compiled
     (tool_helpers). The library is cached under ~/.cache/llm_pretrain (XDG_CACHE_HOME) by the
     source's hash; the compiler is $CC or cc, with FMA contraction off so that the
     arithmetic is the Python loop's to the last bit.
     """
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "blending.c")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers.c")
     with open(source, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm_pretrain")
-    library = os.path.join(cache, f"blending-{digest}.so")
+    library = os.path.join(cache, f"helpers-{digest}.so")
     if not os.path.isfile(library):
         try:
             os.makedirs(cache, exist_ok=True)
@@ -162,13 +170,14 @@ def compiled_blending():
         if not os.path.isfile(library):
             return None
     try:
-        function = ctypes.CDLL(library).build_blending_indices
+        library = ctypes.CDLL(library)
     except OSError:
         return None
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                         ctypes.c_void_p, ctypes.c_void_p]
-    return function
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.build_blending_indices.restype = library.build_sample_idx_int32.restype = None
+    library.build_blending_indices.argtypes = [p, i64, i64, p, ctypes.c_int, p, p]
+    library.build_sample_idx_int32.argtypes = [p, p, ctypes.c_int32, i64, p]
+    return library
 
 
 def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,18 +185,19 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
 
     Returns (dataset_index, dataset_sample_index): which dataset, and which of its samples.
     At every position each dataset's count stays within two samples of weight * position.
-    The loop runs in C (blending.c, ~10 ms per million samples) when a C compiler is there,
+    The loop runs in C (helpers.c, ~10 ms per million samples) when a C compiler is there,
     else in Python (~0.35 s per million for two datasets); it runs once, then is cached.
     """
-    compiled = compiled_blending()
+    compiled = compiled_helpers()
     if compiled is not None:
         weights_array = np.ascontiguousarray(weights, dtype=np.float64)
         wide = len(weights_array) >= 256  # uint8 dataset ids like Megatron while they fit
         dataset_index = np.zeros(size, np.int64 if wide else np.uint8)
         dataset_sample_index = np.zeros(size, np.int64)
         counts = np.zeros(len(weights_array), np.int64)
-        compiled(weights_array.ctypes.data, len(weights_array), size, dataset_index.ctypes.data, int(wide),
-                 dataset_sample_index.ctypes.data, counts.ctypes.data)
+        compiled.build_blending_indices(weights_array.ctypes.data, len(weights_array), size,
+                                        dataset_index.ctypes.data, int(wide), dataset_sample_index.ctypes.data,
+                                        counts.ctypes.data)
         return dataset_index, dataset_sample_index
     return blending_indices_python(weights, size)
 
