@@ -286,7 +286,8 @@ class GPTDataset:
 
     def __init__(self, data: IndexedDataset, split_name: str, documents: tuple[int, int], num_samples: int,
                  seq_length: int, seed: int, cache_dir: str):
-        self.data, self.split_name, self.seq_length = data, split_name, seq_length
+        self.data, self.split_name, self.seq_length, self.documents = data, split_name, seq_length, documents
+        self._single_items = None
         start, end = documents
         key = {"prefix": os.path.abspath(data.prefix), "idx": _file_identity(idx_path(data.prefix)),
                "documents": [start, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
@@ -314,7 +315,14 @@ class GPTDataset:
             raise IndexError(f"sample {i} out of range ({len(self)} samples)")
         k = int(self.shuffle_idx[i])
         (first, start), (last, end) = self.sample_idx[k], self.sample_idx[k + 1]
-        starts, ends = self.data.document_spans(self.doc_idx[first:last + 1])
+        documents = self.doc_idx[first:last + 1]
+        if self._single_items is None:  # checked once, on the first read (opening stays header-only)
+            self._single_items = self.data.one_item_per_document(*self.documents)
+        if self._single_items:  # each document one item: its span straight from the index
+            starts = self.data.pointers[documents] // self.data.dtype.itemsize
+            ends = starts + self.data.sizes[documents]
+        else:
+            starts, ends = self.data.document_spans(documents)
         ends[-1] = starts[-1] + end + 1  # the window ends inside its last document (inclusive)...
         starts[0] += start  # ...and starts inside its first
         tokens = self.data.tokens
