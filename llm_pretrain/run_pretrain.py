@@ -33,6 +33,11 @@ def main(argv: list[str]) -> int:
         from llm_pretrain.arguments import parse_arguments
 
         args, warnings = parse_arguments(argv)  # before importing Paddle: bad input fails fast
+        from llm_pretrain.cpu_threads import apply_cpu_defaults
+
+        message = apply_cpu_defaults(args.device)  # threads and MKL's fast path on CPU, before Paddle loads
+        if message and os.environ.get("PADDLE_LOCAL_RANK", "0") == "0":
+            print(message, flush=True)
         from llm_pretrain.trainer import train
 
         args_file = argv[0] if argv[0].endswith(".json") else None

@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,9 +60,11 @@ SWEEP_WIDTHS, SWEEP_LAYERS, SWEEP_BATCH = (128, 256, 512, 1024), 2, 4
 OPTIM = dict(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.01,
              max_grad_norm=1.0)
 SEED = 42
-# What the training processes see. "as is": no thread or MKL variable, i.e. what typing the command
-# gives (Paddle then pins OMP_NUM_THREADS to 1). "tuned": every core for Paddle's threads, and on
-# AMD CPUs MKL's AVX2 kernels (Paddle's bundled MKL runs a generic SSE path there otherwise).
+# What the training processes are started with. "as is": no thread or MKL variable, i.e. what typing the
+# command gives: our run_pretrain.py then sets its CPU defaults (llm_pretrain/cpu_threads.py), PaddleNLP's
+# Trainer runs as Paddle leaves it (OMP_NUM_THREADS pinned to 1, on AMD MKL's generic SSE path). "tuned":
+# every core for Paddle's threads, and on AMD CPUs MKL's AVX2 kernels, for both sides. What each side
+# actually ran with is recorded per run ("effective_environment").
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")
 ENVIRONMENTS = {"as is": {}, "tuned": {"OMP_NUM_THREADS": str(flops.cpu_count()),
                                        **({"MKL_DEBUG_CPU_TYPE": "5"} if flops.cpu_vendor() == "AuthenticAMD" else {})}}
@@ -78,6 +81,21 @@ def run(command: list[str], env_name: str, log_path: str, timeout: float = 1800)
     if code:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             raise SystemExit(f"failed ({code}): {' '.join(command)}\n" + "".join(f.readlines()[-25:]))
+
+
+def effective_environment(environ) -> dict:
+    """The thread/MKL variables a training process ran with (read after Paddle was imported)."""
+    return {k: environ[k] for k in THREAD_VARIABLES if k in environ}
+
+
+def ours_effective_environment(env_name: str, log_path: str) -> dict:
+    """The started environment plus what run_pretrain.py's one "cpu defaults: A=1 (...), B=2 (...)" line set."""
+    env = {"OMP_NUM_THREADS": "1", **ENVIRONMENTS[env_name]}  # Paddle's own default when nothing else is set
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("cpu defaults:"):
+                env.update(re.findall(r"(\w+)=(\S+) \(", line.split(";")[0]))
+    return {k: env[k] for k in THREAD_VARIABLES if k in env}
 
 
 def slug(name: str) -> str:
@@ -155,7 +173,7 @@ def paddlenlp_worker(spec_path: str) -> None:
                              disable_tqdm=True, seed=SEED, dataloader_num_workers=0, fp16=False, bf16=False, **OPTIM)
     InOrder(model=model, args=args, train_dataset=Samples(), callbacks=[StepTimer()]).train()
     with open(os.path.join(spec["output_dir"], "steps.json"), "w", encoding="utf-8") as f:
-        json.dump({"steps": timed, "losses": losses,
+        json.dump({"steps": timed, "losses": losses, "effective_environment": effective_environment(os.environ),
                    "params": sum(int(np.prod(p.shape)) for p in model.parameters())}, f)
 
 
@@ -183,6 +201,7 @@ def train_ours(root: str, corpus: dict, name: str, sizes: dict, batch: int, step
             for a, b in zip(train, train[1:])]
     architecture = {k: v for k, v in run_event["model_config"].items() if k != "family"}
     return {"step_records": train, "loop_records": loop, "losses": [r["loss"] for r in train],
+            "effective_environment": ours_effective_environment(env_name, out + ".log"),
             "flops_per_token": run_event["flops_per_token"], "params": parameter_count(make_config("llama", **architecture))}
 
 
@@ -202,7 +221,8 @@ def train_paddlenlp(root: str, corpus: dict, sizes: dict, batch: int, steps: int
                      "step_time_s": s["end"] - s["begin"]} for s in result["steps"]]
     loop = [{"step": b["step"], "tokens_per_card_per_sec": tokens / (b["end"] - a["end"])}
             for a, b in zip(result["steps"], result["steps"][1:])]
-    return {"step_records": step_records, "loop_records": loop, "losses": result["losses"], "params": result["params"]}
+    return {"step_records": step_records, "loop_records": loop, "losses": result["losses"], "params": result["params"],
+            "effective_environment": result["effective_environment"]}
 
 
 def speed(raws: list[dict], warmup: int) -> dict:
@@ -229,19 +249,30 @@ def environment() -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "paddle_version": paddle.__version__,
             "paddle_commit": paddle.version.commit, "paddlenlp_version": version("paddlenlp"),
             "python": platform.python_version(), "cpu_model": perf.cpu_model_name(), "cpu_vendor": flops.cpu_vendor(),
-            "cpu_count": flops.cpu_count(), "environments": ENVIRONMENTS}
+            "cpu_count": flops.cpu_count(), "environments": ENVIRONMENTS,
+            "load_average_1_5_15_min": list(os.getloadavg())}  # other jobs on the machine while it ran
 
 
 # ----------------------------------------------------------------------------- report
+def _env_text(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items()) or "nothing set"
+
+
 def render(results: dict) -> str:
     env, c, s = results["environment"], results["compare"], results["sweep"]
     m = c["model"]
     lines = ["# CPU speed: this toolkit vs PaddleNLP, and MFU by width", "",
              f"`python scripts/cpu_speed_benchmark.py`, {env['date']}: {env['cpu_count']} cores of {env['cpu_model']}"
              f" ({env['cpu_vendor']}), Paddle {env['paddle_version']}, PaddleNLP {env['paddlenlp_version']}, Python "
-             f"{env['python']}. Raw figures: `cpu_speed.json`. Environments of the training processes: "
+             f"{env['python']}; load average at the end {env['load_average_1_5_15_min'][0]:.1f} / "
+             f"{env['load_average_1_5_15_min'][1]:.1f} / {env['load_average_1_5_15_min'][2]:.1f} (1 / 5 / 15 min). "
+             "Raw figures: `cpu_speed.json`. Environments of the training processes: "
              + "; ".join(f"**{k}**: {' '.join(f'{a}={b}' for a, b in v.items()) or 'no thread/MKL variable set'}"
-                         for k, v in ENVIRONMENTS.items()) + ".", "",
+                         for k, v in ENVIRONMENTS.items()) + ". What the training processes ran with (after our "
+             "CPU defaults, llm_pretrain/cpu_threads.py, and Paddle's own `OMP_NUM_THREADS=1`): "
+             + "; ".join(f"**{name}**: ours {_env_text(r['ours']['effective_environment'])}, PaddleNLP "
+                         f"{_env_text(r['paddlenlp']['effective_environment'])}" for name, r in c["runs"].items())
+             + ".", "",
              "## Matrix-product peak (fp32, 2048 x 2048, best of repeated products)", "",
              "| environment | Paddle (MKL) TFLOPs | NumPy (OpenBLAS) TFLOPs | threads Paddle / NumPy |", "|---|---|---|---|"]
     for name, p in results["peak"].items():
@@ -251,8 +282,8 @@ def render(results: dict) -> str:
               "## Same model, same data, same initial weights: ours vs PaddleNLP's Trainer", "",
               f"LLaMA hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
               f"({m['num_key_value_heads']} kv), MLP {m['intermediate_size']}, vocab {m['vocab_size']} "
-              f"({c['runs']['tuned']['ours']['params']:,} parameters, PaddleNLP's model: "
-              f"{c['runs']['tuned']['paddlenlp']['params']:,}); batch {c['batch']} x {c['seq']} tokens; AdamW lr "
+              f"({next(iter(c['runs'].values()))['ours']['params']:,} parameters, PaddleNLP's model: "
+              f"{next(iter(c['runs'].values()))['paddlenlp']['params']:,}); batch {c['batch']} x {c['seq']} tokens; AdamW lr "
               f"{OPTIM['learning_rate']} constant, betas {OPTIM['adam_beta1']}/{OPTIM['adam_beta2']}, eps "
               f"{OPTIM['adam_epsilon']}, weight decay {OPTIM['weight_decay']}, clip {OPTIM['max_grad_norm']}; fp32; "
               f"{c['rounds']} alternating runs per side of {c['steps']} steps, medians over the steps after each "
@@ -264,6 +295,8 @@ def render(results: dict) -> str:
         lines.append(f"| {name} | {o['tokens_per_sec']:.0f} | {p['tokens_per_sec']:.0f} | **{r['ratio']:.2f}** | "
                      f"{o['step_time_s'] * 1e3:.0f} / {p['step_time_s'] * 1e3:.0f} | {o['loop_tokens_per_sec']:.0f} / "
                      f"{p['loop_tokens_per_sec']:.0f} | {r['max_loss_difference']:.1e} |")
+    if not s["rows"]:
+        return "\n".join(lines) + "\n"
     lines += ["", "## MFU of our training step by width", "",
               f"{SWEEP_LAYERS} layers, head size 64, MLP 2.6875 x hidden (LLaMA's 11008/4096), vocab {VOCAB}, batch "
               f"{SWEEP_BATCH} x {SEQ} tokens, {s['steps']} steps, medians after {s['warmup']}; achieved = the "
@@ -272,7 +305,8 @@ def render(results: dict) -> str:
               "|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         lines.append(f"| {r['width']} | {r['params'] / 1e6:.2f}M | {r['environment']} | {r['tokens_per_sec']:.0f} | "
-                     f"{r['achieved_tflops']:.4f} | {r['peak_tflops']:.4f} | {r['mfu']:.1%} |")
+                     f"{r['achieved_tflops']:.4f} | {r['peak_tflops']:.4f} | "
+                     f"{'n/a (peak measured below it)' if r['mfu'] is None else format(r['mfu'], '.1%')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +330,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="comparison runs per side, alternating (default 2)")
     parser.add_argument("--sweep-steps", type=int, default=8, help="steps per width of the MFU sweep (default 8)")
     parser.add_argument("--sweep-warmup", type=int, default=3, help="warm-up steps of the sweep (default 3)")
+    parser.add_argument("--environments", default=",".join(ENVIRONMENTS),
+                        help=f"comma-separated, of: {', '.join(ENVIRONMENTS)} (default: all)")
+    parser.add_argument("--sweep-widths", default=",".join(map(str, SWEEP_WIDTHS)),
+                        help="widths of the MFU sweep, comma-separated; empty: no sweep (default: %(default)s)")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"), help="for the .md and .json")
     parser.add_argument("--work-dir", help="runs, logs, corpus; kept (default: a temporary directory, removed)")
     parser.add_argument("--worker", choices=("peak", "paddlenlp"), help=argparse.SUPPRESS)
@@ -307,6 +345,16 @@ def main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if min(options.steps - options.warmup, options.sweep_steps - options.sweep_warmup) < 2:
         parser.error("--steps/--sweep-steps must leave at least 2 steps after the warm-up")
+    chosen = [name.strip() for name in options.environments.split(",") if name.strip()]
+    if not chosen or any(name not in ENVIRONMENTS for name in chosen):
+        parser.error(f"--environments: {options.environments!r}; choose from {', '.join(ENVIRONMENTS)}")
+    try:
+        widths = [int(w) for w in options.sweep_widths.split(",") if w.strip()]
+    except ValueError:
+        parser.error(f"--sweep-widths: {options.sweep_widths!r} is not a list of integers")
+    for name in list(ENVIRONMENTS):
+        if name not in chosen:
+            del ENVIRONMENTS[name]
 
     from llm_pretrain.data import ensure_embedded_corpus
     from llm_pretrain.data.embedded import DEFAULT_OUT_DIR
@@ -339,7 +387,8 @@ def main(argv: list[str]) -> int:
                 print(f"[{env_name}, round {round_ + 1}] {side}: {speed([raw], options.warmup)['tokens_per_sec']:.0f}"
                       f" tokens/s, {raws[side][-1]['wall_s']} s", flush=True)
         pair = {side: {**speed(runs, options.warmup), "losses": runs[0]["losses"], "params": runs[0]["params"],
-                       "runs": runs} for side, runs in raws.items()}
+                       "effective_environment": runs[0]["effective_environment"], "runs": runs}
+                for side, runs in raws.items()}
         pair["ratio"] = pair["ours"]["tokens_per_sec"] / pair["paddlenlp"]["tokens_per_sec"]
         pair["max_loss_difference"] = max(abs(a - b) for a, b in zip(pair["ours"]["losses"],
                                                                       pair["paddlenlp"]["losses"]))
@@ -349,7 +398,7 @@ def main(argv: list[str]) -> int:
     results["compare"] = compare
 
     sweep = {"steps": options.sweep_steps, "warmup": options.sweep_warmup, "rows": []}
-    for width in SWEEP_WIDTHS:
+    for width in widths:
         heads = max(1, width // 64)
         sizes = dict(hidden_size=width, num_hidden_layers=SWEEP_LAYERS, num_attention_heads=heads,
                      num_key_value_heads=heads, intermediate_size=width * 43 // 16, vocab_size=VOCAB)
@@ -361,11 +410,12 @@ def main(argv: list[str]) -> int:
             achieved = perf.median_after_warmup(raw["step_records"], "tflops_per_card", options.sweep_warmup)
             row = {"width": width, "environment": env_name, "sizes": sizes, "params": parameter_count(config),
                    "tokens_per_sec": speed([raw], options.sweep_warmup)["tokens_per_sec"], "achieved_tflops": achieved,
-                   "peak_tflops": peak, "mfu": flops.mfu(achieved, peak), "flops_per_token": raw["flops_per_token"],
+                   "peak_tflops": peak, "mfu": achieved / peak if achieved <= peak else None,  # None: a busy machine
+                   "flops_per_token": raw["flops_per_token"],                                  # measured the peak low
                    "step_records": raw["step_records"]}
             sweep["rows"].append(row)
             print(f"[width {width}, {env_name}] {row['tokens_per_sec']:.0f} tokens/s, {achieved:.4f} TFLOPs, "
-                  f"MFU {row['mfu']:.1%}", flush=True)
+                  f"MFU {row['mfu']}", flush=True)
     results["sweep"] = sweep
     results["environment"] = environment()
 

@@ -3,7 +3,10 @@
     python scripts/prepare_data.py --input corpus.jsonl [--input more.jsonl] --tokenizer TOKENIZER \
         --output_prefix data/my_text_document [--json_key text] [--workers 4] [--no_append_eos]
 
-One document per line ({"text": "..."}); EOS is appended to each. TOKENIZER is a local directory
+One document per line ({"text": "..."}); EOS is appended to each. Each text is cleaned as
+PaddleNLP's create_pretraining_data.py does (runs of more than --max_repeated_len equal characters
+cut to one, leading and trailing whitespace stripped, texts without tokens dropped), so the output
+is byte-identical to that tool's; --keep_text_as_is tokenizes the texts unchanged. TOKENIZER is a local directory
 or file: sentencepiece *.model, tokenizer.json, or vocab.json + merges.txt. The output is read by
 PaddleNLP's MMapIndexedDataset as well; point input_dir at the output directory to train on it.
 Bad input is reported as one line `error: ...` with exit code 2.
@@ -29,6 +32,10 @@ def parse_args(argv):
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
     parser.add_argument("--chunk_size", type=int, default=256, help="lines per work item (default: 256)")
     parser.add_argument("--no_append_eos", action="store_true", help="do not end each document with EOS")
+    parser.add_argument("--keep_text_as_is", action="store_true",
+                        help="no PaddleNLP cleaning: keep whitespace and repeated characters, keep empty texts")
+    parser.add_argument("--max_repeated_len", type=int, default=100,
+                        help="longer runs of one character become one character (PaddleNLP's rule; default: 100)")
     return parser.parse_args(argv)
 
 
@@ -39,7 +46,8 @@ def main(argv) -> int:
 
         result = prepare_jsonl(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
                                workers=args.workers, append_eos=not args.no_append_eos,
-                               chunk_size=args.chunk_size)
+                               chunk_size=args.chunk_size, clean_text=not args.keep_text_as_is,
+                               max_repeated_len=args.max_repeated_len)
     except UsageError as error:
         exit_with_usage_error(error)
     except KeyboardInterrupt:

@@ -78,6 +78,14 @@ def test_paddlenlp_writes_we_read(tmp_path, paddlenlp_data):
     for i, doc in enumerate(docs):
         assert np.array_equal(data[i], doc)
     assert list(data[30]) == [9, 8, 7]
+    # Looked up without the offsets array while documents are single items, through it after that.
+    assert data.one_item_per_document(0, 30) and not data.one_item_per_document(0, 31)
+    assert data._document_offsets is None and data.document_sizes_for(0, 30) is data.sizes
+    for documents in (np.arange(30), np.arange(31), np.array([29, 3, 30, 0])):
+        starts, ends = data.document_spans(documents)
+        assert list(starts) == [data.document_start(d) for d in documents]
+        assert list(ends - starts) == [len(data[d]) for d in documents]
+    assert list(data.document_sizes_for(0, 31)) == [len(d) for d in docs] + [3]
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -109,6 +117,57 @@ def test_samples_identical_to_paddlenlp_gpt_dataset(corpus, tmp_path, paddlenlp_
         assert len(mine) == len(reference)
         for i in range(len(mine)):
             assert np.array_equal(mine[i], reference[i]["text"])
+
+
+@pytest.mark.parametrize("epochs", [1, 3, 2.3])  # 2.3: the last epoch shuffled on its own
+def test_index_arrays_equal_paddlenlp_over_epochs_and_blends(tmp_path, paddlenlp_data, epochs):
+    """doc_idx, sample_idx, shuffle_idx (and a 3-way blend's indices) equal PaddleNLP's, value by value."""
+    pytest.importorskip("tool_helpers")
+    _, causal_dataset = paddlenlp_data
+    prefixes = [make_prefix(tmp_path / "d", f"p{i}", random_documents(300, seed=10 + i, max_len=90))
+                for i in range(3)]
+    per_epoch = (IndexedDataset(prefixes[0]).num_tokens - 1) // 32
+    count = int(per_epoch * epochs)
+    ours = build_pretraining_datasets(prefixes[0], "1,0,0", 32, 99, (count, 0, 0), data_cache=str(tmp_path / "o"))[0]
+    theirs = causal_dataset.build_train_valid_test_datasets([prefixes[0]], "mmap", "1,0,0", [count, 0, 0], 32, 99,
+                                                            True, data_cache_path=str(tmp_path / "t"))[0]
+    for name in ("doc_idx", "sample_idx", "shuffle_idx"):
+        assert np.array_equal(getattr(ours, name), getattr(theirs, name)), name
+    assert len(ours) == len(theirs)
+
+    blend = " ".join(f"{w} {p}" for w, p in zip((0.5, 0.2, 0.3), prefixes))
+    ours = build_pretraining_datasets(blend, "1,0,0", 32, 99, (count, 0, 0), data_cache=str(tmp_path / "o"))[0]
+    theirs = causal_dataset.build_train_valid_test_datasets(
+        [x for w, p in zip(("0.5", "0.2", "0.3"), prefixes) for x in (w, p)], "mmap", "1,0,0", [count, 0, 0], 32, 99,
+        True, data_cache_path=str(tmp_path / "t"))[0]
+    # PaddleNLP blends the sum of its parts' counts (a few more); the greedy order does not depend on it.
+    assert np.array_equal(ours.dataset_index, theirs.dataset_index[:count])
+    assert np.array_equal(ours.dataset_sample_index, theirs.dataset_sample_index[:count])
+    for mine, reference in zip(ours.datasets, theirs.datasets):
+        for name in ("doc_idx", "sample_idx", "shuffle_idx"):
+            assert np.array_equal(getattr(mine, name), getattr(reference, name)), name
+    for i in range(0, count, max(1, count // 50)):
+        assert np.array_equal(ours[i], theirs[i]["text"])
+
+
+def test_compiled_helpers_equal_the_numpy_and_python_versions():
+    assert samples.compiled_helpers() is not None  # a C compiler is part of this test machine
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 300, 5000).astype(np.int32)
+    sizes[::7] = 0  # empty documents are skipped
+    doc_idx = np.tile(np.arange(100, 5000, dtype=np.int32), 3)
+    rng.shuffle(doc_idx)
+    total = (int(sizes[doc_idx].sum()) - 1) // 64
+    compiled = samples.build_sample_idx(sizes, doc_idx, 64, total, int(sizes.max()))  # int32: the C loop
+    blocks = samples.build_sample_idx(sizes, doc_idx.astype(np.int64), 64, total, int(sizes.max()))  # NumPy
+    assert compiled.dtype == blocks.dtype == np.int32 and np.array_equal(compiled, blocks)
+    rng = np.random.default_rng(0)
+    for weights, size in (([0.5, 0.2, 0.3], 50000), ([1 / 3] * 3, 50000), (rng.dirichlet(np.ones(7)), 50000),
+                          (rng.dirichlet(np.ones(300)), 3000)):  # 300: int64 dataset ids
+        compiled = build_blending_indices(weights, size)
+        reference = samples.blending_indices_python(weights, size)
+        for a, b in zip(compiled, reference):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
 def test_samples_are_overlapping_windows_of_the_shuffled_document_stream(corpus, tmp_path):
@@ -369,3 +428,11 @@ def test_embedded_corpus_is_built_once_and_deterministically(embedded_corpus, tm
 
     monkeypatch.setattr(embedded, "_build", no_building)
     assert ensure_embedded_corpus(again) == rebuilt
+
+
+def test_sample_reads_agree_with_and_without_the_single_item_shortcut(corpus, tmp_path):
+    train, _, _ = build_pretraining_datasets(corpus, "8,1,1", 16, 7, (300, 0, 0), data_cache=str(tmp_path / "c"))
+    fast = [train[i] for i in range(len(train))]
+    assert train._single_items is True
+    train._single_items = False  # what a prefix with multi-item documents takes: spans from the offsets
+    assert all(np.array_equal(train[i], sample) for i, sample in enumerate(fast))

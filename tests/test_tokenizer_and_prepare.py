@@ -190,3 +190,83 @@ def test_prepare_requires_eos_unless_disabled(tmp_path, jsonl):
     result = prepare_jsonl([str(jsonl)], str(tmp_path / "noeos.model"), str(tmp_path / "o"), append_eos=False,
                            progress=False)
     assert result["documents"] == len(TEXTS)
+
+
+# ----------------------------------------------------------------------------- identical to PaddleNLP's tool
+# Whitespace at either end, runs of repeated characters below, at and above PaddleNLP's limit (a run
+# of more than 100 becomes one character; newlines never do), texts that clean to nothing.
+MESSY_TEXTS = [
+    "  Leading and trailing spaces.  ", "\n\tTabs and newlines around\n\n", "no change at all",
+    "a" * 101 + " one hundred and one a", "b" * 100 + " exactly one hundred b (kept)", "x" + "=" * 250 + "x",
+    "long " + "ü" * 120 + " multi-byte run", "inner\n" + "\n" * 150 + "newlines stay", "-" * 300, "   ", "",
+    " \u3000 ideographic space  ", "mixed" + "!" * 99 + "?" * 101 + " end ",
+] * 3
+
+
+def paddlenlp_create_pretraining_data(jsonl: str, tokenizer_dir: str, prefix: str, max_repeated_len: int = 100):
+    """PaddleNLP 2.8.1's llm/tools/preprocess/create_pretraining_data.py with --append_eos, step by step.
+
+    That tool is not part of the paddlenlp wheel; this runs its main() and Converter.encode on the
+    paddlenlp pieces they call (AutoTokenizer, indexed_dataset.make_builder): per line json.loads,
+    `remove_repeated_chars` (re.sub(r"(.)\\1{100,}", r"\\1", text)), IdentitySplitter, `sentence.strip()`,
+    tokenizer.tokenize + convert_tokens_to_ids, a document only if it has tokens, EOS appended;
+    uint16 below 65535 tokens else int32.
+    """
+    import re as regex
+
+    from paddlenlp.data import indexed_dataset
+    from paddlenlp.transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    builder = indexed_dataset.make_builder(prefix + ".bin", "mmap", np.uint16 if tokenizer.vocab_size < 2**16 - 1
+                                           else np.int32)
+    with open(jsonl, encoding="utf-8") as f:
+        for line in f:
+            text = json.loads(line)["text"]
+            text = regex.sub(r"(.)\1{" + str(max_repeated_len) + ",}", r"\1", text)
+            ids = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text.strip()))
+            if not ids:
+                continue
+            builder.add_item(ids + [tokenizer.eos_token_id])
+            builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def test_prepare_is_byte_identical_to_paddlenlp_tool(embedded_corpus, tmp_path):
+    pytest.importorskip("paddlenlp")
+    tokenizer = embedded_corpus["tokenizer"]  # sentencepiece + LlamaTokenizer config: paddlenlp opens it too
+    path = tmp_path / "messy.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for text in MESSY_TEXTS + TEXTS[:7]:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    paddlenlp_create_pretraining_data(str(path), tokenizer, str(tmp_path / "paddlenlp"))
+    ours = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "ours"), workers=2, chunk_size=5, progress=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"paddlenlp{ext}").read_bytes()
+    lines = len(MESSY_TEXTS) + 7
+    assert ours["documents"] <= lines - 2 * 3  # "   " and "" are no documents
+
+    # The switch keeps every text as it is: more tokens, one document per line, different bytes.
+    kept = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "kept"), clean_text=False, progress=False)
+    assert kept["documents"] == lines and kept["tokens"] > ours["tokens"]
+    tok = load_tokenizer(tokenizer)
+    assert list(IndexedDataset(str(tmp_path / "kept"))[3][:-1]) == tok.encode(MESSY_TEXTS[3])
+    assert list(IndexedDataset(str(tmp_path / "ours"))[3][:-1]) == tok.encode("a one hundred and one a")
+
+
+def test_prepare_cleaning_options_on_the_command_line(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps({"text": "  " + "z" * 12 + "  "}) + "\n")
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS + ["z" * 12]), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=80, hard_vocab_limit=False, eos_id=2, minloglevel=2, num_threads=1)
+    tok = load_tokenizer(str(tmp_path / "sp.model"))
+    for extra, text in ((["--max_repeated_len", "5"], "z"), ([], "z" * 12), (["--keep_text_as_is"], "  " + "z" * 12 + "  ")):
+        result = run_prepare("--input", path, "--tokenizer", tmp_path / "sp.model", "--output_prefix", tmp_path / "o",
+                             *extra, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert list(IndexedDataset(str(tmp_path / "o"))[0][:-1]) == tok.encode(text)
+    bad = run_prepare("--input", path, "--tokenizer", tmp_path / "sp.model", "--output_prefix", tmp_path / "o",
+                      "--max_repeated_len", "0", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --max_repeated_len: must be at least 1")

@@ -175,7 +175,9 @@ def _build(staging: str) -> dict:
     with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump({"tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>", "bos_token": "<s>",
                    "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False}, f, indent=2)
-    result = prepare_jsonl([corpus], tokenizer_dir, os.path.join(staging, "data", PREFIX_NAME), progress=False)
+    # Text as is (no PaddleNLP cleaning): the corpus, and every test's data, stays what it has always been.
+    result = prepare_jsonl([corpus], tokenizer_dir, os.path.join(staging, "data", PREFIX_NAME), progress=False,
+                           clean_text=False)
     summary = {"documents": result["documents"], "tokens": result["tokens"], "vocab_size": result["vocab_size"],
                "text_bytes": os.path.getsize(corpus), "python": sys.version.split()[0],
                "seconds": round(time.time() - start, 2)}

@@ -61,9 +61,14 @@ class IndexedDataset:
     """Read-only, memory-mapped view of prefix.bin/.idx. Indexing is by document.
 
     `dataset[d]` is document d (all its items concatenated) as a read-only array
-    of the stored dtype; `tokens` is the whole .bin; `document_offsets[d]` is the
-    token position where document d starts (one extra entry: the total).
+    of the stored dtype; `tokens` is the whole .bin; `document_start(d)` is the
+    token position where document d starts (d = num_documents: the total).
     Bad files raise UsageError naming input_dir and the file.
+
+    Opening reads only the header: a document's start is looked up when it is needed
+    (doc_idx, then pointers), and `document_sizes` is the index's own int32 `sizes`
+    (no copy) when there is one item per document, as this toolkit and PaddleNLP's
+    create_pretraining_data.py write it. `document_offsets` builds the whole array.
     """
 
     def __init__(self, prefix: str):
@@ -90,6 +95,7 @@ class IndexedDataset:
         self.pointers = np.frombuffer(index, np.int64, n_items, offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(index, np.int64, n_doc_idx, offset)
+        self._doc_idx_offset = offset
 
         # Items are contiguous, so the end of the last item is the number of tokens.
         self.num_tokens = int(self.pointers[-1] // self.dtype.itemsize + self.sizes[-1]) if n_items else 0
@@ -114,9 +120,52 @@ class IndexedDataset:
             self._document_offsets = item_starts[self.doc_idx]
         return self._document_offsets
 
+    def document_start(self, d: int) -> int:
+        """Where document d starts in `tokens` (d = num_documents: the number of tokens); reads two entries."""
+        item = int(self.doc_idx[d])
+        return int(self.pointers[item]) // self.dtype.itemsize if item < len(self.sizes) else self.num_tokens
+
+    def one_item_per_document(self, start: int = 0, end: int | None = None) -> bool:
+        """Documents start..end-1 are items start..end-1 (doc_idx[start:end+1] counts up by one).
+
+        Only that part of doc_idx is read, a block at a time with pread rather than through the
+        memory map, so that it does not stay in this process' memory (it is used once).
+        """
+        end = self.num_documents if end is None else end
+        if end >= len(self.doc_idx) or end - start > len(self.sizes):
+            return False
+        block = 1 << 20
+        with open(idx_path(self.prefix), "rb") as f:
+            for b in range(start, end + 1, block):
+                count = min(block, end + 1 - b)
+                values = np.frombuffer(os.pread(f.fileno(), 8 * count, self._doc_idx_offset + 8 * b), np.int64)
+                if not np.array_equal(values, np.arange(b, b + count)):
+                    return False
+        return True
+
+    def document_sizes_for(self, start: int, end: int) -> np.ndarray:
+        """Tokens per document, right for the documents start..end-1 (indexed by document id).
+
+        The index's own int32 `sizes`, no copy and nothing read but those entries, when those
+        documents are one item each (as this toolkit and PaddleNLP's create_pretraining_data.py
+        write them); else computed for all documents from the offsets.
+        """
+        return self.sizes if self.one_item_per_document(start, end) else self.document_sizes
+
     @property
     def document_sizes(self) -> np.ndarray:
         return np.diff(self.document_offsets)
+
+    def document_spans(self, documents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) in `tokens` of several documents at once (int64)."""
+        documents = np.asarray(documents, dtype=np.int64)
+        items = self.doc_idx[documents]
+        if len(self.sizes) and np.array_equal(items, documents) and np.array_equal(self.doc_idx[documents + 1],
+                                                                                   documents + 1):
+            starts = self.pointers[documents] // self.dtype.itemsize  # one item each: no offsets array needed
+            return starts, starts + self.sizes[documents]
+        offsets = self.document_offsets
+        return offsets[documents], offsets[documents + 1]
 
     def __len__(self) -> int:
         return self.num_documents
@@ -125,8 +174,7 @@ class IndexedDataset:
         if not -self.num_documents <= d < self.num_documents:
             raise IndexError(f"document {d} out of range ({self.num_documents} documents)")
         d %= self.num_documents
-        offsets = self.document_offsets
-        return self.tokens[offsets[d]:offsets[d + 1]]
+        return self.tokens[self.document_start(d):self.document_start(d + 1)]
 
     def warmup(self) -> None:
         """Read the files once so the page cache holds them (PaddleNLP's skip_warmup=False)."""

@@ -1,0 +1,102 @@
+"""CPU defaults set before Paddle loads (llm_pretrain/cpu_threads.py): threads per process, MKL's fast path.
+
+The decision (`cpu_defaults`) is tested on given environments; `apply_cpu_defaults` in fresh
+processes, the launcher case once under a stand-in launcher and once under paddle.distributed.launch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from llm_pretrain.cpu_threads import cpu_defaults, paddle_build
+from tests.launch_utils import REPO_ROOT
+
+CPU_BUILD = {"gpu": False, "mkl": True}
+GPU_BUILD = {"gpu": True, "mkl": True}
+AMD, INTEL = "AuthenticAMD", "GenuineIntel"
+
+
+def test_cpu_run_without_user_values_gets_threads_and_mkl_switch():
+    assert cpu_defaults("cpu", {}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16", "MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu_defaults(None, {}, None, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "16"}  # Intel: MKL is fast as is
+    assert cpu_defaults("cpu", {}, None, 16, AMD, {"gpu": False, "mkl": False}) == {"OMP_NUM_THREADS": "16"}
+    # Cores are shared by the processes of the node (the launcher's PADDLE_LOCAL_SIZE), at least one each.
+    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "4"}, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "4"}
+    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "8"}, {}, 2, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "1"}
+
+
+def test_user_values_win():
+    user = {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4"}
+    assert cpu_defaults("cpu", user, None, 16, AMD, CPU_BUILD) == {}
+    assert cpu_defaults("cpu", {"OMP_NUM_THREADS": "3"}, None, 16, AMD, CPU_BUILD) == {"MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu_defaults("cpu", {"MKL_DEBUG_CPU_TYPE": "4"}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16"}
+    # Under the launcher the user's environment is the launcher's: the OMP_NUM_THREADS=1 its own
+    # `import paddle` passed down is not the user's, an OMP_NUM_THREADS=1 the user gave it is.
+    launched = {"PADDLE_LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    assert cpu_defaults("cpu", launched, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "8"}
+    assert cpu_defaults("cpu", launched, {"OMP_NUM_THREADS": "1"}, 16, INTEL, CPU_BUILD) == {}
+
+
+def test_gpu_runs_are_untouched():
+    assert cpu_defaults("gpu", {}, None, 16, AMD, GPU_BUILD) == {}
+    assert cpu_defaults(None, {}, None, 16, AMD, GPU_BUILD) == {}  # Paddle's default device on a CUDA build
+    assert cpu_defaults("cpu", {}, None, 16, AMD, GPU_BUILD) == {"OMP_NUM_THREADS": "16", "MKL_DEBUG_CPU_TYPE": "5"}
+
+
+def test_build_read_without_importing_paddle_agrees_with_paddle():
+    code = ("import sys, json; from llm_pretrain.cpu_threads import paddle_build; b = paddle_build(); "
+            "assert 'paddle' not in sys.modules; import paddle; "
+            "print(json.dumps([b, paddle.is_compiled_with_cuda() or paddle.is_compiled_with_rocm(), paddle.version.mkl()]))")
+    build, gpu, mkl = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                                                text=True, check=True).stdout.strip().splitlines()[-1])
+    assert build == {"gpu": gpu, "mkl": mkl == "ON"}
+    assert paddle_build() == build
+
+
+PROBE = ("import json, os, sys; from llm_pretrain.cpu_threads import apply_cpu_defaults; "
+         "line = apply_cpu_defaults(sys.argv[1] if sys.argv[1] != 'none' else None); "
+         "print(json.dumps([line, os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_DEBUG_CPU_TYPE')]))")
+
+
+def probe(device: str, env: dict, launcher: str | None = None) -> list:
+    """apply_cpu_defaults(device) in a fresh process with exactly `env` (plus PYTHONPATH); [line, OMP, MKL]."""
+    env = {**env, "PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}
+    command = [sys.executable, "-c", PROBE, device]
+    if launcher:  # a parent whose command line names the launcher and which sets OMP_NUM_THREADS=1 as it does
+        parent = (f"import os, subprocess, sys; os.environ['OMP_NUM_THREADS'] = '1'; "
+                  f"sys.exit(subprocess.run({command!r}, env=dict(os.environ, PADDLE_LOCAL_SIZE='2')).returncode)")
+        command = [sys.executable, "-c", parent, launcher]
+    out = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_apply_sets_unset_values_keeps_the_users_and_says_so_once():
+    from llm_pretrain.flops import cpu_count, cpu_vendor
+
+    amd = cpu_vendor() == AMD and paddle_build()["mkl"]
+    line, threads, mkl = probe("cpu", {})
+    assert threads == str(cpu_count()) and mkl == ("5" if amd else None)
+    assert line.startswith("cpu defaults: OMP_NUM_THREADS=") and "\n" not in line
+    assert probe("cpu", {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4"}) == [None, "3", "4"]
+    assert probe("gpu", {}) == [None, None, None]
+    # Started by a launcher: its processes share the cores; the OMP_NUM_THREADS=1 it passes down is not the user's.
+    assert probe("cpu", {}, launcher="paddle.distributed.launch")[1] == str(max(1, cpu_count() // 2))
+    assert probe("cpu", {"OMP_NUM_THREADS": "1"}, launcher="paddle.distributed.launch")[1] == "1"
+    # A parent that is not a launcher: the inherited value counts as the user's.
+    assert probe("cpu", {}, launcher="not-a-launcher")[1] == "1"
+
+
+def test_under_paddle_distributed_launch(tmp_path):
+    from llm_pretrain.flops import cpu_count
+
+    script = tmp_path / "probe.py"
+    script.write_text(f"import sys; sys.argv[1:] = ['cpu']; exec({PROBE!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith("PADDLE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+                    str(tmp_path / "log"), str(script)], cwd=REPO_ROOT, env=env, check=True, capture_output=True,
+                   timeout=120)
+    for rank in (0, 1):
+        lines = (tmp_path / "log" / f"workerlog.{rank}").read_text().strip().splitlines()
+        assert json.loads(lines[-1])[1] == str(max(1, cpu_count() // 2))
