@@ -201,8 +201,15 @@ def _write_synced(path: str, text: str) -> None:
 
 
 def _weights_are_finite(model) -> bool:
-    """Whether every local weight is finite (one reduction per parameter, one host read)."""
-    flags = [paddle.isfinite(param).all().astype("int32") for _, param in model.canonical_named_parameters()]
+    """Whether every local weight is finite (one reduction per parameter, one host read).
+
+    A parameter that stage 3 slices holds no memory between steps (group_sharded_stage3.py:565,
+    param._clear_data()); its values are this rank's flat slice, param.fw_storage (what
+    dist_checkpoint saves, _stage3_storage)."""
+    flags = []
+    for _, param in model.canonical_named_parameters():
+        storage = getattr(param, "fw_storage", None)
+        flags.append(paddle.isfinite(param if storage is None else storage).all().astype("int32"))
     return bool(int(paddle.stack(flags).min())) if flags else True
 
 
