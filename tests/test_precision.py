@@ -299,7 +299,8 @@ def test_fp16_loss_scale_and_counters_come_back_on_resume(tmp_path):
     from llm_pretrain.trainer import train_step
 
     config = _attention_config()
-    batch = [(paddle.to_tensor(np.arange(16).reshape(2, 8) % 64), paddle.to_tensor(np.arange(1, 17).reshape(2, 8) % 64))]
+    tokens = np.arange(17) % 64
+    batch = [(paddle.to_tensor(tokens[:16].reshape(2, 8)), paddle.to_tensor(tokens[1:].reshape(2, 8)))]
 
     def build():
         model = _model(config)
