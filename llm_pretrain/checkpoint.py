@@ -7,6 +7,7 @@ Layout of a checkpoint directory:
                                         dtype) -> its slices (offsets, shape) -> the file holding each
     tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/dist_checkpoint.py)
     rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
+    scaler.pdparams                     fp16 only: the loss scaler's scale and good/bad step counters
     manifest.json                       size and sha256 of every file above, and which rank wrote it
     COMPLETE                            written last: only such directories are resumed from
 
@@ -60,6 +61,7 @@ TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 RANK_MANIFEST = "manifest.rank{rank:05d}.json"  # each rank's entries, merged into MANIFEST by rank 0
 LOCK_FILE = ".lock"
+SCALER_FILE = "scaler.pdparams"  # paddlenlp/trainer/trainer.py:170 SCALER_NAME
 SPLIT_KEY = "__tensor_parallel_split__"  # in each model file: name -> [axis, fused part sizes, is replica]
 
 
@@ -128,21 +130,39 @@ def set_rng_states(states: dict) -> None:
         get_rng_state_tracker().set_states_tracker(states["tensor_parallel"])
 
 
-def write_rank_files(staging: str, model, optimizer, layout: Layout) -> list[str]:
+def write_rank_files(staging: str, model, optimizer, layout: Layout, scaler=None) -> list[str]:
     """This rank's part of a checkpoint: the slices it holds of every weight and optimizer tensor
-    (llm_pretrain/dist_checkpoint.py; nothing is gathered) and its RNG states. Returns the file names."""
+    (llm_pretrain/dist_checkpoint.py; nothing is gathered), its RNG states and, on rank 0 under fp16,
+    the loss scaler's state. Returns the file names."""
     written = dist_checkpoint.save_state(staging, model, optimizer, layout)
     with open(os.path.join(staging, rng_file(layout)), "wb") as f:
         pickle.dump(rng_states(), f)
     written.append(rng_file(layout))
+    if scaler is not None and layout.rank == 0:
+        # As paddlenlp/trainer/trainer.py:2232-2233 (_save_checkpoint): GradScaler.state_dict() (scale,
+        # incr/decr counters and ratios; paddle/amp/grad_scaler.py:598). One copy: the overflow check
+        # is shared by every rank (precision.py), so the scale and counters are the same on all ranks.
+        paddle.save(scaler.state_dict(), os.path.join(staging, SCALER_FILE))
+        written.append(SCALER_FILE)
     return written
 
 
+def load_scaler_state(path: str, scaler) -> bool:
+    """Restore the fp16 loss scaler from checkpoint `path` (every rank, any layout); False when the
+    checkpoint has no scaler state (a bf16/fp32 run, or written before it was saved): the scaler then
+    starts from scale_loss, as PaddleNLP does (paddlenlp/trainer/trainer.py:2532-2535)."""
+    file = os.path.join(path, SCALER_FILE)
+    if scaler is None or not os.path.isfile(file):
+        return False
+    scaler.load_state_dict(paddle.load(file, return_numpy=True))  # paddle/amp/grad_scaler.py:628
+    return True
+
+
 def save_checkpoint(output_dir: str, step: int, model, optimizer, trainer_state: dict, layout: Layout,
-                    save_total_limit: int | None) -> str:
+                    save_total_limit: int | None, scaler=None) -> str:
     """Write checkpoint-`step` now (see Checkpointer.save)."""
     return Checkpointer(output_dir, layout, save_steps=0, save_total_limit=save_total_limit).save(
-        step, model, optimizer, trainer_state)
+        step, model, optimizer, trainer_state, scaler)
 
 
 # ----------------------------------------------------------------------------- files: fsync and checksums
@@ -181,8 +201,15 @@ def _write_synced(path: str, text: str) -> None:
 
 
 def _weights_are_finite(model) -> bool:
-    """Whether every local weight is finite (one reduction per parameter, one host read)."""
-    flags = [paddle.isfinite(param).all().astype("int32") for _, param in model.canonical_named_parameters()]
+    """Whether every local weight is finite (one reduction per parameter, one host read).
+
+    A parameter that stage 3 slices holds no memory between steps (group_sharded_stage3.py:565,
+    param._clear_data()); its values are this rank's flat slice, param.fw_storage (what
+    dist_checkpoint saves, _stage3_storage)."""
+    flags = []
+    for _, param in model.canonical_named_parameters():
+        storage = getattr(param, "fw_storage", None)
+        flags.append(paddle.isfinite(param if storage is None else storage).all().astype("int32"))
     return bool(int(paddle.stack(flags).min())) if flags else True
 
 
@@ -212,8 +239,10 @@ class Checkpointer:
         return every or self.exit_due(step, max_steps)
 
     # -- writing
-    def save(self, step: int, model, optimizer, trainer_state: dict) -> str:
-        """checkpoint-`step`, complete and verified, or nothing (and the previous one untouched)."""
+    def save(self, step: int, model, optimizer, trainer_state: dict, scaler=None) -> str:
+        """checkpoint-`step`, complete and verified, or nothing (and the previous one untouched).
+
+        `scaler`: the fp16 GradScaler (None without one), saved with the checkpoint."""
         layout = self.layout
         if all_reduce_max(0.0 if _weights_are_finite(model) else 1.0, layout):
             raise DivergenceError(f"the weights after step {step} are not finite; checkpoint-{step} was not "
@@ -231,7 +260,7 @@ class Checkpointer:
 
         try:
             entries = {name: file_entry(os.path.join(staging, name), layout.rank)
-                       for name in write_rank_files(staging, model, optimizer, layout)}
+                       for name in write_rank_files(staging, model, optimizer, layout, scaler)}
             _write_synced(os.path.join(staging, RANK_MANIFEST.format(rank=layout.rank)), json.dumps(entries))
         except OSError as error:
             failure = error
@@ -309,8 +338,8 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- reading
-    def load(self, path: str, model, optimizer) -> dict:
-        return load_checkpoint(path, model, optimizer, self.layout)
+    def load(self, path: str, model, optimizer, scaler=None) -> dict:
+        return load_checkpoint(path, model, optimizer, self.layout, scaler)
 
 
 class CheckpointWriteError(RunError):
@@ -499,8 +528,9 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
-    """Restore this rank's weights, optimizer and RNG state; returns the trainer state.
+def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) -> dict:
+    """Restore this rank's weights, optimizer, RNG state and the fp16 loss scaler (when `scaler` is
+    given); returns the trainer state.
 
     A checkpoint in the layout-free format loads under any layout; one written before it (per-layout
     model_state/optimizer files) only under the layout that wrote it (checked in trainer.py)."""
@@ -519,6 +549,7 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout) -> dict:
     if not same_layout:
         states.pop("tensor_parallel", None)
     set_rng_states(states)
+    load_scaler_state(path, scaler)
     return trainer_state
 
 

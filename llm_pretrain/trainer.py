@@ -619,7 +619,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             raise UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint "
                              "is damaged, see the warnings above); set overwrite_output_dir to start over")
         resume_from = resume_candidates[resume_index]
-        state = checkpointer.load(resume_from, unwrapped_model, optimizer)
+        state = checkpointer.load(resume_from, unwrapped_model, optimizer, precision.scaler)
         start_step, consumed_samples = state["global_step"], state["consumed_samples"]
 
     flops_per_token = training_flops_per_token(config, args.max_seq_length)
@@ -693,7 +693,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             trainer_state = {"global_step": step, "consumed_samples": consumed_samples,
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
                              "model_config": config.architecture_dict()}
-            checkpointer.save(step, unwrapped_model, optimizer, trainer_state)
+            checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
         if stopping:
             stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "

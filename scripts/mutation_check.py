@@ -3,6 +3,7 @@
     python scripts/mutation_check.py                      # every mutation, then the table
     python scripts/mutation_check.py --only sp_off dp_sync_every_micro_batch
     python scripts/mutation_check.py --out benchmarks/mutation_check.md
+    python scripts/mutation_check.py --check              # only: does every edit still apply? (seconds)
 
 For each mutation in MUTATIONS (a one-line source edit that silently disables a mechanism
 while the code still runs), the repository's files are copied to a temporary directory,
@@ -110,6 +111,21 @@ def apply(mutation: Mutation, repo: Path) -> None:
     path.write_text(text.replace(mutation.old, mutation.new))
 
 
+def where_it_applies(mutation: Mutation) -> str:
+    """"path:line" of the one place the mutation edits today, or an error line (the code moved on:
+    its text is not there exactly once, or a test it names is gone)."""
+    text = (REPO_ROOT / mutation.path).read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        return (f"error: mutation {mutation.name}: the text to replace occurs {count} times in {mutation.path}; "
+                "update MUTATIONS")
+    for test in mutation.tests:
+        file, _, function = test.partition("::")
+        if not (REPO_ROOT / file).is_file() or (function and f"def {function}(" not in (REPO_ROOT / file).read_text()):
+            return f"error: mutation {mutation.name}: test {test} does not exist; update MUTATIONS"
+    return f"{mutation.path}:{text[:text.index(mutation.old)].count(chr(10)) + 1}"
+
+
 def run_tests(repo: Path, tests: tuple[str, ...], timeout: int) -> tuple[str, float, str]:
     """("passed" | "failed" | "error" | "timeout", seconds, output tail)."""
     env = {k: v for k, v in os.environ.items() if k != "PADDLE_TRAINERS_NUM"}
@@ -184,17 +200,22 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the markdown table here (e.g. benchmarks/mutation_check.md)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's test run")
     parser.add_argument("--skip-baseline", action="store_true", help="do not first run the tests unmutated")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every edit applies exactly once and its tests exist, then exit")
     args = parser.parse_args(argv)
     known = {m.name: m for m in MUTATIONS}
     unknown = [name for name in args.only or [] if name not in known]
     if unknown:
         parser.exit(2, f"error: unknown mutation {', '.join(unknown)}; known: {', '.join(known)}\n")
     mutations = [known[name] for name in args.only] if args.only else MUTATIONS
-    for mutation in mutations:  # every edit still applies to today's code, before any long run
-        text = (REPO_ROOT / mutation.path).read_text()
-        if text.count(mutation.old) != 1:
-            parser.exit(2, f"error: mutation {mutation.name}: the text to replace occurs {text.count(mutation.old)} "
-                           f"times in {mutation.path}; update MUTATIONS\n")
+    places = {mutation.name: where_it_applies(mutation) for mutation in mutations}  # before any long run
+    problems = [place for place in places.values() if place.startswith("error: ")]
+    if problems:
+        parser.exit(2, "\n".join(problems) + "\n")
+    if args.check:
+        for name, place in places.items():
+            print(f"{name}: applies once at {place}")
+        return 0
     rows = check(mutations, args.timeout, baseline=not args.skip_baseline)
     table = render(rows)
     print(table)

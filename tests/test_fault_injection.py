@@ -275,8 +275,9 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
     assert checkpoints(damaged) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     # The verification itself: every kind of damage is found and named (checked on copies).
-    for name, damage in (("truncated", lambda p: _truncate(p / "optimizer.tp00_pp00.pdopt")),
-                         ("flipped", lambda p: _flip_byte(p / "model_state.tp00_pp00.pdparams")),
+    # The layout-free format (llm_pretrain/dist_checkpoint.py): the tensor index and rank 0's slices.
+    for name, damage in (("truncated", lambda p: _truncate(p / "tensors.index.json")),
+                         ("flipped", lambda p: _flip_byte(p / "tensors.rank00000.safetensors")),
                          ("bad_json", lambda p: (p / "trainer_state.json").write_text("{not json")),
                          ("missing", lambda p: (p / "rng_state.rank00000.pkl").unlink())):
         copy = tmp_path / name
@@ -286,7 +287,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
         assert problem is not None and str(copy) in problem, (name, problem)
     assert ckpt.verify_checkpoint(str(damaged / "checkpoint-6")) is None
 
-    model_file = damaged / "checkpoint-6" / "model_state.tp00_pp00.pdparams"
+    model_file = damaged / "checkpoint-6" / "tensors.rank00000.safetensors"
     _truncate(model_file)
     result = run_cli(args_file, "--output_dir", damaged, "--save_steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]

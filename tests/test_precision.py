@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -248,13 +249,13 @@ def test_every_forward_runs_under_the_runs_autocast(model_class):
 
 
 # ----------------------------------------------------------------------------- single-process scaler
-def _cpu_grad_scaler():
+def _cpu_grad_scaler(**options):
     from unittest import mock
 
     grad_scaler = importlib.import_module("paddle.amp.grad_scaler")
     gpu = SimpleNamespace(is_gpu_place=lambda: True)
     with mock.patch.object(grad_scaler, "_dygraph_tracer", lambda: SimpleNamespace(_expected_place=gpu)):
-        scaler = paddle.amp.GradScaler(init_loss_scaling=1024.0)
+        scaler = paddle.amp.GradScaler(init_loss_scaling=1024.0, **options)
     importlib.import_module("paddle.amp.auto_cast").amp_global_state().amp_dtype = "float16"
     return scaler
 
@@ -287,6 +288,71 @@ def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow
     assert not overflow.optimizer_stepped and schedule.last_epoch == 0
     assert np.array_equal(after, before)
     assert global_grad_norm([]).shape == []
+
+
+def test_fp16_loss_scale_and_counters_come_back_on_resume(tmp_path):
+    """The GradScaler's state goes into the checkpoint (scaler.pdparams, written by rank 0, listed in
+    the manifest) and comes back on resume, as paddlenlp/trainer/trainer.py:2232-2233 / 2532-2535: the
+    resumed run goes on with the interrupted run's scale and good/bad step counters. The negative
+    control resumes without the scaler (the code before it was saved): scale and counters restart."""
+    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.trainer import train_step
+
+    config = _attention_config()
+    tokens = np.arange(17) % 64
+    batch = [(paddle.to_tensor(tokens[:16].reshape(2, 8)), paddle.to_tensor(tokens[1:].reshape(2, 8)))]
+
+    def build():
+        model = _model(config)
+        optimizer = paddle.optimizer.AdamW(0.01, parameters=model.parameters())
+        precision = _RecordingPrecision()
+        precision.use_scaler(_cpu_grad_scaler(decr_every_n_nan_or_inf=2), Layout())  # halves every 2nd overflow
+        return model, optimizer, precision
+
+    def train(model, optimizer, precision, overflows):
+        schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
+        for overflow in overflows:
+            weight = model.canonical_named_parameters()[0][1]
+            hook = weight.register_hook(lambda g: g * float("inf")) if overflow else None
+            result = train_step(model, optimizer, schedule, precision, batch, model.parameters())
+            if hook:
+                hook.remove()
+            assert result.optimizer_stepped is not overflow
+
+    def scaler_state(precision):
+        state = precision.scaler.state_dict()
+        return {**state, "scale": float(state["scale"][0])}
+
+    model, optimizer, precision = build()
+    train(model, optimizer, precision, [False, True, True, False, True])  # the 2nd overflow halved the scale
+    saved = scaler_state(precision)
+    assert (saved["scale"], saved["incr_count"], saved["decr_count"]) == (512.0, 0, 1)
+    trainer_state = {"global_step": 5, "consumed_samples": 10, "layout": {}}
+    checkpointer = ckpt.Checkpointer(str(tmp_path), Layout(), save_steps=0, save_total_limit=None)
+    path = checkpointer.save(5, model, optimizer, trainer_state, precision.scaler)
+    assert ckpt.SCALER_FILE in json.loads((Path(path) / ckpt.MANIFEST).read_text())["files"]
+    assert ckpt.verify_checkpoint(path) is None
+    train(model, optimizer, precision, [True, False])  # uninterrupted: the pending overflow halves again
+    expected = scaler_state(precision)
+    assert (expected["scale"], expected["incr_count"], expected["decr_count"]) == (256.0, 1, 0)
+
+    resumed_model, resumed_optimizer, resumed = build()
+    assert scaler_state(resumed) != saved  # a fresh scaler starts at 1024 with zero counters
+    checkpointer.load(path, resumed_model, resumed_optimizer, resumed.scaler)
+    assert scaler_state(resumed) == saved
+    train(resumed_model, resumed_optimizer, resumed, [True, False])
+    assert scaler_state(resumed) == expected
+
+    control_model, control_optimizer, control = build()
+    checkpointer.load(path, control_model, control_optimizer)  # the scaler not restored
+    train(control_model, control_optimizer, control, [True, False])
+    assert scaler_state(control)["scale"] == 1024.0 and scaler_state(control) != expected
+
+    # Without a scaler (bf16, fp32) nothing is written, and resuming with one keeps its initial state.
+    plain = ckpt.Checkpointer(str(tmp_path / "plain"), Layout(), save_steps=0, save_total_limit=None).save(
+        5, model, optimizer, trainer_state)
+    assert not (Path(plain) / ckpt.SCALER_FILE).exists()
+    assert not ckpt.load_scaler_state(plain, control.scaler)
 
 
 class _LossModel(paddle.nn.Layer):
