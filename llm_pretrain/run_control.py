@@ -4,7 +4,8 @@
                      saves a checkpoint and exits 0 (a second SIGINT interrupts at once)
     die_with_parent  a launched worker is killed when its launcher dies (no orphans training alone)
     Heartbeat        each launched rank records (step, time) in the launch log directory, so that
-                     when a collective fails the survivors can name the rank that stopped first
+                     when a collective fails the survivors can name the rank that stopped first, and
+                     the launcher can when a job fails (describe_first_stopped)
 """
 
 from __future__ import annotations
@@ -124,6 +125,30 @@ class Heartbeat:
         state = "exited" if first in gone else "still running, not answering"
         return (f"{message}; rank {first} stopped first ({state}; its last step was {beat['step']}, "
                 f"{time.time() - beat['time']:.0f} s ago)")
+
+
+def describe_first_stopped(log_dir: str, exit_codes: dict[int, int], since: float, noticed: float) -> str | None:
+    """One line naming the rank that stopped first, for a launcher whose job failed.
+
+    exit_codes: rank -> exit code of the workers that had already exited when the launcher noticed
+    the failure (the others were still running then: they stopped later). Among those, the rank
+    with the lowest last step, then the oldest heartbeat, stopped first; a rank without a heartbeat
+    written since the launch (`since`) never finished a step and comes before all others.
+    """
+    if not exit_codes:
+        return None
+    beats = {rank: beat for rank, beat in read_heartbeats(log_dir, max(exit_codes) + 1).items()
+             if beat.get("time", 0) >= since}
+    first = min(sorted(exit_codes), key=lambda r: (beats[r]["step"], beats[r]["time"]) if r in beats else (-1, 0))
+    code = exit_codes[first]
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+    if first in beats:
+        beat = beats[first]
+        last = (f"its last step was {beat['step']} (host {beat['host']}, pid {beat['pid']}, heartbeat "
+                f"{noticed - beat['time']:.1f} s before the launcher noticed)")
+    else:
+        last = "it had not finished a step"
+    return f"error: rank {first} stopped first ({how}); {last}; the other ranks' failures follow from it"
 
 
 def read_heartbeats(log_dir: str, world_size: int) -> dict[int, dict]:

@@ -471,6 +471,41 @@ def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
     (tmp_path / "heartbeat.1.json").write_text(json.dumps(beat))
     message = Heartbeat(0, str(tmp_path)).describe_failure(3, 7, RuntimeError("timeout"))
     assert "rank 1 stopped first (still running, not answering; its last step was 5" in message
+    # The launcher's line: among the workers that had failed when it noticed, the lowest step goes first.
+    from llm_pretrain.run_control import describe_first_stopped
+    line = describe_first_stopped(str(tmp_path), {0: -6, 1: -9}, since=0, noticed=time.time())
+    assert line.startswith("error: rank 1 stopped first (killed by SIGKILL); its last step was 5 (host "), line
+    assert describe_first_stopped(str(tmp_path), {2: 1}, since=time.time() + 1, noticed=0).startswith(
+        "error: rank 2 stopped first (exit code 1); it had not finished a step")  # heartbeats of an earlier launch
+
+
+def test_launcher_names_the_rank_that_was_killed(embedded_corpus, tmp_path):
+    """SIGKILL of rank 1 mid-run in a dp2 launch through llm_pretrain.launch: the launcher's output
+    names rank 1 as the rank that stopped first (Paddle's own summary shows rank 0's container) and
+    the job fails."""
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=1000, save_steps=0)
+    logs = tmp_path / "log"
+    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, tmp_path / "out"), logs, launcher="llm_pretrain.launch")
+    try:
+        deadline = time.monotonic() + 180
+        while launcher.poll() is None and time.monotonic() < deadline:
+            try:
+                beat = json.loads((logs / "heartbeat.1.json").read_text())
+            except (OSError, ValueError):
+                beat = {"step": 0}
+            if beat["step"] >= 2:
+                break
+            time.sleep(0.1)
+        assert beat["step"] >= 2, (launcher.poll(), beat)
+        os.kill(beat["pid"], signal.SIGKILL)
+        output = launcher.communicate(timeout=120)[0].decode(errors="replace")
+    finally:
+        _kill_session(launcher.pid)
+    lines = [line for line in output.splitlines() if "stopped first" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith("error: rank 1 stopped first (killed by SIGKILL); its last step was "), lines[0]
+    assert f"pid {beat['pid']}" in lines[0], lines[0]
+    assert launcher.returncode != 0, output[-3000:]
 
 
 # ----------------------------------------------------------------------------- rotation, overwrite, resume checks
