@@ -182,7 +182,11 @@ def _write_synced(path: str, text: str) -> None:
 
 def _weights_are_finite(model) -> bool:
     """Whether every local weight is finite (one reduction per parameter, one host read)."""
-    flags = [paddle.isfinite(param).all().astype("int32") for _, param in model.canonical_named_parameters()]
+    # A stage-3 sliced parameter holds no memory between steps: its rank's slice is fw_storage
+    # (group_sharded_stage3.py _param_storage; the padding is zeros).
+    local = [param if getattr(param, "fw_storage", None) is None else param.fw_storage
+             for _, param in model.canonical_named_parameters()]
+    flags = [paddle.isfinite(tensor).all().astype("int32") for tensor in local]
     return bool(int(paddle.stack(flags).min())) if flags else True
 
 
