@@ -83,6 +83,13 @@ class Arguments:
         "(for time-limited jobs, as Megatron's --exit-interval).", minimum=1
     )
 
+    check_replicas_interval: int = _key(
+        0, "Also check every N steps that each replicated weight and optimizer state is identical on every rank "
+        "holding it (one hash per tensor, one all_gather_object; as Megatron's "
+        "--check-weight-hash-across-dp-replicas-interval). 0: only at the end of training, where it always runs.",
+        minimum=0
+    )
+
     # ---- what to do ------------------------------------------------------------
     do_train: bool = _key(True, "Train (default true: this is a pretraining tool).")
     do_eval: bool = _key(False, "Evaluate on the valid split every eval_steps.")

@@ -237,12 +237,45 @@ def _numpy(tensor) -> tuple[np.ndarray, str]:
     return tensor.numpy(), str(tensor.dtype).replace("paddle.", "")
 
 
+@dataclass
+class HeldTensor:
+    """One tensor of the checkpoint (a parameter or one of its optimizer states) as this rank holds it."""
+
+    name: str            # "<parameter>" or "<parameter>/<state suffix>"
+    holding: Holding
+    suffix: str | None   # the optimizer state's suffix, None for the parameter itself
+    tensor: object       # the local tensor (a stage-3 slice's flat storage)
+    global_shape: tuple[int, ...]
+    pieces: list[Piece]
+
+    @property
+    def is_scalar_state(self) -> bool:
+        return self.suffix in SCALAR_STATES
+
+
+def held_tensors(model, optimizer, layout) -> list[HeldTensor]:
+    """Every parameter and optimizer state this rank holds, with the boxes of the global tensor it
+    holds: what save_state writes (minus the copies another rank writes) and what
+    llm_pretrain/replica_check.py compares across ranks."""
+    held = holdings(model, layout)
+    by_internal = {h.param.name: h for h in held}
+    result = [HeldTensor(h.name, h, None, _stage3_storage(h.param) if h.stage3_slice else h.param,
+                         h.global_shape, h.pieces) for h in held]
+    state = dict(optimizer.state_dict())
+    state.pop("LR_Scheduler", None)
+    master = state.pop("master_weights", None) or {}
+    for key, value in list(state.items()) + list(master.items()):
+        h, suffix = _split_state_key(key, by_internal)
+        scalar = suffix in SCALAR_STATES
+        result.append(HeldTensor(f"{h.name}/{suffix}", h, suffix, value, (1,) if scalar else h.global_shape,
+                                 [Piece((0,), (1,), (slice(None),))] if scalar else h.pieces))
+    return result
+
+
 def save_state(directory: str, model, optimizer, layout) -> list[str]:
     """Write this rank's slices of the weights and optimizer state (every rank calls this); returns
     the names of the files written (the checkpointer lists them in its manifest)."""
-    held = holdings(model, layout)
     owners, _ = _sharding_optimizer(optimizer)
-    by_internal = {h.param.name: h for h in held}
     to_write: list[tuple[str, object, tuple, list[Piece]]] = []  # (tensor name, local tensor, global shape, pieces)
 
     def sharding_owner(holding: Holding) -> int | None:
@@ -252,26 +285,21 @@ def save_state(directory: str, model, optimizer, layout) -> list[str]:
             return zlib.crc32(holding.name.encode()) % layout.sharding_degree
         return None
 
-    for h in held:
-        if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated, sharding_owner(h)):
+    lr_scheduler = optimizer.state_dict().get("LR_Scheduler")
+    for t in held_tensors(model, optimizer, layout):
+        h = t.holding
+        if t.suffix is None:
+            owner, replicated = sharding_owner(h), h.tp_replicated
+        else:
+            # Stage 1/2 states exist only on the owning rank; stage-3 states of whole parameters on all.
+            # A scalar state (beta powers) is the same on every rank that holds a part of the parameter.
+            owner = sharding_owner(h) if layout.sharding_stage == 3 else None
+            if t.is_scalar_state and h.stage3_slice:
+                owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
+            replicated = h.tp_replicated or t.is_scalar_state
+        if h.is_tied_copy or not _writes(h.name, layout, replicated, owner):
             continue
-        to_write.append((h.name, _stage3_storage(h.param) if h.stage3_slice else h.param, h.global_shape, h.pieces))
-
-    state = optimizer.state_dict()
-    lr_scheduler = state.pop("LR_Scheduler", None)
-    master = state.pop("master_weights", None) or {}
-    for key, value in list(state.items()) + list(master.items()):
-        h, suffix = _split_state_key(key, by_internal)
-        # Stage 1/2 states exist only on the owning rank; stage-3 states of whole parameters on all.
-        # A scalar state (beta powers) is the same on every rank that holds a part of the parameter.
-        scalar = suffix in SCALAR_STATES
-        owner = sharding_owner(h) if layout.sharding_stage == 3 else None
-        if scalar and h.stage3_slice:
-            owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
-        if h.is_tied_copy or not _writes(h.name, layout, h.tp_replicated or scalar, owner):
-            continue
-        to_write.append((f"{h.name}/{suffix}", value, (1,) if scalar else h.global_shape,
-                         [Piece((0,), (1,), (slice(None),))] if scalar else h.pieces))
+        to_write.append((t.name, t.tensor, t.global_shape, t.pieces))
 
     entries = _write_safetensors(directory, layout.rank, to_write)
     fragment = {"tensors": entries}

@@ -229,11 +229,12 @@ class MetricsLogger:
         self.log.write(dict(record))
         self.say(f"eval {split} at step {step} | loss {loss:.6f} | ppl {record['ppl']:.3f}")
 
-    def finish(self) -> dict:
-        """The summary record (written and printed); closes the log."""
+    def finish(self, **extra) -> dict:
+        """The summary record (written and printed), with `extra` keys; closes the log."""
         self.progress.close()
         records = self.records
         summary = summarize(records, warmup_steps=min(3, len(records) // 5) * self.logging_steps + self.start_step)
+        summary.update(extra)
         self.log.write({"event": "summary", **summary})
         self.log.close()
         if self.layout.is_main and records:

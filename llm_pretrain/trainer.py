@@ -47,6 +47,7 @@ from llm_pretrain.layout import (  # noqa: F401
 from llm_pretrain.metrics import MetricsLogger, reset_peak_memory
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
+from llm_pretrain.replica_check import check_replicas
 from llm_pretrain.precision import Precision, check_master_grad
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
@@ -650,6 +651,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
 
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
+    replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     step = start_step
     prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
@@ -702,11 +704,17 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         if checkpointer.exit_due(step, args.max_steps):
             metrics.say(f"stopping after step {step} (exit_interval); run the same command again to resume")
             break
+        if args.check_replicas_interval and step % args.check_replicas_interval == 0 and step < args.max_steps:
+            replicas = check_replicas(unwrapped_model, optimizer, layout, step)
+            replica_checks += 1
 
+    # Every replicated weight and optimizer state the same on every rank (they are saved once).
+    if step > start_step:
+        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step), "checks": replica_checks + 1}
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
-    return metrics.finish()
+    return metrics.finish(**({"replica_check": replicas} if replicas else {}))
 
 
 def set_collective_timeout(args: Arguments, device: str) -> None:

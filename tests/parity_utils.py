@@ -12,12 +12,10 @@ The device is DEVICE (launch_utils.device_under_test: LLM_PRETRAIN_TEST_DEVICE, 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -244,66 +242,50 @@ def compare_layout_run(reference: Path, work_dir: Path, name: str, dtype: str, s
             "passed": diffs["relative_loss"] <= BF16_RELATIVE_LOSS_BOUND}
 
 
+def summary_records(output_dir: Path) -> list[dict]:
+    with open(Path(output_dir) / "train_log.jsonl", encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["event"] == "summary"]
+
+
 def assert_every_replica_matches(reference: Path, other: Path, step: int = 5, tolerance: float = TOLERANCE) -> dict:
     """Every rank's copy of every weight and of its optimizer state equals the single-process one.
 
-    `final_weights` merges one copy of each parameter (tensor-parallel rank 0's norms, the first
-    stage's tied embedding); here each shard file of the checkpoint is compared on its own: the
-    replicated norms of every tensor-parallel rank, both pipeline ends' copies of a tied embedding,
-    and each rank's AdamW moments (sliced like its weights; under sharding every state held by
-    some rank). Tensors whose shape is not a tensor-parallel slice of the full one (stage-3 flat
-    slices) are counted and returned, not compared. Returns the largest differences.
+    In two parts, since a checkpoint stores each replicated tensor once (llm_pretrain/dist_checkpoint.py):
+    - what was written: every slice of every tensor in the checkpoint's index (tensor-parallel
+      slices, stage-3 flat slices, the one copy of each replica; weights and AdamW states) equals
+      the same box of the single-process checkpoint, and every tensor of that one (every optimizer
+      state) is in this one, and no other;
+    - the copies not written: each run (the first part of a resumed run too) reports in its summary
+      that its replica check (llm_pretrain/replica_check.py) found every replica of every box (data-
+      parallel replicas, tensor-parallel norms, both pipeline ends' tied embedding, parameters whole
+      on every sharding rank, and their optimizer states) bitwise identical to the copy written.
+    Returns the largest differences and the number of replica groups of the last run.
     """
-    import paddle
-
-    from llm_pretrain.checkpoint import SPLIT_KEY
-    from models.weights import local_slice
-
-    def load(path):
-        return paddle.load(str(path), return_numpy=True)
+    from llm_pretrain.dist_checkpoint import CheckpointReader
 
     ref_dir, got_dir = Path(reference) / f"checkpoint-{step}", Path(other) / f"checkpoint-{step}"
-    ref_weights = load(ref_dir / "model_state.tp00_pp00.pdparams")
-    ref_weights.pop(SPLIT_KEY)
-    ref_optimizer = {k: v for k, v in load(ref_dir / "optimizer.tp00_pp00.pdopt").items()
-                     if isinstance(v, np.ndarray)}
-    model_files = sorted(got_dir.glob("model_state.*.pdparams"))
-    tp_degree = len({re.search(r"tp(\d+)", f.name).group(1) for f in model_files})
-    tags: dict[tuple[str, str], object] = {}  # (tp_pp tag, canonical name) -> split tags
     worst = {"weights": 0.0, "optimizer": 0.0}
-    not_slices, held_states = [], set()
-
-    def compare(kind, where, full, got, param):
-        expected = full if got.shape == full.shape else local_slice(  # whole (replicated, Adam's beta powers)
-            full, param, int(re.search(r"tp(\d+)", where).group(1)), tp_degree)
-        if expected.shape != got.shape:
-            not_slices.append(where)
-            return
-        diff = float(np.abs(expected - got).max()) if got.size else 0.0
-        assert diff <= tolerance, f"{other}: {where} differs from one process by {diff}"
-        worst[kind] = max(worst[kind], diff)
-
-    for file in model_files:
-        shard = re.search(r"(tp\d+_pp\d+)", file.name).group(1)
-        state = load(file)
-        for name, (axis, parts, _replica) in state.pop(SPLIT_KEY).items():
-            param = SimpleNamespace(tp_split_axis=axis, tp_split_parts=parts)
-            tags[shard, name] = param
-            compare("weights", f"{file.name}:{name}", ref_weights[name], state[name], param)
-    for file in sorted(got_dir.glob("optimizer.*.pdopt")):
-        shard = re.search(r"(tp\d+_pp\d+)", file.name).group(1)
-        names = sorted({name for s, name in tags if s == shard}, key=len, reverse=True)
-        for key, value in load(file).items():
-            if not isinstance(value, np.ndarray):
-                continue  # the schedule, master weights (none in fp32)
-            name = next((n for n in names if key.startswith(n + "_")), None)
-            if name is None or key not in ref_optimizer:
-                not_slices.append(f"{file.name}:{key}")
-                continue
-            held_states.add(key)
-            compare("optimizer", f"{file.name}:{key}", ref_optimizer[key], value, tags[shard, name])
-    if not any("_sd" in f.name for f in model_files):  # not stage 3: every state is held and compared
-        assert not not_slices, f"{other}: not comparable with one process: {not_slices[:5]}"
-        assert held_states == set(ref_optimizer), \
-            f"{other}: optimizer states held by no rank: {sorted(set(ref_optimizer) - held_states)[:5]}"
-    return {**worst, "not_compared": len(not_slices)}
+    slices = 0
+    with CheckpointReader(str(ref_dir)) as ref, CheckpointReader(str(got_dir)) as got:
+        missing, extra = sorted(set(ref.tensors) - set(got.tensors)), sorted(set(got.tensors) - set(ref.tensors))
+        assert not missing and not extra, f"{other}: tensors missing {missing[:5]}, not in one process {extra[:5]}"
+        for name, entry in got.tensors.items():
+            assert entry["shape"] == ref.tensors[name]["shape"], f"{other}: {name} has shape {entry['shape']}"
+            for s in entry["slices"]:
+                expected = ref.read(name, s["offsets"], s["shape"])
+                value = got.read(name, s["offsets"], s["shape"])
+                diff = float(np.abs(value.astype(np.float64) - expected).max()) if value.size else 0.0
+                assert diff <= tolerance, \
+                    f"{other}: {name} at {s['offsets']} ({s['file']}) differs from one process by {diff}"
+                kind = "optimizer" if "/" in name else "weights"
+                worst[kind] = max(worst[kind], diff)
+                slices += 1
+    summaries = summary_records(other)
+    assert summaries, f"{other}: no summary record"
+    for summary in summaries:
+        check = summary.get("replica_check")
+        assert check and check["identical"], f"{other}: the run reports no replica check: {summary}"
+    layout = run_record(other)["layout"]
+    if max(layout["data_parallel_degree"], layout["tensor_parallel_degree"], layout["sharding_degree"]) > 1:
+        assert check["replica_groups"] > 0, f"{other}: a layout with replicas compared none: {check}"
+    return {**worst, "slices": slices, "replica_groups": check["replica_groups"]}

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from launch_utils import REPO_ROOT, launch
-from parity_utils import argv, base_arguments, run_record, write_json
+from parity_utils import argv, base_arguments, run_record, summary_records, write_json
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
 FAMILIES = ("llama", "qwen", "baichuan", "gpt3", "bloom")
@@ -54,10 +54,12 @@ class Mechanisms:
     def out(self, layout: str, name: str) -> Path:
         return self.work / layout / name
 
-    def launch(self, nproc: int, layout: str, runs: dict[str, tuple[str, dict]], timeout: int = 900) -> dict:
-        """runs: name -> (model, argument overrides). Returns {rank: {name: observations}}."""
-        spec = [{"name": name, "argv": argv(self.file(model), self.out(layout, name), **overrides)}
-                for name, (model, overrides) in runs.items()]
+    def launch(self, nproc: int, layout: str, runs: dict[str, tuple[str, dict]], timeout: int = 900,
+               extra: dict | None = None) -> dict:
+        """runs: name -> (model, argument overrides); extra: name -> more keys of its run spec (the
+        worker's probes). Returns {rank: {name: observations}}."""
+        spec = [{"name": name, "argv": argv(self.file(model), self.out(layout, name), **overrides),
+                 **(extra or {}).get(name, {})} for name, (model, overrides) in runs.items()]
         runs_file = write_json(self.work / f"{layout}.runs.json", spec)
         result = launch(WORKER, nproc, [str(runs_file)], log_dir=self.work / f"{layout}.log", timeout=timeout)
         result.check()
@@ -70,6 +72,10 @@ class Mechanisms:
 @pytest.fixture(scope="module")
 def mech(tmp_path_factory, embedded_corpus) -> Mechanisms:
     return Mechanisms(tmp_path_factory.mktemp("mechanisms"), embedded_corpus)
+
+
+def summary_record(output_dir: Path) -> dict:
+    return summary_records(output_dir)[-1]
 
 
 def recompute_overrides(i: int) -> dict:
@@ -94,7 +100,12 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
     long = {**tp, "max_seq_length": 256, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     runs["llama-long-tp"] = ("llama", long)
     runs["llama-long-sp"] = ("llama", {**long, "sequence_parallel": True})
-    ranks = mech.launch(2, "tp2", runs)
+    # Replica check (llm_pretrain/replica_check.py): rank 1's copy of a norm weight made to differ
+    # by a last bit before the end-of-training check (run last: it fails on purpose).
+    runs["llama-replica-differs"] = ("llama", {**tp, "sequence_parallel": True})
+    perturbed = {"rank": 1, "parameter": "layers.3.post_attention_layernorm.weight"}
+    spec_extra = {"llama-replica-differs": {"perturb_replica": perturbed}}
+    ranks = mech.launch(2, "tp2", runs, extra=spec_extra)
     for rank, observed in ranks.items():
         for i, family in enumerate(FAMILIES):
             seen = observed[f"{family}-sp"]
@@ -120,6 +131,18 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
         g = GRANULARITIES[i % 3]
         assert built["recompute"] == {g: [layer for layer in range(LAYERS) if layer != 1]}
     assert not mech.built("tp2", "llama-long-tp")["sequence_parallel"]["enabled"]
+    # The replica check compared the replicated norms (and every optimizer state's beta powers) of
+    # both ranks, and fails when one rank's copy differs, naming the tensor and the ranks.
+    for family in FAMILIES:
+        check = summary_record(mech.out("tp2", f"{family}-sp"))["replica_check"]
+        norms = 2 * LAYERS + 1 if family in ("llama", "qwen", "baichuan") else 2 * 2 * LAYERS + 2
+        assert check["identical"] and check["replica_groups"] >= norms, f"{family}: {check}"
+    for rank in (0, 1):
+        failed = ranks[rank]["llama-replica-differs"]
+        assert failed["exit_code"] == 1, failed
+        assert failed["error"].startswith("RunError: replica check after step 1: "
+                                          "layers.3.post_attention_layernorm.weight (box at offsets [0]) "
+                                          "differs between its replicas: rank(s) [1] differ from rank 0"), failed
 
 
 # ----------------------------------------------------------------------------- data parallel

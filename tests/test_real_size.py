@@ -16,6 +16,7 @@ CPU they are not collected at all (rather than skipped).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -65,27 +66,44 @@ def test_layout_matches_one_process_through_resume(selfcheck, layout, dtype):
 
 
 def test_stage3_saves_and_resumes_sliced_parameters(selfcheck):
-    """The size matters: under stage 3 each rank holds a flat slice of the matrices (written by both
-    ranks into the layout-free checkpoint, llm_pretrain/dist_checkpoint.py), the norms whole (one rank)."""
-    checkpoint = layout_output(selfcheck.work, "sd2_stage3", "fp32") / "checkpoint-4"
-    tensors = json.loads((checkpoint / "tensors.index.json").read_text())["tensors"]
+    """The size matters: under stage 3 the matrices above 2**20 elements (MLP, embedding, head) are
+    held as flat slices, one per sharding rank, and saved so (tensors.index.json: each rank's file
+    holds boxes covering its contiguous half of the flattened tensor); q_proj (exactly 2**20
+    elements) and the norms are held whole on every rank and written once."""
+    index = json.loads((layout_output(selfcheck.work, "sd2_stage3", "fp32") / "checkpoint-4"
+                        / "tensors.index.json").read_text())["tensors"]
+    files = ["tensors.rank00000.safetensors", "tensors.rank00001.safetensors"]
 
-    def held_by_rank(name: str) -> dict[str, int]:
-        """file -> elements of `name` that file (one rank's) holds."""
-        held: dict[str, int] = {}
-        for piece in tensors[name]["slices"]:
-            held[piece["file"]] = held.get(piece["file"], 0) + int(np.prod(piece["shape"]))
-        return held
+    def by_file(name):
+        return {f: [s for s in index[name]["slices"] if s["file"] == f] for f in files}
 
-    sliced = {name.rsplit("/", 1)[0] for name in tensors
-              if name.endswith("/moment1_0") and len(held_by_rank(name)) == 2}
+    sliced = {name.removesuffix("/moment1_0") for name in index
+              if name.endswith("/moment1_0") and all(by_file(name).values())}
     matrices = {f"layers.{i}.mlp.{name}_proj.weight" for i in (0, 1) for name in ("gate", "up", "down")}
     assert sliced == matrices | {"embeddings.word_embeddings.weight", "lm_head.weight"}, sorted(sliced)
-    # q_proj has exactly 2**20 elements: whole (on every rank, written by one), like the norms.
-    assert len(held_by_rank("layers.0.self_attn.q_proj.weight/moment1_0")) == 1
-    # Each rank keeps half of a matrix (Paddle's alignment padding is not written).
-    for held in held_by_rank("layers.0.mlp.up_proj.weight/moment1_0").values():
-        assert held == pytest.approx(1024 * 2816 / 2, rel=1e-3)
+    for name in sorted(sliced):
+        for tensor in (name, f"{name}/moment1_0", f"{name}/moment2_0"):
+            shape = index[tensor]["shape"]
+            # Rank r holds the flat range [r*L, (r+1)*L) of the flattened tensor, L about half of it
+            # (Paddle pads the flattened parameter to 2L, with alignment: group_sharded_stage3.py).
+            length = sum(math.prod(s["shape"]) for s in by_file(tensor)[files[0]])
+            assert length == pytest.approx(math.prod(shape) / 2, rel=1e-3), (tensor, length)
+            for rank, file in enumerate(files):
+                starts = sorted((int(np.ravel_multi_index(s["offsets"], shape)), math.prod(s["shape"]))
+                                for s in by_file(tensor)[file])
+                assert starts[0][0] == rank * length, (tensor, file, starts[0])
+                assert all(a + n == b for (a, n), (b, _) in zip(starts, starts[1:])), (tensor, file)
+                assert sum(n for _, n in starts) == min(length, math.prod(shape) - rank * length), (tensor, file)
+    # q_proj has exactly 2**20 elements: whole (one slice, the whole tensor), like the norms.
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.input_layernorm.weight"):
+        for tensor in (name, f"{name}/moment1_0"):
+            (only,) = index[tensor]["slices"]
+            assert only["shape"] == index[tensor]["shape"] and only["offsets"] == [0] * len(only["shape"]), tensor
+    assert math.prod(index["layers.0.self_attn.q_proj.weight"]["shape"]) == 2**20
+    # Every rank's replicas (the whole parameters on both ranks) were checked identical.
+    with open(layout_output(selfcheck.work, "sd2_stage3", "fp32") / "train_log.jsonl", encoding="utf-8") as f:
+        checks = [r["replica_check"] for r in map(json.loads, f) if r["event"] == "summary"]
+    assert len(checks) == 2 and all(c["identical"] and c["replica_groups"] > 0 for c in checks), checks
 
 
 def test_selfcheck_prints_the_table(selfcheck):

@@ -161,6 +161,39 @@ def observations() -> dict:
     }
 
 
+def perturbed_replica_run(run: dict) -> dict:
+    """A run whose replica on one rank differs before the end-of-training replica check: that rank
+    adds a last-bit change to its copy of one replicated parameter (run["perturb_replica"]:
+    {"rank": r, "parameter": canonical name}). The check must stop the run naming both."""
+    import paddle.distributed as dist
+
+    from llm_pretrain import replica_check, trainer
+
+    target = run["perturb_replica"]
+    check = trainer.check_replicas
+
+    def perturbing_check(model, optimizer, layout, step):
+        if dist.get_rank() == target["rank"]:
+            param = dict(model.canonical_named_parameters())[target["parameter"]]
+            with paddle.no_grad():
+                param.set_value(param * (1 + 2**-20))
+        try:
+            return check(model, optimizer, layout, step)
+        except Exception as error:
+            probe["replica_error"] = f"{type(error).__name__}: {error}"
+            raise
+
+    trainer.check_replicas = perturbing_check
+    try:
+        code = main([str(a) for a in run["argv"]])
+    except SystemExit as stop:  # run_pretrain exits through sys.exit on a RunError
+        code = stop.code
+    finally:
+        trainer.check_replicas = check
+    assert replica_check.check_replicas is check
+    return {"exit_code": code, "error": probe.get("replica_error")}
+
+
 if __name__ == "__main__":
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
@@ -175,6 +208,9 @@ if __name__ == "__main__":
         gc.collect()
         probe["allocated_before"] = core.host_memory_stat_current_value("Allocated", 0)
         core.host_memory_stat_reset_peak_value("Allocated", 0)
+        if run.get("perturb_replica"):  # expected to fail: record the replica check's error
+            results[run["name"]] = perturbed_replica_run(run)
+            continue
         code = main([str(a) for a in run["argv"]])
         if code:
             sys.exit(code)
