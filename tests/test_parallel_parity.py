@@ -34,7 +34,7 @@ from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_en
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
     DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, final_weights,
-    run_launch, run_record, run_single, train_records, write_json,
+    run_launch, run_record, run_single, summary_records, train_records, write_json,
 )
 
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
@@ -91,13 +91,16 @@ def test_dp2(parity):
     """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
     run_launch(2, [
         parity.run("dp2", gradient_accumulation_steps=2),
-        parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3),
-        parity.run("dp2-resume", gradient_accumulation_steps=2),
+        parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3, check_replicas_interval=2),
+        parity.run("dp2-resume", gradient_accumulation_steps=2, check_replicas_interval=2),
     ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES],
         parity.work, "dp2")
     parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES])
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
+    # check_replicas_interval 2: after steps 2 and 4, and at the end of each part (steps 3 and 5).
+    checks = [r["replica_check"] for r in summary_records(parity.out("dp2-resume"))]
+    assert [(c["step"], c["checks"]) for c in checks] == [(3, 2), (5, 2)], checks
     # tokens/card/sec counts every card: global tokens / 2 cards / step time.
     record = train_records(parity.out("dp2"))[-1]
     assert record["tokens_per_card_per_sec"] == pytest.approx(8 * 32 / 2 / record["step_time_s"], rel=1e-6)
