@@ -229,7 +229,7 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
 
 def built_strategy_name(built: dict) -> str:
     """The PaddleNLP-style strategy name (pp4vpp2tp2sd2_stage1 ...) of what was built."""
-    from llm_pretrain.trainer import strategy_name
+    from llm_pretrain.layout import strategy_name
 
     layout, schedule, sharding = built["layout"], built["schedule"], built["sharding"]
     return strategy_name(layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"],

@@ -48,7 +48,7 @@ from llm_pretrain.metrics import MetricsLogger, reset_peak_memory
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.replica_check import check_replicas
-from llm_pretrain.precision import Precision, check_master_grad
+from llm_pretrain.precision import Precision
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
 from models.decoder import CausalLM

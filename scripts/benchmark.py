@@ -26,7 +26,6 @@ Suite file (paths relative to it; every key but "configs" optional):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re

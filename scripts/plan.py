@@ -57,7 +57,7 @@ def format_estimate(result: dict) -> str:
     else:
         lines.append("speed: no CPU speed model (measure with scripts/benchmark.py)")
     lines.append("")
-    lines.append(f"| term | phase | rank | MB / s |")
+    lines.append("| term | phase | rank | MB / s |")
     lines.append("|---|---|---|---:|")
     for row in result["breakdown"]:
         value = f"{row['mb']:,.1f} MB" if row["kind"] == "memory" else f"{row['s']:.4f} s"

@@ -48,7 +48,7 @@ def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
 
 def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
     from parity_utils import run_record
-    from planner_runs import _slug, predict
+    from planner_runs import predict
 
     for run in measured_runs:
         assert 0 < run["measured_mb"] < run["rss_mb"], run

@@ -266,8 +266,8 @@ def load_or_build(cache_dir: str, name: str, parts: tuple[str, ...], build, vali
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        for path, array in zip(paths, arrays):
-            _save_atomic(path, array)
+        for path, values in zip(paths, arrays):
+            _save_atomic(path, values)
     except OSError as error:
         raise UsageError(f"data_cache: cannot write the sample index cache in {cache_dir} "
                          f"({error.strerror or error}); set data_cache to a writable directory") from None
