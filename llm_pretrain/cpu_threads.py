@@ -7,11 +7,20 @@ As is, Paddle trains on CPU far below what the machine can do (benchmarks/cpu_sp
 * The MKL bundled with Paddle's wheel (libmklml_intel.so) takes a generic SSE code path on
   non-Intel CPUs unless MKL_DEBUG_CPU_TYPE=5 is in the environment when it loads (2.8x on a
   2-core AMD EPYC together with the threads). On Intel CPUs it picks its fast path itself.
+* Since Paddle 2.6, `transpose`, `reshape`, slicing and friends return strided views
+  (FLAGS_use_stride_kernel, default true, paddle/common/flags.cc), and the first kernel that needs
+  a contiguous input copies the view with the generic StridedCopyKernel
+  (paddle/phi/kernels/cpu/strided_copy_kernel.cc), which computes every element's offset one at a
+  time: 12 ms for the [4, 16, 256, 64] transpose of attention's q on 2 cores, where the transpose
+  kernel the flag falls back to takes 1.2 ms (benchmarks/cpu_speed.md). Attention transposes
+  q, k, v and its output forward and backward, so the flag off is 19-23 % of a training step at
+  width 1024. With it off, Paddle 2.5's semantics: these functions return new tensors.
 
 So when the run is on CPU and the user has not set them, `apply_cpu_defaults` sets
 OMP_NUM_THREADS to the cores of this node divided by the training processes on this node
-(PADDLE_LOCAL_SIZE, which `paddle.distributed.launch` gives every process it starts) and, on AMD
-CPUs with an MKL build of Paddle, MKL_DEBUG_CPU_TYPE=5; it prints one line saying so. A value
+(PADDLE_LOCAL_SIZE, which `paddle.distributed.launch` gives every process it starts),
+FLAGS_use_stride_kernel=0 and, on AMD CPUs with an MKL build of Paddle, MKL_DEBUG_CPU_TYPE=5; it
+prints one line saying so. (Paddle reads FLAGS_* from the environment when it is imported.) A value
 the user set always wins. GPU runs are left as they are.
 
 Nothing here imports Paddle (that would be too late). Two questions need answers without it:
@@ -40,6 +49,7 @@ import sys
 
 THREADS = "OMP_NUM_THREADS"
 MKL_CPU_TYPE = "MKL_DEBUG_CPU_TYPE"
+STRIDED_VIEWS = "FLAGS_use_stride_kernel"
 LAUNCHERS = ("paddle.distributed.launch", "fleetrun")  # what starts processes with PADDLE_LOCAL_SIZE set
 
 
@@ -98,6 +108,8 @@ def cpu_defaults(device: str | None, environ: dict, launcher_environ: dict | Non
     if THREADS not in user:
         local_processes = max(1, int(environ.get("PADDLE_LOCAL_SIZE") or 1))
         settings[THREADS] = str(max(1, cpu_count // local_processes))
+    if STRIDED_VIEWS not in user:
+        settings[STRIDED_VIEWS] = "0"
     if MKL_CPU_TYPE not in user and vendor == "AuthenticAMD" and build["mkl"]:
         settings[MKL_CPU_TYPE] = "5"
     return settings
@@ -118,6 +130,7 @@ def apply_cpu_defaults(device: str | None) -> str | None:
         return None
     os.environ.update(settings)
     why = {THREADS: f"{cpu_count()} cores / {os.environ.get('PADDLE_LOCAL_SIZE', '1')} process(es) on this node",
+           STRIDED_VIEWS: "copies of transposed views by the transpose kernel",
            MKL_CPU_TYPE: "MKL's AVX2 kernels on this AMD CPU"}
     # Paddle then warns "OMP_NUM_THREADS set to N, not 1" (its bootstrap does for any N > 1): expected.
     return ("cpu defaults: " + ", ".join(f"{k}={v} ({why[k]})" for k, v in settings.items())

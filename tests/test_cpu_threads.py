@@ -15,33 +15,38 @@ from tests.launch_utils import REPO_ROOT
 CPU_BUILD = {"gpu": False, "mkl": True}
 GPU_BUILD = {"gpu": True, "mkl": True}
 AMD, INTEL = "AuthenticAMD", "GenuineIntel"
+STRIDES = "FLAGS_use_stride_kernel"
 
 
 def test_cpu_run_without_user_values_gets_threads_and_mkl_switch():
-    assert cpu_defaults("cpu", {}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16", "MKL_DEBUG_CPU_TYPE": "5"}
-    assert cpu_defaults(None, {}, None, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "16"}  # Intel: MKL is fast as is
-    assert cpu_defaults("cpu", {}, None, 16, AMD, {"gpu": False, "mkl": False}) == {"OMP_NUM_THREADS": "16"}
+    assert cpu_defaults("cpu", {}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16", STRIDES: "0",
+                                                           "MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu_defaults(None, {}, None, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "16", STRIDES: "0"}  # Intel: MKL fast
+    assert cpu_defaults("cpu", {}, None, 16, AMD, {"gpu": False, "mkl": False}) == {"OMP_NUM_THREADS": "16", STRIDES: "0"}
     # Cores are shared by the processes of the node (the launcher's PADDLE_LOCAL_SIZE), at least one each.
-    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "4"}, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "4"}
-    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "8"}, {}, 2, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "4"}, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "4", STRIDES: "0"}
+    assert cpu_defaults("cpu", {"PADDLE_LOCAL_SIZE": "8"}, {}, 2, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "1", STRIDES: "0"}
 
 
 def test_user_values_win():
-    user = {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4"}
+    user = {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4", STRIDES: "1"}
     assert cpu_defaults("cpu", user, None, 16, AMD, CPU_BUILD) == {}
-    assert cpu_defaults("cpu", {"OMP_NUM_THREADS": "3"}, None, 16, AMD, CPU_BUILD) == {"MKL_DEBUG_CPU_TYPE": "5"}
-    assert cpu_defaults("cpu", {"MKL_DEBUG_CPU_TYPE": "4"}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16"}
+    assert cpu_defaults("cpu", {"OMP_NUM_THREADS": "3", STRIDES: "1"}, None, 16, AMD, CPU_BUILD) == {
+        "MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu_defaults("cpu", {"MKL_DEBUG_CPU_TYPE": "4"}, None, 16, AMD, CPU_BUILD) == {"OMP_NUM_THREADS": "16",
+                                                                                          STRIDES: "0"}
     # Under the launcher the user's environment is the launcher's: the OMP_NUM_THREADS=1 its own
     # `import paddle` passed down is not the user's, an OMP_NUM_THREADS=1 the user gave it is.
     launched = {"PADDLE_LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    assert cpu_defaults("cpu", launched, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "8"}
-    assert cpu_defaults("cpu", launched, {"OMP_NUM_THREADS": "1"}, 16, INTEL, CPU_BUILD) == {}
+    assert cpu_defaults("cpu", launched, {}, 16, INTEL, CPU_BUILD) == {"OMP_NUM_THREADS": "8", STRIDES: "0"}
+    assert cpu_defaults("cpu", launched, {"OMP_NUM_THREADS": "1"}, 16, INTEL, CPU_BUILD) == {STRIDES: "0"}
 
 
 def test_gpu_runs_are_untouched():
     assert cpu_defaults("gpu", {}, None, 16, AMD, GPU_BUILD) == {}
     assert cpu_defaults(None, {}, None, 16, AMD, GPU_BUILD) == {}  # Paddle's default device on a CUDA build
-    assert cpu_defaults("cpu", {}, None, 16, AMD, GPU_BUILD) == {"OMP_NUM_THREADS": "16", "MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu_defaults("cpu", {}, None, 16, AMD, GPU_BUILD) == {"OMP_NUM_THREADS": "16", STRIDES: "0",
+                                                           "MKL_DEBUG_CPU_TYPE": "5"}
 
 
 def test_build_read_without_importing_paddle_agrees_with_paddle():
@@ -56,11 +61,12 @@ def test_build_read_without_importing_paddle_agrees_with_paddle():
 
 PROBE = ("import json, os, sys; from llm_pretrain.cpu_threads import apply_cpu_defaults; "
          "line = apply_cpu_defaults(sys.argv[1] if sys.argv[1] != 'none' else None); "
-         "print(json.dumps([line, os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_DEBUG_CPU_TYPE')]))")
+         "print(json.dumps([line, os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_DEBUG_CPU_TYPE'), "
+         "os.environ.get('FLAGS_use_stride_kernel')]))")
 
 
 def probe(device: str, env: dict, launcher: str | None = None) -> list:
-    """apply_cpu_defaults(device) in a fresh process with exactly `env` (plus PYTHONPATH); [line, OMP, MKL]."""
+    """apply_cpu_defaults(device) in a fresh process with exactly `env` (plus PYTHONPATH); [line, OMP, MKL, STRIDES]."""
     env = {**env, "PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}
     command = [sys.executable, "-c", PROBE, device]
     if launcher:  # a parent whose command line names the launcher and which sets OMP_NUM_THREADS=1 as it does
@@ -75,11 +81,11 @@ def test_apply_sets_unset_values_keeps_the_users_and_says_so_once():
     from llm_pretrain.flops import cpu_count, cpu_vendor
 
     amd = cpu_vendor() == AMD and paddle_build()["mkl"]
-    line, threads, mkl = probe("cpu", {})
-    assert threads == str(cpu_count()) and mkl == ("5" if amd else None)
-    assert line.startswith("cpu defaults: OMP_NUM_THREADS=") and "\n" not in line
-    assert probe("cpu", {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4"}) == [None, "3", "4"]
-    assert probe("gpu", {}) == [None, None, None]
+    line, threads, mkl, strides = probe("cpu", {})
+    assert threads == str(cpu_count()) and mkl == ("5" if amd else None) and strides == "0"
+    assert line.startswith("cpu defaults: OMP_NUM_THREADS=") and "\n" not in line and "FLAGS_use_stride_kernel=0" in line
+    assert probe("cpu", {"OMP_NUM_THREADS": "3", "MKL_DEBUG_CPU_TYPE": "4", STRIDES: "1"}) == [None, "3", "4", "1"]
+    assert probe("gpu", {}) == [None, None, None, None]
     # Started by a launcher: its processes share the cores; the OMP_NUM_THREADS=1 it passes down is not the user's.
     assert probe("cpu", {}, launcher="paddle.distributed.launch")[1] == str(max(1, cpu_count() // 2))
     assert probe("cpu", {"OMP_NUM_THREADS": "1"}, launcher="paddle.distributed.launch")[1] == "1"
@@ -100,3 +106,19 @@ def test_under_paddle_distributed_launch(tmp_path):
     for rank in (0, 1):
         lines = (tmp_path / "log" / f"workerlog.{rank}").read_text().strip().splitlines()
         assert json.loads(lines[-1])[1] == str(max(1, cpu_count() // 2))
+
+
+def test_paddle_takes_the_strided_view_switch_from_the_environment():
+    """The switch only works if Paddle reads it at import: with it off, a transpose is a new tensor
+    (its own memory), with Paddle's default a view of the same memory."""
+    code = ("import json, sys; from llm_pretrain.cpu_threads import apply_cpu_defaults; apply_cpu_defaults('cpu'); "
+            "import paddle; x = paddle.ones([2, 3]); y = x.transpose([1, 0]); "
+            "print(json.dumps([paddle.get_flags(['FLAGS_use_stride_kernel'])['FLAGS_use_stride_kernel'], "
+            "y.is_contiguous(), y.data_ptr() == x.data_ptr()]))")
+    def run(env):
+        env = {**env, "PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    assert run({}) == [False, True, False]  # our default: the transpose kernel writes a new tensor
+    assert run({STRIDES: "1"}) == [True, False, True]  # the user's value wins: a strided view
