@@ -193,6 +193,21 @@ def describe_precision(model, optimizer, precision=None) -> dict:
             if getattr(precision, "dtype", None) else None}
 
 
+def describe_runtime() -> dict:
+    """What this process' kernels run with: the device, and on CPU the thread count, MKL's code path
+    switch and whether views are strided (llm_pretrain/cpu_threads.py sets these when the user did not),
+    read from Paddle and the environment it loaded with."""
+    import os
+
+    import paddle
+
+    runtime = {"device": paddle.get_device()}
+    if runtime["device"] == "cpu":
+        runtime.update({name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE")})
+        runtime["strided_views"] = paddle.get_flags(["FLAGS_use_stride_kernel"])["FLAGS_use_stride_kernel"]
+    return runtime
+
+
 def describe_built_run(model, optimizer, precision=None) -> dict:
     """This rank's view of the built run, merged over ranks where it differs (pipeline stages).
 
@@ -206,7 +221,7 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = []
         dist.all_gather_object(ranks, local)
-    built = {"layout": built_layout(), **local}
+    built = {"layout": built_layout(), **local, "runtime": describe_runtime()}
     # Layers live on different pipeline stages: recompute lists the union, schedule each stage's chunks.
     recompute = {}
     for rank in ranks:
