@@ -3,6 +3,7 @@
     tok = load_tokenizer(path)
     tok.vocab_size, tok.eos_token_id, tok.encode(text) -> list[int], tok.decode(ids) -> str,
     tok.encode_batch(texts) -> list[list[int]]
+    tok.encode_batch_arrays(texts, num_threads) -> list of int32 arrays (the data preparation's path)
 
 `path` is a directory or a file; in a directory the first of these wins:
   1. tokenizer.model, or the only *.model         sentencepiece
@@ -42,6 +43,12 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
+    def encode_batch_arrays(self, texts: list[str], num_threads: int = -1) -> list:
+        """One int32 array per text, straight from sentencepiece's buffers (no Python int per id: the
+        lists cost a fifth of the tokenizer's time). num_threads: sentencepiece's threads for the
+        batch (-1: all cores; 1 when the caller runs one process per core)."""
+        return self._sp.encode(list(texts), out_type="numpy", num_threads=num_threads)
+
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -63,6 +70,12 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_batch_arrays(self, texts: list[str], num_threads: int = -1) -> list:
+        """One int32 array per text; threads are the library's own (TOKENIZERS_PARALLELISM), num_threads is unused."""
+        import numpy as np
+
+        return [np.array(e.ids, dtype=np.int32) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -119,7 +119,7 @@ def run_prepare(*args, cwd):
 def test_prepare_data_two_workers_equals_one(tokenizers_dir, jsonl, tmp_path):
     # From another directory, with a relative output prefix: the script finds its own package.
     two = run_prepare("--input", jsonl, "--tokenizer", tokenizers_dir / "sp", "--output_prefix",
-                      "out/two_text_document", "--workers", 2, "--chunk_size", 7, cwd=tmp_path)
+                      "out/two_text_document", "--workers", 2, "--chunk_bytes", 97, cwd=tmp_path)
     assert two.returncode == 0, two.stderr
     assert f"{len(TEXTS)} documents" in two.stdout.strip().splitlines()[-1]
     one = prepare_jsonl([str(jsonl)], str(tokenizers_dir / "sp"), str(tmp_path / "one"), workers=1, progress=False)
@@ -240,7 +240,7 @@ def test_prepare_is_byte_identical_to_paddlenlp_tool(embedded_corpus, tmp_path):
         for text in MESSY_TEXTS + TEXTS[:7]:
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
     paddlenlp_create_pretraining_data(str(path), tokenizer, str(tmp_path / "paddlenlp"))
-    ours = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "ours"), workers=2, chunk_size=5, progress=False)
+    ours = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "ours"), workers=2, chunk_bytes=300, progress=False)
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"paddlenlp{ext}").read_bytes()
     lines = len(MESSY_TEXTS) + 7
