@@ -75,13 +75,16 @@ def _line_breaks(data: bytes) -> int:
     return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
 
 
+_COUNT_BLOCK = 1 << 24  # bytes read at a time when counting lines for an error message
+
+
 def _line_number(path: str, range_start: int, line_in_range: int) -> int:
     """1-based number of a line given its byte range's start (a line start) and its index inside the range."""
-    lines, block_size = 0, 1 << 24
+    lines = 0
     with open(path, "rb") as f:
         previous_cr = False
-        for offset in range(0, range_start, block_size):
-            block = f.read(min(block_size, range_start - offset))
+        for offset in range(0, range_start, _COUNT_BLOCK):
+            block = f.read(min(_COUNT_BLOCK, range_start - offset))
             lines += _line_breaks(block) - (previous_cr and block[:1] == b"\n")  # \r\n across two blocks
             previous_cr = block[-1:] == b"\r"
     return lines + line_in_range + 1
