@@ -175,6 +175,10 @@ def worker(spec: dict) -> dict:
     quiet = open(os.devnull, "w")
     if kind == "prep":
         if side == "ours":
+            # Imported before the clock, as `import paddlenlp.transformers` imports them for PaddleNLP's side.
+            import multiprocessing.pool  # noqa: F401
+            import sentencepiece  # noqa: F401
+
             from llm_pretrain.data import prepare_jsonl
 
             run = lambda: prepare_jsonl([spec["jsonl"]], spec["tokenizer"], spec["prefix"], workers=spec["workers"],

@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -130,7 +131,7 @@ def _encode_range(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, i
     key = _worker["json_key"]
     texts = []
     for index, line in enumerate(text.split("\n")):
-        if not line.strip():
+        if not line or line.isspace():  # a blank line (line.strip() would copy the line)
             continue
         try:
             record = _parse_line(line)
@@ -204,15 +205,18 @@ def prepare_jsonl(inputs: list[str], tokenizer: str, output_prefix: str, json_ke
     directory = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(directory, exist_ok=True)
 
-    from tqdm import tqdm
-
     # One process: the tokenizer may use every core itself (sentencepiece's and tokenizers' own
     # threads); several: one single-threaded tokenizer per process, as threads would only compete.
     init_args = (tokenizer, json_key, tok.eos_token_id if append_eos else None, dtype.str,
                  max_repeated_len if clean_text else None, -1 if workers == 1 else 1)
     total_bytes = sum(os.path.getsize(path) for path in inputs)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None if progress is None
-               else not progress, dynamic_ncols=True)
+    if progress is None:  # tqdm's own rule for disable=None
+        progress = sys.stderr is not None and sys.stderr.isatty()
+    bar = None
+    if progress:  # tqdm imported only then: its import is a twentieth of preparing 10 MB
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True)
     chunks = _byte_ranges(inputs, chunk_bytes)
     pool = None
     try:
@@ -227,7 +231,8 @@ def prepare_jsonl(inputs: list[str], tokenizer: str, output_prefix: str, json_ke
             try:
                 for tokens, sizes, nbytes in results:
                     writer.add_documents(tokens, sizes)
-                    bar.update(nbytes)
+                    if bar is not None:
+                        bar.update(nbytes)
             except _BadLine as bad:
                 path, range_start, line_in_range, before, after = bad.args
                 line = _line_number(path, range_start, line_in_range)
@@ -236,7 +241,8 @@ def prepare_jsonl(inputs: list[str], tokenizer: str, output_prefix: str, json_ke
                 raise UsageError(f"--input: no documents in {', '.join(inputs)} (every line is blank)")
             documents, tokens = writer.num_documents, writer.num_tokens
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
