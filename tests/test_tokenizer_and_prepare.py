@@ -100,6 +100,28 @@ def test_best_fitting_dtype():
     assert best_fitting_dtype(65500) == np.int32 and best_fitting_dtype(152064) == np.int32
 
 
+@pytest.mark.parametrize("kind", ["sp", "sp without the buffer call", "hf", "bpe"])
+def test_encode_batch_flat_equals_encode(tokenizers_dir, kind):
+    """The preparation's path: ids back to back and ids per text, EOS after each text when asked,
+    empty texts included; sentencepiece's fast buffer call and its public fallback agree."""
+    tok = load_tokenizer(str(tokenizers_dir / kind.split()[0]))
+    if kind == "sp without the buffer call":
+        class PublicOnly:  # a sentencepiece version without SentencePieceProcessor._EncodeAsBufferBatch
+            _processor = object()
+            encode = tok._sp.encode
+
+        tok._sp = PublicOnly()
+    texts = ["", *TEXTS[:7], "", "something entirely new: 数据 ∑", ""]
+    expected = [tok.encode(text) for text in texts]
+    for append_eos in (False, True):
+        ids, sizes = tok.encode_batch_flat(texts, 1, append_eos)
+        documents = [ids + [tok.eos_token_id] if append_eos else ids for ids in expected]
+        assert ids.dtype == np.int32 and list(sizes) == [len(d) for d in documents]
+        assert ids.tolist() == [i for d in documents for i in d]
+    ids, sizes = tok.encode_batch_flat([], 1, True)
+    assert ids.size == sizes.size == 0
+
+
 # ----------------------------------------------------------------------------- prepare_data
 @pytest.fixture(scope="module")
 def jsonl(tmp_path_factory):

@@ -92,10 +92,10 @@ def _line_number(path: str, range_start: int, line_in_range: int) -> int:
     return lines + line_in_range + 1
 
 
-def _init_worker(tokenizer_path: str, json_key: str, eos_id: int | None, dtype: str,
+def _init_worker(tokenizer_path: str, json_key: str, append_eos: bool, dtype: str,
                  max_repeated_len: int | None, tokenizer_threads: int) -> None:
     _worker.update(tokenizer=load_tokenizer(tokenizer_path, key="--tokenizer"), json_key=json_key,
-                   eos_id=eos_id, dtype=np.dtype(dtype), threads=tokenizer_threads,
+                   append_eos=append_eos, dtype=np.dtype(dtype), threads=tokenizer_threads,
                    # json.loads minus its Python wrapper (a third of the parse time); see _parse_line
                    scan=json.JSONDecoder().scan_once,
                    repeated=None if max_repeated_len is None else RepeatedCharacters(max_repeated_len))
@@ -147,16 +147,15 @@ def _encode_range(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, i
     repeated = _worker["repeated"]
     if repeated is not None:  # PaddleNLP's cleaning; its tool writes nothing for a text without tokens
         texts = [repeated.sub(text).strip() for text in texts]
-    documents = _worker["tokenizer"].encode_batch_arrays(texts, _worker["threads"]) if texts else []
+    append_eos = _worker["append_eos"]
+    ids, sizes = _worker["tokenizer"].encode_batch_flat(texts, _worker["threads"], append_eos)
     if repeated is not None:
-        documents = [ids for ids in documents if ids.size]
-    dtype, eos_id = _worker["dtype"], _worker["eos_id"]
-    sizes = np.fromiter(map(len, documents), dtype=np.int32, count=len(documents))
-    if eos_id is not None:  # EOS after each document: one concatenation of [ids, eos, ids, eos, ...]
-        eos = np.array([eos_id], dtype=np.int32)
-        documents = [part for ids in documents for part in (ids, eos)]
-        sizes += 1
-    tokens = np.concatenate(documents).astype(dtype) if documents else np.zeros(0, dtype)
+        empty = sizes == (1 if append_eos else 0)
+        if empty.any():
+            if append_eos:  # an empty document's ids are its EOS alone
+                ids = np.delete(ids, (np.cumsum(sizes) - 1)[empty])
+            sizes = sizes[~empty]
+    tokens = ids.astype(_worker["dtype"])
     return tokens, sizes, end - start
 
 
@@ -224,7 +223,7 @@ def prepare_jsonl(inputs: list[str], tokenizer: str, output_prefix: str, json_ke
 
     # One process: the tokenizer may use every core itself (sentencepiece's and tokenizers' own
     # threads); several: one single-threaded tokenizer per process, as threads would only compete.
-    init_args = (tokenizer, json_key, tok.eos_token_id if append_eos else None, dtype.str,
+    init_args = (tokenizer, json_key, append_eos, dtype.str,
                  max_repeated_len if clean_text else None, -1 if workers == 1 else 1)
     total_bytes = sum(os.path.getsize(path) for path in inputs)
     if progress is None:  # tqdm's own rule for disable=None
