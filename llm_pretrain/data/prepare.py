@@ -1,8 +1,8 @@
-"""JSON lines -> prefix.bin/.idx: one document per line, tokenized by a local tokenizer.
+r"""JSON lines -> prefix.bin/.idx: one document per line, tokenized by a local tokenizer.
 
 The main process cuts each file into byte ranges of whole lines (chunk_bytes) and sends the
-ranges to worker processes, which read, parse, clean and tokenize them; Pool.imap returns the
-ranges' tokens in input order, so the output is identical for any number of workers.
+ranges to worker processes, which read, parse, clean and tokenize them; their tokens are
+written in input order, so the output is identical for any number of workers.
 Every document gets EOS appended (unless append_eos=False), as PaddleNLP's
 create_pretraining_data.py does. Blank lines are skipped.
 
@@ -43,7 +43,7 @@ def repeated_characters(max_repeated_len: int) -> re.Pattern:
 
 
 class RepeatedCharacters:
-    """PaddleNLP's rule, `re.sub(r"(.)\1{L,}", r"\1", text)`, run only on texts that can match.
+    r"""PaddleNLP's rule, `re.sub(r"(.)\1{L,}", r"\1", text)`, run only on texts that can match.
 
     The full pattern costs ~19 ns a character (15 % of the preparation) and almost never matches.
     A run of L + 1 or more equal characters covers at least 4 consecutive multiples of
@@ -73,7 +73,7 @@ class _BadLine(Exception):
 
 
 def _line_breaks(data: bytes) -> int:
-    """Lines ended in data, counted as text mode reads them (\n, \r\n and \r each end one)."""
+    r"""Lines ended in data, counted as text mode reads them (\n, \r\n and \r each end one)."""
     return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
 
 
@@ -160,7 +160,7 @@ def _encode_range(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, i
 
 
 def _byte_ranges(paths: list[str], chunk_bytes: int):
-    """(path, start, end) of consecutive ranges of about chunk_bytes, each ending after a newline (or at the end).
+    r"""(path, start, end) of consecutive ranges of about chunk_bytes, each ending after a newline (or at the end).
 
     Only b"\n" ends a range: a file whose lines end in a lone \r is one range (the same output, one worker).
     """
@@ -197,6 +197,9 @@ def prepare_jsonl(inputs: list[str], tokenizer: str, output_prefix: str, json_ke
                   progress: bool | None = None, clean_text: bool = True, max_repeated_len: int = 100) -> dict:
     """Tokenize JSON-lines files into output_prefix.bin/.idx; returns {documents, tokens, seconds, ...}.
 
+    workers: processes, each reading, parsing and tokenizing byte ranges of about chunk_bytes of
+    whole lines with a single-threaded tokenizer; 1: all in this process, the tokenizer using its
+    own threads. The output is the same for any workers and chunk_bytes.
     clean_text: PaddleNLP's cleaning (runs of more than max_repeated_len equal characters cut to one,
     whitespace stripped, texts without tokens dropped); False tokenizes every text as it is.
 
