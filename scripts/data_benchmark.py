@@ -415,6 +415,8 @@ def main(argv: list[str]) -> int:
 
     # 3. sample reads (the prepared corpus; its index built once per side before the timed reads)
     reads = {side: [] for side in sides}
+    for side in sides:  # PaddleNLP's cache name does not change with --prep-mb: a kept --work-dir would reuse it
+        shutil.rmtree(os.path.join(root, "cache", f"reads-{side}"), ignore_errors=True)
     for round_ in range(options.rounds):
         for side in sides:
             spec = {"kind": "reads", "side": side, "prefixes": [os.path.join(root, f"prep-{side}")],
