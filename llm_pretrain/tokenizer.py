@@ -87,7 +87,7 @@ class HFTokenizer:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_batch_flat(self, texts: list[str], num_threads: int = -1, append_eos: bool = False):
-        """As SentencePieceTokenizer's; threads are the library's own (TOKENIZERS_PARALLELISM), num_threads is unused."""
+        """As SentencePieceTokenizer's; threads are the library's own (TOKENIZERS_PARALLELISM): num_threads unused."""
         return flatten(self.encode_batch(texts), self.eos_token_id if append_eos else None)
 
     def decode(self, ids) -> str:
