@@ -3,6 +3,7 @@
     tok = load_tokenizer(path)
     tok.vocab_size, tok.eos_token_id, tok.encode(text) -> list[int], tok.decode(ids) -> str,
     tok.encode_batch(texts) -> list[list[int]]
+    tok.encode_batch_flat(texts, num_threads, append_eos) -> (ids back to back, ids per text), NumPy
 
 `path` is a directory or a file; in a directory the first of these wins:
   1. tokenizer.model, or the only *.model         sentencepiece
@@ -42,6 +43,27 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
+    def encode_batch_flat(self, texts: list[str], num_threads: int = -1, append_eos: bool = False):
+        """(int32 ids of all texts back to back, ids per text), EOS after each text if append_eos.
+
+        The data preparation's path. sentencepiece's batch call that returns one buffer of C ints a
+        text (what its public encode(out_type="numpy") calls before making an array of each), joined
+        in one copy: Python ints per id cost a fifth of the tokenizer's time, an array per text 5 %.
+        A sentencepiece without that call takes the public list path. num_threads: sentencepiece's
+        threads for the batch (-1: all cores; 1 when the caller runs one process per core).
+        """
+        import numpy as np
+
+        texts = list(texts)
+        batch = getattr(self._sp._processor, "_EncodeAsBufferBatch", None)  # sentencepiece 0.2.1+
+        if batch is None:
+            return flatten(self._sp.encode(texts, num_threads=num_threads), self.eos_token_id if append_eos else None)
+        # Arguments as SentencePieceProcessor.Encode passes them (sentencepiece/__init__.py, is_batch):
+        # input, num_threads, thread_pool, enable_sampling, nbest_size, alpha, add_bos, add_eos, reverse.
+        buffers = batch(texts, num_threads, None, False, -1, 0.1, False, append_eos, False)
+        sizes = np.fromiter(map(len, map(memoryview, buffers)), dtype=np.int64, count=len(buffers))
+        return np.frombuffer(b"".join(buffers), dtype=np.int32), sizes
+
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -64,8 +86,26 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_batch_flat(self, texts: list[str], num_threads: int = -1, append_eos: bool = False):
+        """As SentencePieceTokenizer's; threads are the library's own (TOKENIZERS_PARALLELISM): num_threads unused."""
+        return flatten(self.encode_batch(texts), self.eos_token_id if append_eos else None)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def flatten(documents: list[list[int]], eos_id: int | None = None):
+    """(int32 ids back to back, ids per document) of id lists, eos_id after each document unless None."""
+    import itertools
+
+    import numpy as np
+
+    sizes = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+    ids = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int32, count=int(sizes.sum()))
+    if eos_id is not None:
+        ids = np.insert(ids, np.cumsum(sizes), eos_id)  # several at one place (empty documents) stay in order
+        sizes += 1
+    return ids, sizes
 
 
 def _configured_eos_token(directory: str) -> str | None:

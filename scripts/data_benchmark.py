@@ -175,6 +175,10 @@ def worker(spec: dict) -> dict:
     quiet = open(os.devnull, "w")
     if kind == "prep":
         if side == "ours":
+            # Imported before the clock, as `import paddlenlp.transformers` imports them for PaddleNLP's side.
+            import multiprocessing.pool  # noqa: F401
+            import sentencepiece  # noqa: F401
+
             from llm_pretrain.data import prepare_jsonl
 
             run = lambda: prepare_jsonl([spec["jsonl"]], spec["tokenizer"], spec["prefix"], workers=spec["workers"],
@@ -411,6 +415,8 @@ def main(argv: list[str]) -> int:
 
     # 3. sample reads (the prepared corpus; its index built once per side before the timed reads)
     reads = {side: [] for side in sides}
+    for side in sides:  # PaddleNLP's cache name does not change with --prep-mb: a kept --work-dir would reuse it
+        shutil.rmtree(os.path.join(root, "cache", f"reads-{side}"), ignore_errors=True)
     for round_ in range(options.rounds):
         for side in sides:
             spec = {"kind": "reads", "side": side, "prefixes": [os.path.join(root, f"prep-{side}")],

@@ -30,7 +30,8 @@ def parse_args(argv):
     parser.add_argument("--output_prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     parser.add_argument("--json_key", default="text", help="key of the text in each line (default: text)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
-    parser.add_argument("--chunk_size", type=int, default=256, help="lines per work item (default: 256)")
+    parser.add_argument("--chunk_bytes", type=int, default=1 << 18,
+                        help="bytes of whole lines per work item (default: 262144)")
     parser.add_argument("--no_append_eos", action="store_true", help="do not end each document with EOS")
     parser.add_argument("--keep_text_as_is", action="store_true",
                         help="no PaddleNLP cleaning: keep whitespace and repeated characters, keep empty texts")
@@ -46,7 +47,7 @@ def main(argv) -> int:
 
         result = prepare_jsonl(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
                                workers=args.workers, append_eos=not args.no_append_eos,
-                               chunk_size=args.chunk_size, clean_text=not args.keep_text_as_is,
+                               chunk_bytes=args.chunk_bytes, clean_text=not args.keep_text_as_is,
                                max_repeated_len=args.max_repeated_len)
     except UsageError as error:
         exit_with_usage_error(error)

@@ -100,6 +100,28 @@ def test_best_fitting_dtype():
     assert best_fitting_dtype(65500) == np.int32 and best_fitting_dtype(152064) == np.int32
 
 
+@pytest.mark.parametrize("kind", ["sp", "sp without the buffer call", "hf", "bpe"])
+def test_encode_batch_flat_equals_encode(tokenizers_dir, kind):
+    """The preparation's path: ids back to back and ids per text, EOS after each text when asked,
+    empty texts included; sentencepiece's fast buffer call and its public fallback agree."""
+    tok = load_tokenizer(str(tokenizers_dir / kind.split()[0]))
+    if kind == "sp without the buffer call":
+        class PublicOnly:  # a sentencepiece version without SentencePieceProcessor._EncodeAsBufferBatch
+            _processor = object()
+            encode = tok._sp.encode
+
+        tok._sp = PublicOnly()
+    texts = ["", *TEXTS[:7], "", "something entirely new: 数据 ∑", ""]
+    expected = [tok.encode(text) for text in texts]
+    for append_eos in (False, True):
+        ids, sizes = tok.encode_batch_flat(texts, 1, append_eos)
+        documents = [ids + [tok.eos_token_id] if append_eos else ids for ids in expected]
+        assert ids.dtype == np.int32 and list(sizes) == [len(d) for d in documents]
+        assert ids.tolist() == [i for d in documents for i in d]
+    ids, sizes = tok.encode_batch_flat([], 1, True)
+    assert ids.size == sizes.size == 0
+
+
 # ----------------------------------------------------------------------------- prepare_data
 @pytest.fixture(scope="module")
 def jsonl(tmp_path_factory):
@@ -119,7 +141,7 @@ def run_prepare(*args, cwd):
 def test_prepare_data_two_workers_equals_one(tokenizers_dir, jsonl, tmp_path):
     # From another directory, with a relative output prefix: the script finds its own package.
     two = run_prepare("--input", jsonl, "--tokenizer", tokenizers_dir / "sp", "--output_prefix",
-                      "out/two_text_document", "--workers", 2, "--chunk_size", 7, cwd=tmp_path)
+                      "out/two_text_document", "--workers", 2, "--chunk_bytes", 97, cwd=tmp_path)
     assert two.returncode == 0, two.stderr
     assert f"{len(TEXTS)} documents" in two.stdout.strip().splitlines()[-1]
     one = prepare_jsonl([str(jsonl)], str(tokenizers_dir / "sp"), str(tmp_path / "one"), workers=1, progress=False)
@@ -240,7 +262,7 @@ def test_prepare_is_byte_identical_to_paddlenlp_tool(embedded_corpus, tmp_path):
         for text in MESSY_TEXTS + TEXTS[:7]:
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
     paddlenlp_create_pretraining_data(str(path), tokenizer, str(tmp_path / "paddlenlp"))
-    ours = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "ours"), workers=2, chunk_size=5, progress=False)
+    ours = prepare_jsonl([str(path)], tokenizer, str(tmp_path / "ours"), workers=2, chunk_bytes=300, progress=False)
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"paddlenlp{ext}").read_bytes()
     lines = len(MESSY_TEXTS) + 7
@@ -270,3 +292,127 @@ def test_prepare_cleaning_options_on_the_command_line(tmp_path):
     bad = run_prepare("--input", path, "--tokenizer", tmp_path / "sp.model", "--output_prefix", tmp_path / "o",
                       "--max_repeated_len", "0", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --max_repeated_len: must be at least 1")
+
+
+# ----------------------------------------------------------------------------- the fast paths equal the plain ones
+@pytest.mark.parametrize("max_repeated_len", [100, 37, 7, 4, 3, 2, 1])
+def test_repeated_characters_prefilter_equals_the_full_rule(max_repeated_len):
+    """RepeatedCharacters runs PaddleNLP's re.sub only on texts whose sample text[::stride] holds 4 equal
+    characters in a row: runs one shorter, as long as and longer than the limit, at every offset
+    modulo the stride, of letters, newlines (never cut), spaces and multi-byte characters, give
+    exactly re.sub's result; so do random texts full of runs."""
+    import random
+
+    from llm_pretrain.data.prepare import RepeatedCharacters
+
+    rule = RepeatedCharacters(max_repeated_len)
+    pattern = re.compile(r"(.)\1{" + str(max_repeated_len) + ",}")
+    limit, stride = max_repeated_len, max(rule.stride, 1)
+    alphabet = ["a", "b", " ", "\n", "ü", "語", "😀", "\t"]
+    rng = random.Random(max_repeated_len)
+    checked = cut = 0
+
+    def filler(length, char):  # no two equal neighbours and no `char`: the run alone can be cut
+        chosen = [char]
+        for _ in range(length):
+            chosen.append(rng.choice([c for c in alphabet if c not in (char, chosen[-1])]))
+        return "".join(chosen[1:])
+
+    for char in ("a", "\n", " ", "ü", "😀"):
+        for length in range(max(limit - 1, 1), limit + 3):
+            for offset in range(2 * stride + 1):
+                before, after = filler(offset, char), filler(rng.randint(0, 3 * stride), char)
+                text = before + char * length + after
+                assert rule.sub(text) == pattern.sub(r"\1", text), (char, length, offset)
+                checked += 1
+                if char != "\n" and length > limit:
+                    assert rule.sub(text) == before + char + after  # the run became one character
+                    cut += 1
+    for _ in range(400):
+        parts = []
+        for _ in range(rng.randint(0, 5)):
+            parts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(0, 2 * stride))))
+            parts.append(rng.choice(alphabet) * rng.randint(0, limit + 3))
+        text = "".join(parts)
+        assert rule.sub(text) == pattern.sub(r"\1", text)
+    assert checked > cut > 0
+    # The prefilter is what makes it fast: ordinary text never reaches the full pattern.
+    if rule.sampled is not None:
+        prose = " ".join(TEXTS) * 3
+        assert not rule.sampled.search(prose[::rule.stride]) and rule.sub(prose) == prose
+
+
+@pytest.mark.parametrize("line", [
+    '{"text": "plain"}', '  {"text": "leading space"}', '{"text": "trailing"}  \t\r', '\ufeff{"text": "bom"}',
+    '{"text": "a"} {"text": "b"}', '{"text": "dup", "text": "last wins"}', '{"text": "raw \u2028 separator"}',
+    '{"text": "esc\\u00fc\\n"}', '[1, 2]', '"just a string"', '{"text": broken', '{"a": 1e999}', 'nan', '',
+])
+def test_parse_line_equals_json_loads(line):
+    from llm_pretrain.data import prepare
+
+    prepare._worker["scan"] = json.JSONDecoder().scan_once
+    try:
+        expected = json.loads(line)
+    except ValueError as error:
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            prepare._parse_line(line)
+    else:
+        assert prepare._parse_line(line) == expected
+
+
+def text_mode_documents(path, tokenizer):
+    """What PaddleNLP's tool sees: the lines of a text-mode file, cleaned, EOS after each."""
+    tok = load_tokenizer(tokenizer)
+    documents = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                ids = tok.encode(re.sub(r"(.)\1{100,}", r"\1", json.loads(line)["text"]).strip())
+                if ids:
+                    documents.append(ids + [tok.eos_token_id])
+    return documents
+
+
+def test_byte_ranges_read_lines_as_text_mode_does(tokenizers_dir, tmp_path):
+    """Workers read byte ranges cut after a newline: \n, \r\n and lone \r line ends, blank lines, multi-byte
+    characters and a last line without a newline give text mode's lines, for any range size and worker count."""
+    endings = ["\n", "\r\n", "\r", "\n\n", "\r\n  \r\n", "\n"]
+    records = [json.dumps({"text": f"{i} {TEXTS[i % 7]} ü語😀" + "x" * (i % 5) * 60}, ensure_ascii=i % 2 == 0)
+               for i in range(60)]
+    body = "".join(record + endings[i % len(endings)] for i, record in enumerate(records))
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(body.rstrip("\r\n").encode("utf-8"))  # the last line has no line end
+    tokenizer = str(tokenizers_dir / "sp")
+    expected = text_mode_documents(path, tokenizer)
+    assert len(expected) == 60
+    outputs = []
+    for chunk_bytes, workers in ((1, 1), (7, 2), (150, 2), (333, 1), (1 << 20, 1)):
+        prefix = str(tmp_path / f"out{chunk_bytes}")
+        result = prepare_jsonl([str(path)], tokenizer, prefix, workers=workers, chunk_bytes=chunk_bytes,
+                               progress=False)
+        data = IndexedDataset(prefix)
+        assert result["documents"] == 60 and [list(data[i]) for i in range(60)] == expected
+        outputs.append(open(prefix + ".bin", "rb").read() + open(prefix + ".idx", "rb").read())
+    assert len(set(outputs)) == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_input_names_its_line_across_byte_ranges(tokenizers_dir, tmp_path, monkeypatch, workers):
+    """A worker only knows a bad line's place in its byte range; the error still names the file's line,
+    counted as text mode counts (\r\n and lone \r end one line each, also across the counting blocks)."""
+    from llm_pretrain.data import prepare
+
+    monkeypatch.setattr(prepare, "_COUNT_BLOCK", 5)  # a \r\n split between two counting blocks
+    good = [json.dumps({"text": f"line {i}"}) + ("\r\n", "\r", "\n")[i % 3] for i in range(40)]
+    cases = [
+        ("".join(good) + '{"text": broken\n{"text": "after"}\n', b"", r"line 41: invalid JSON"),
+        ("".join(good[:25]) + '{"title": "x"}\r\n' + "".join(good[25:]), b"", r"line 26: no key 'text'"),
+        ("".join(good[:22]), b'{"text": "bad \xff byte"}\n', r"near line 23 is not UTF-8 text"),
+    ]
+    for text, tail, pattern in cases:
+        path = tmp_path / "bad.jsonl"
+        path.write_bytes(text.encode("utf-8") + tail + "".join(good).encode("utf-8"))
+        with pytest.raises(UsageError, match=f"^--input: {re.escape(str(path))} {pattern}"):
+            prepare_jsonl([str(path)], str(tokenizers_dir / "sp"), str(tmp_path / "o"), workers=workers,
+                          chunk_bytes=64, progress=False)
+        assert not [name for name in os.listdir(tmp_path) if name.startswith("o.")]
