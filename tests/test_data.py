@@ -307,6 +307,25 @@ def test_blend_string_fractions_match_weights(tmp_path, monkeypatch):
     assert os.path.isdir(tmp_path / "d" / "index-cache")
 
 
+def test_damaged_blend_cache_is_rebuilt_with_a_warning(tmp_path, monkeypatch, capsys):
+    """Blending indices damaged on disk (same length, values out of range) are rebuilt, not trusted."""
+    make_prefix(tmp_path / "d", "a", random_documents(100, seed=4))
+    make_prefix(tmp_path / "d", "b", random_documents(100, seed=5))
+    monkeypatch.chdir(tmp_path)
+    build = lambda: build_pretraining_datasets("0.6 d/a 0.4 d/b", "1,0,0", 8, 1, (500, 0, 0))[0]
+    first = build()
+    expected = np.array(first.dataset_sample_index)
+    path = next((tmp_path / "d" / "index-cache").glob("blend_*_dataset_sample_index.npy"))
+    damaged = expected.copy()
+    damaged[7] = 10**9  # a sample no dataset has
+    np.save(path, damaged)
+    capsys.readouterr()
+    again = build()
+    assert not again.loaded_from_cache and np.array_equal(again.dataset_sample_index, expected)
+    assert f"warning: the cached sample index {tmp_path / 'd' / 'index-cache'}" in capsys.readouterr().err
+    assert build().loaded_from_cache  # the rebuilt cache is used from then on
+
+
 def test_blending_matches_megatron_greedy():
     weights = [0.5, 0.2, 0.3]
     index, sample_index = build_blending_indices(weights, 3000)

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -261,8 +262,11 @@ def load_or_build(cache_dir: str, name: str, parts: tuple[str, ...], build, vali
     """
     paths = [os.path.join(cache_dir, f"{name}_{part}.npy") for part in parts]
     arrays = _load_all(paths)
-    if arrays is not None and valid(*arrays):
-        return arrays, True
+    if arrays is not None:
+        if valid(*arrays):
+            return arrays, True
+        print(f"warning: the cached sample index {paths[0]} does not fit its inputs (damaged); rebuilding it",
+              file=sys.stderr, flush=True)
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -339,17 +343,25 @@ class BlendedDataset:
         key = {"datasets": [d.cache_key for d in datasets], "weights": self.weights, "size": size}
         self.cache_key = cache_name(f"blend_{datasets[0].split_name}", key)
 
-        def valid(dataset_index, dataset_sample_index):
-            return len(dataset_index) == size == len(dataset_sample_index)
+        def out_of_range(dataset_index, dataset_sample_index) -> str | None:
+            """What in the blending indices cannot be right (None: they fit the datasets)."""
+            if len(dataset_index) != size or len(dataset_sample_index) != size:
+                return f"{len(dataset_index)} entries for {size} samples"
+            if size and (int(dataset_index.min()) < 0 or int(dataset_index.max()) >= len(datasets)):
+                return f"a dataset number outside 0-{len(datasets) - 1}"
+            for i, dataset in enumerate(datasets):
+                used = dataset_sample_index[dataset_index == i]
+                if used.size and (int(used.min()) < 0 or int(used.max()) >= len(dataset)):
+                    return f"sample {int(used.max())} of dataset {i}, which has {len(dataset)}"
+            return None
 
         arrays, self.loaded_from_cache = load_or_build(
             cache_dir, self.cache_key, ("dataset_index", "dataset_sample_index"),
-            lambda: build_blending_indices(self.weights, size), valid)
+            lambda: build_blending_indices(self.weights, size), lambda *arrays: out_of_range(*arrays) is None)
         self.dataset_index, self.dataset_sample_index = arrays
-        for i, dataset in enumerate(datasets):  # the 1.005 margin makes this hold; a bug if not
-            used = self.dataset_sample_index[self.dataset_index == i]
-            if used.size and used.max() >= len(dataset):
-                raise RuntimeError(f"blending asks for sample {used.max()} of a dataset with {len(dataset)}")
+        problem = out_of_range(*arrays)  # freshly built: the 1.005 margin makes them fit; a bug if not
+        if problem:
+            raise RuntimeError(f"blending indices built out of range: {problem}")
 
     def __len__(self) -> int:
         return self.size
