@@ -194,7 +194,7 @@ PUBLISHED = {
     "meta-llama/Meta-Llama-3-70B": (8192, 80, 64, 8, 28672, 128256, 8192, 1e-5, 500000.0, False),
     "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, 131072, 1e-5, 500000.0, False),
     "meta-llama/Llama-3.1-70B": (8192, 80, 64, 8, 28672, 128256, 131072, 1e-5, 500000.0, False),
-    # unverified: eps, theta, max positions of the 405B (sizes: table [id 5379367949])
+    # 405B: a benchmark's dummy FP8 copy of its config.json [stored GitHub index id 148619068], not the base file
     "meta-llama/Llama-3.1-405B": (16384, 126, 128, 8, 53248, 128256, 131072, 1e-5, 500000.0, False),
     # Qwen1.5-0.5B is tied: its config.json says "tie_word_embeddings": true (printed Qwen2Config of
     # Qwen/Qwen1.5-0.5B, stored GitHub index id 29205825897), and the model loads with 463,987,712

@@ -18,8 +18,9 @@ Where each preset was checked (verbatim copies of the published files in the sto
   Llama-3.1-8B      citsjtu2020/LLM-Prof sglang/Model_Config.md (rope_scaling included)
   Llama-3.1-70B     mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py "llama3_1_70b" (the -Instruct file;
                     same architecture)
-  Llama-3.1-405B    sizes only, from the table [id 5379367949]; eps / theta / rope_scaling assumed as the
-                    8B/70B (no verbatim config.json found)
+  Llama-3.1-405B    a benchmark's dummy FP8 copy of the 405B config.json [id 148619068] (16384, 126 layers,
+                    128 / 8 heads, 53248, 131072, eps 1e-05, theta 500000, rope_scaling llama3 factor 8);
+                    no copy of the base model's own file found
   Chinese LLaMA derivatives (FlagAlpha, ziya, linly): not verified (no source found)
 """
 
