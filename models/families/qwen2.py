@@ -18,8 +18,9 @@ Where each preset was checked (verbatim copies of the hub's config.json, in the 
   Qwen1.5-1.8B  sizes: Pai-Megatron-Patch examples/qwen1_5/run_pretrain_mcore_qwen.sh; untied: the
                 loaded Qwen1.5-1.8B-Chat has 1,836,828,672 parameters [id 55173016543]
   Qwen1.5-7B    huggingface/transformers@f092c38 examples/pytorch/torchacc/qwen/Qwen1.5-7B/config.json
-  Qwen1.5-14B/32B/72B  sizes and kv heads only: Pai-Megatron-Patch run_pretrain_mcore_qwen.sh (eps 1e-06,
-                rotary base 1e6 for all sizes) -- no verbatim config.json found
+  Qwen1.5-14B/32B/72B  sizes and kv heads: Pai-Megatron-Patch run_pretrain_mcore_qwen.sh (eps 1e-06, rotary
+                base 1e6 for all sizes); 72B also a layer-stacked copy of Qwen1.5-72B-Chat's config.json
+                (only num_hidden_layers changed) [id 30607565741]; no copy of the 14B/32B base files found
   Qwen1.5-4B    sizes: Pai-Megatron-Patch (above); rope_theta 5e6: NOT verified (no source found)
   Qwen2-0.5B    rwth-i6/i6_experiments users/juanola/.../qwen2/qwen2_configs.py
   Qwen2-7B, Qwen2-72B  [id 7768956847] (dicts Qwen2_7B / Qwen2_72B; Qwen2-72B eps 1e-05)
