@@ -57,6 +57,9 @@ def test_real_hyperparameters():
             l70.intermediate_size, l70.max_position_embeddings, l70.norm_eps) == (8192, 80, 64, 8, 28672, 4096, 1e-5)
     l13 = _get("facebook/llama-13b")
     assert (l13.hidden_size, l13.num_hidden_layers, l13.intermediate_size, l13.norm_eps) == (5120, 40, 13824, 1e-6)
+    # LLaMA's params.json: norm_eps 1e-06 for 7B/13B/30B but 1e-05 for 65B (copied verbatim in
+    # tinygrad/tinygrad@00cc14b examples/llama.py MODEL_PARAMS; the 65B's HF config.json says rms_norm_eps 1e-05)
+    assert _get("facebook/llama-7b").norm_eps == 1e-6 and _get("facebook/llama-65b").norm_eps == 1e-5
     assert _get("idea-ccnl/ziya-llama-13b-v1").vocab_size == 39424
     assert _get("linly-ai/chinese-llama-2-7b").vocab_size == 40076
 
@@ -183,31 +186,39 @@ def test_unsupported_configs_are_usage_errors(raw, message):
 
 # ----------------------------------------------------------------------------- Llama 3 and Qwen1.5 / 2 / 2.5
 # (hidden, layers, heads, kv heads, intermediate, vocab, max positions, rms_norm_eps, rope_theta, tied):
-# the published config.json of each base model (Hugging Face hub, meta-llama/* and Qwen/*).
+# the published config.json of each base model (Hugging Face hub, meta-llama/* and Qwen/*). The copies each row
+# was checked against are listed in the docstrings of models/families/llama.py and qwen2.py; rows marked
+# "unverified: ..." keep values no copy of the base model's file confirmed.
 PUBLISHED = {
     "meta-llama/Meta-Llama-3-8B": (4096, 32, 32, 8, 14336, 128256, 8192, 1e-5, 500000.0, False),
     "meta-llama/Meta-Llama-3-70B": (8192, 80, 64, 8, 28672, 128256, 8192, 1e-5, 500000.0, False),
     "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, 131072, 1e-5, 500000.0, False),
     "meta-llama/Llama-3.1-70B": (8192, 80, 64, 8, 28672, 128256, 131072, 1e-5, 500000.0, False),
+    # 405B: a benchmark's dummy FP8 copy of its config.json [stored GitHub index id 148619068], not the base file
     "meta-llama/Llama-3.1-405B": (16384, 126, 128, 8, 53248, 128256, 131072, 1e-5, 500000.0, False),
-    "Qwen/Qwen1.5-0.5B": (1024, 24, 16, 16, 2816, 151936, 32768, 1e-6, 1e6, False),
+    # Qwen1.5-0.5B is tied: its config.json says "tie_word_embeddings": true (printed Qwen2Config of
+    # Qwen/Qwen1.5-0.5B, stored GitHub index id 29205825897), and the model loads with 463,987,712
+    # parameters (Nuist-XZX/QWen README.md: 467,772,416 with 3,784,704 LoRA parameters) -- a head counted once.
+    "Qwen/Qwen1.5-0.5B": (1024, 24, 16, 16, 2816, 151936, 32768, 1e-6, 1e6, True),
     "Qwen/Qwen1.5-1.8B": (2048, 24, 16, 16, 5504, 151936, 32768, 1e-6, 1e6, False),
+    # unverified: rope_theta 5e6 (no copy of Qwen1.5-4B's config.json found)
     "Qwen/Qwen1.5-4B": (2560, 40, 20, 20, 6912, 151936, 32768, 1e-6, 5e6, False),
     "Qwen/Qwen1.5-7B": (4096, 32, 32, 32, 11008, 151936, 32768, 1e-6, 1e6, False),
+    # unverified from a config.json copy: eps / theta of 14B, 32B, 72B (Pai-Megatron-Patch's scripts use 1e-6 / 1e6)
     "Qwen/Qwen1.5-14B": (5120, 40, 40, 40, 13696, 152064, 32768, 1e-6, 1e6, False),
     "Qwen/Qwen1.5-32B": (5120, 64, 40, 8, 27392, 152064, 32768, 1e-6, 1e6, False),
     "Qwen/Qwen1.5-72B": (8192, 80, 64, 64, 24576, 152064, 32768, 1e-6, 1e6, False),
     "Qwen/Qwen2-0.5B": (896, 24, 14, 2, 4864, 151936, 131072, 1e-6, 1e6, True),
-    "Qwen/Qwen2-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),
+    "Qwen/Qwen2-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),  # unverified: max positions
     "Qwen/Qwen2-7B": (3584, 28, 28, 4, 18944, 152064, 131072, 1e-6, 1e6, False),
     "Qwen/Qwen2-72B": (8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, 1e6, False),
     "Qwen/Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, 32768, 1e-6, 1e6, True),
-    "Qwen/Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),
+    "Qwen/Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, 131072, 1e-6, 1e6, True),  # unverified: max positions
     "Qwen/Qwen2.5-3B": (2048, 36, 16, 2, 11008, 151936, 32768, 1e-6, 1e6, True),
     "Qwen/Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, 131072, 1e-6, 1e6, False),
     "Qwen/Qwen2.5-14B": (5120, 48, 40, 8, 13824, 152064, 131072, 1e-5, 1e6, False),
     "Qwen/Qwen2.5-32B": (5120, 64, 40, 8, 27648, 152064, 131072, 1e-5, 1e6, False),
-    "Qwen/Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, 1e6, False),
+    "Qwen/Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, 131072, 1e-5, 1e6, False),  # unverified: eps, max positions
 }
 # Parameter counts the model cards publish (embeddings and head included; a tied head counted once).
 PUBLISHED_COUNTS = {
@@ -216,6 +227,9 @@ PUBLISHED_COUNTS = {
     "Qwen/Qwen2-7B": 7_615_616_512, "Qwen/Qwen2-72B": 72_706_203_648,
     "Qwen/Qwen2.5-0.5B": 494_032_768, "Qwen/Qwen2.5-1.5B": 1_543_714_304, "Qwen/Qwen2.5-3B": 3_085_938_688,
     "Qwen/Qwen2.5-14B": 14_770_033_664, "Qwen/Qwen2.5-32B": 32_763_876_352,
+    # counted by loading the models: Qwen1.5-0.5B (tied head) in Nuist-XZX/QWen README.md, 467,772,416 minus its
+    # 3,784,704 LoRA parameters; Qwen1.5-1.8B(-Chat, untied) 1,836,828,672 [stored GitHub index id 55173016543]
+    "Qwen/Qwen1.5-0.5B": 463_987_712, "Qwen/Qwen1.5-1.8B": 1_836_828_672,
 }
 
 

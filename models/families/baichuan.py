@@ -3,6 +3,13 @@
 LLaMA's blocks; the 7B models use rotary positions, the 13B models ALiBi; Baichuan2 normalizes the
 rows of its output head (NormHead). PaddleNLP runs them as LlamaForCausalLM (13B: config "alibi": true);
 Hugging Face's checkpoints (model_type "baichuan", trust_remote_code) pack q/k/v into W_pack.
+
+Checked: Baichuan-13B (hidden 5120, 40 layers, 40 heads, intermediate 13696, model_max_length 4096 and no
+max_position_embeddings, rms_norm_eps 1e-06, vocab 64000) against a fine-tune's copy of the 13B config.json
+(DISC-FinLLM) [stored GitHub index id 45597557903]; Baichuan2-7B (4096, 32, 32, 11008, max_position_embeddings
+and model_max_length 4096, 1e-06, vocab 125696) against mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py
+"baichuan" and a logged BaichuanConfig [id 3881833864]. Baichuan-7B: a converted copy only [id 21242731515];
+Baichuan2-13B: not checked against its own file (its sizes are the 13B ones, its vocabulary Baichuan2's).
 """
 
 from __future__ import annotations

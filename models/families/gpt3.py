@@ -7,6 +7,13 @@ Sizes from the GPT-3 paper (Brown et al. 2020, table 2.1) except where PaddleNLP
 configs differ (16 heads for 1.3B, hidden 5120 for 13B), with PaddleNLP's vocabulary (50304;
 51200 for 175B) and context (1024). GELU is the tanh approximation, as GPT-2/3 and PaddleNLP's
 GPT (F.gelu(..., approximate=True)); PaddleNLP's GPT fixes LayerNorm epsilon at 1e-5.
+
+Checked: gpt3-1.3B/6.7B/13B/175B-en against PaddleNLP 2.8.1's own GPT_PRETRAINED_INIT_CONFIGURATION
+(paddlenlp/transformers/gpt/configuration.py: sizes, vocab 50304 / 51200, 1024 positions). The 125M/350M/
+760M/2.7B sizes are the paper's table 2.1 (PaddleNLP 2.8.1 has no config for them). gpt2-medium-en: 24
+layers, 1024 hidden, 16 heads as openai-community/gpt2-medium's config.json (mlc-ai/mlc-llm model_preset.py
+"gpt2_medium", vocabulary there 50257; 50304 here is PaddleNLP's padded vocabulary; PaddleNLP 2.8.1 lists
+only the weights URL of gpt2-medium-en, no config).
 """
 
 from __future__ import annotations

@@ -3,6 +3,13 @@
 LLaMA's blocks with biases on the q/k/v projection (no GQA). PaddleNLP's QWenForCausalLM.
 Qwen's own config.json counts both SwiGLU branches in `intermediate_size` (22016 for qwen-7b);
 ours is the real width of each branch (11008).
+
+Checked against the published config.json of Qwen-7B-Chat-Int4 and Qwen-14B-Chat-Int4 (same architecture as
+the base models), smalltong02/keras-llm-robot models/llm/Qwen-{7,14}B-Chat-Int4/config.json: hidden 4096 /
+5120, layers 32 / 40, heads 32 / 40, intermediate_size 22016 / 27392 (2 x 11008 / 13696), layer_norm_epsilon
+1e-06, vocab 151936 / 152064, rotary_emb_base 10000. Their context keys are "seq_length" 8192 / 2048 and
+"max_position_embeddings" 32768 / 8192. The presets' max_position_embeddings, 8192 for both, is Qwen-7B's
+seq_length but Qwen-14B's max_position_embeddings; left as it was (the base models' files were not found).
 """
 
 from __future__ import annotations
