@@ -8,7 +8,7 @@ Checked: Baichuan-13B (hidden 5120, 40 layers, 40 heads, intermediate 13696, mod
 max_position_embeddings, rms_norm_eps 1e-06, vocab 64000) against a fine-tune's copy of the 13B config.json
 (DISC-FinLLM) [stored GitHub index id 45597557903]; Baichuan2-7B (4096, 32, 32, 11008, max_position_embeddings
 and model_max_length 4096, 1e-06, vocab 125696) against mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py
-"baichuan" and a logged BaichuanConfig [id 3881833864]. Baichuan-7B: a converted copy only [id 21242731515];
+"baichuan" and a logged BaichuanConfig (a public copy). Baichuan-7B: a converted copy only (a public copy);
 Baichuan2-13B: not checked against its own file (its sizes are the 13B ones, its vocabulary Baichuan2's).
 """
 

@@ -3,7 +3,7 @@
 Checked: bigscience/bloom (hidden 14336, n_layer 70, n_head 112, vocab 250880) against a copy of its
 config.json in test fixtures [stored GitHub index id 60716429655]; bloom-7b1 sizes only through the
 published parameter count (tests/test_registry.py KNOWN_COUNTS). layer_norm_epsilon 1e-5: PaddleNLP 2.8.1's
-BloomConfig default and bloom-560m's config.json; seq_length 2048: bloomz-560m's config.json [id 62051493365].
+BloomConfig default and bloom-560m's config.json; seq_length 2048: bloomz-560m's config.json (a public copy).
 """
 
 from __future__ import annotations

@@ -8,17 +8,17 @@ low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192; mo
 Sizes are the published config.json files' (meta-llama/* on the Hugging Face hub; PaddleNLP
 serves the same files under the same names): Meta-Llama-3-8B/70B and Llama-3.1-8B/70B/405B.
 
-Where each preset was checked (verbatim copies of the published files in the stored GitHub index;
-"[id N]" is the index's file id where the repository was not named):
+Where each preset was checked (verbatim copies of the published files;
+"a public copy": a verbatim copy found in a public repository not named here):
   LLaMA 7B/13B/65B  Meta's params.json as copied in tinygrad/tinygrad@00cc14b examples/llama.py
                     MODEL_PARAMS (norm_eps 1e-06 for 7B/13B/30B, 1e-05 for 65B; also the 65B HF config
-                    [id 13994525280]); sizes: huggyllama/* via the table [id 5379367949]
-  Llama-2-7b/13b/70b  the -hf config.json files as dicts Llama_2_*_hf [id 7768956847]
+                    (a public copy)); sizes: huggyllama/* via the table (a public copy)
+  Llama-2-7b/13b/70b  the -hf config.json files as dicts Llama_2_*_hf (a public copy)
   Meta-Llama-3-8B/70B  huggingface/transformers@5e8e345 examples/pytorch/torchacc/llama3/*/config.json
   Llama-3.1-8B      citsjtu2020/LLM-Prof sglang/Model_Config.md (rope_scaling included)
   Llama-3.1-70B     mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py "llama3_1_70b" (the -Instruct file;
                     same architecture)
-  Llama-3.1-405B    a benchmark's dummy FP8 copy of the 405B config.json [id 148619068] (16384, 126 layers,
+  Llama-3.1-405B    a benchmark's dummy FP8 copy of the 405B config.json (a public copy) (16384, 126 layers,
                     128 / 8 heads, 53248, 131072, eps 1e-05, theta 500000, rope_scaling llama3 factor 8);
                     no copy of the base model's own file found
   Chinese LLaMA derivatives (FlagAlpha, ziya, linly): not verified (no source found)

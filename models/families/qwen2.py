@@ -10,22 +10,22 @@ PaddleNLP serves the same files under the same names). The -Instruct / -Chat mod
 architecture, but their max_position_embeddings and rms_norm_eps can differ (Qwen2.5-14B/32B base:
 1e-05, -Instruct: 1e-06), so only base-model files count as sources here.
 
-Where each preset was checked (verbatim copies of the hub's config.json, in the stored GitHub index;
-"[id N]" is the index's file id where the repository was not named):
-  Qwen1.5-0.5B  print of Qwen2Config(_name_or_path "Qwen/Qwen1.5-0.5B") [id 29205825897]:
+Where each preset was checked (verbatim copies of the hub's config.json;
+"a public copy": a verbatim copy found in a public repository not named here):
+  Qwen1.5-0.5B  print of Qwen2Config(_name_or_path "Qwen/Qwen1.5-0.5B") (a public copy):
                 tie_word_embeddings true, eps 1e-06, theta 1e6, 32768; and its parameter count
                 463,987,712 (a tied head) in Nuist-XZX/QWen README.md
   Qwen1.5-1.8B  sizes: Pai-Megatron-Patch examples/qwen1_5/run_pretrain_mcore_qwen.sh; untied: the
-                loaded Qwen1.5-1.8B-Chat has 1,836,828,672 parameters [id 55173016543]
+                loaded Qwen1.5-1.8B-Chat has 1,836,828,672 parameters (a public copy)
   Qwen1.5-7B    huggingface/transformers@f092c38 examples/pytorch/torchacc/qwen/Qwen1.5-7B/config.json
   Qwen1.5-14B/32B/72B  sizes and kv heads: Pai-Megatron-Patch run_pretrain_mcore_qwen.sh (eps 1e-06, rotary
                 base 1e6 for all sizes); 72B also a layer-stacked copy of Qwen1.5-72B-Chat's config.json
-                (only num_hidden_layers changed) [id 30607565741]; no copy of the 14B/32B base files found
+                (only num_hidden_layers changed) (a public copy); no copy of the 14B/32B base files found
   Qwen1.5-4B    sizes: Pai-Megatron-Patch (above); rope_theta 5e6: NOT verified (no source found)
   Qwen2-0.5B    rwth-i6/i6_experiments users/juanola/.../qwen2/qwen2_configs.py
-  Qwen2-7B, Qwen2-72B  [id 7768956847] (dicts Qwen2_7B / Qwen2_72B; Qwen2-72B eps 1e-05)
+  Qwen2-7B, Qwen2-72B  (a public copy) (dicts Qwen2_7B / Qwen2_72B; Qwen2-72B eps 1e-05)
   Qwen2-1.5B    sizes: NVIDIA NeMo nemo/collections/llm/gpt/model/qwen2.py; max_position 131072 NOT verified
-  Qwen2.5-0.5B  [id 11122973016] ("# Qwen/Qwen2.5-0.5B ## model config")
+  Qwen2.5-0.5B  (a public copy) ("# Qwen/Qwen2.5-0.5B ## model config")
   Qwen2.5-3B/7B/14B/32B  citsjtu2020/LLM-Prof sglang/Model_Config.md
   Qwen2.5-1.5B  sizes/tied: mlc-ai/mlc-llm model_preset.py; max_position 131072 (base) NOT verified
                 (the -Instruct file says 32768)
