@@ -359,7 +359,8 @@ class BlendedDataset:
             cache_dir, self.cache_key, ("dataset_index", "dataset_sample_index"),
             lambda: build_blending_indices(self.weights, size), lambda *arrays: out_of_range(*arrays) is None)
         self.dataset_index, self.dataset_sample_index = arrays
-        problem = out_of_range(*arrays)  # freshly built: the 1.005 margin makes them fit; a bug if not
+        # A cache was checked on loading; fresh indices fit by the 1.005 margin, a bug if not.
+        problem = None if self.loaded_from_cache else out_of_range(*arrays)
         if problem:
             raise RuntimeError(f"blending indices built out of range: {problem}")
 
