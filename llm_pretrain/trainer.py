@@ -44,7 +44,7 @@ from llm_pretrain.layout import (  # noqa: F401
     Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout, predict_iterations,
     strategy_name,
 )
-from llm_pretrain.metrics import MetricsLogger, reset_peak_memory
+from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.replica_check import check_replicas
@@ -376,11 +376,6 @@ def grad_square_sum(parameters):
 def global_grad_norm(parameters):
     """The global gradient norm as a 0-d device tensor."""
     return paddle.sqrt(grad_square_sum(parameters))
-
-
-def scalar(tensor) -> float:
-    """A one-element tensor as a float (fleet's pipeline returns losses of shape [1])."""
-    return float(tensor.numpy().reshape(-1)[0])
 
 
 @dataclass
