@@ -232,9 +232,9 @@ def _split_state_key(key: str, by_internal: dict[str, Holding]) -> tuple[Holding
 
 
 # ----------------------------------------------------------------------------- save
-def _numpy(tensor) -> tuple[np.ndarray, str]:
-    """(array, logical dtype); bfloat16 has no numpy dtype: Paddle gives its raw uint16 bits."""
-    return tensor.numpy(), str(tensor.dtype).replace("paddle.", "")
+def _dtype_name(tensor) -> str:
+    """The logical dtype ("float32", "bfloat16"); bfloat16 has no numpy dtype: numpy() gives its raw uint16 bits."""
+    return str(tensor.dtype).replace("paddle.", "")
 
 
 @dataclass
@@ -324,7 +324,7 @@ def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
     header: dict[str, dict] = {}
     offset = 0
     for name, tensor, global_shape, pieces in to_write:
-        dtype = str(tensor.dtype).replace("paddle.", "")
+        dtype = _dtype_name(tensor)
         numpy_dtype = np.dtype(_storage_dtype(dtype))
         entry = entries.setdefault(name, {"shape": list(global_shape), "dtype": dtype, "slices": []})
         for piece in pieces:
@@ -343,7 +343,7 @@ def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for _, tensor, _, pieces in to_write:
-            local, _ = _numpy(tensor)
+            local = tensor.numpy()
             for piece in pieces:
                 f.write(np.ascontiguousarray(piece.take(local)).data)
     return entries
@@ -472,10 +472,6 @@ def _value(array: np.ndarray, saved_dtype: str, dtype: str):
     if saved_dtype == "bfloat16":
         tensor = tensor.view(paddle.bfloat16)
     return tensor.astype(dtype)
-
-
-def _dtype_name(tensor) -> str:
-    return str(tensor.dtype).replace("paddle.", "")
 
 
 def check_shapes(reader: CheckpointReader, model, layout) -> None:

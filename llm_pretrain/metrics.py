@@ -164,7 +164,8 @@ def format_summary(summary: dict) -> str:
     )
 
 
-def _as_float(value) -> float:
+def scalar(value) -> float:
+    """A number, or a one-element tensor read to the host (fleet's pipeline returns losses of shape [1])."""
     return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
 
 
@@ -211,7 +212,7 @@ class MetricsLogger:
             "loss": all_reduce_mean_over_replicas(sum(self._losses) / steps, self.layout),
             "learning_rate": learning_rate,
             # Norms may be device tensors (fleet's clip computes them in the step): read them here, once.
-            "grad_norm": None if None in self._norms else sum(_as_float(n) for n in self._norms) / steps,
+            "grad_norm": None if None in self._norms else sum(scalar(n) for n in self._norms) / steps,
             "tokens_per_card_per_sec": tokens_per_card_per_sec,
             "step_time_s": self._time / steps,
             "global_tokens_per_step": self.global_tokens_per_step,

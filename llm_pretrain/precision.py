@@ -143,7 +143,7 @@ class Precision:
         self.dtype = ("bfloat16" if args.bf16 else "float16" if args.fp16 else None) if device == "gpu" else None
         self.level = args.fp16_opt_level
         self.master_grad = bool(args.amp_master_grad) and self.dtype is not None and self.level == "O2"
-        self.args = args
+        self.scale_loss = args.scale_loss  # the fp16 GradScaler's initial loss scale
         self.scaler = None
         self.scaler_kind = "local"
 
@@ -160,7 +160,7 @@ class Precision:
         if self.master_grad and layout.distributed:
             optimizer = keep_master_grads(model, optimizer, self.dtype)
         if self.dtype == "float16":
-            scaler = paddle.amp.GradScaler(init_loss_scaling=self.args.scale_loss)
+            scaler = paddle.amp.GradScaler(init_loss_scaling=self.scale_loss)
             if self.master_grad and layout.distributed:
                 from paddle.distributed.fleet.utils import mix_precision_utils
 

@@ -98,6 +98,7 @@ class Heartbeat:
         self.rank = rank
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("PADDLE_LOG_DIR") if launched() else None)
         self.path = os.path.join(self.log_dir, f"heartbeat.{rank}.json") if self.log_dir else None
+        self.host = socket.gethostname()  # once: beat() runs every step
 
     def beat(self, step: int) -> None:
         if self.path is None:
@@ -105,7 +106,7 @@ class Heartbeat:
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step, "time": time.time()}, f)
+                json.dump({"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "time": time.time()}, f)
             os.replace(tmp, self.path)
         except OSError:
             pass  # a heartbeat is a diagnostic; never fail a run over it

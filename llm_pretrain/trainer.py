@@ -44,7 +44,7 @@ from llm_pretrain.layout import (  # noqa: F401
     Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout, predict_iterations,
     strategy_name,
 )
-from llm_pretrain.metrics import MetricsLogger, reset_peak_memory
+from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.replica_check import check_replicas
@@ -243,9 +243,14 @@ def find_resume(args: Arguments, world_size: int) -> tuple[int, list[str]]:
     for message in warnings:
         warn(message)
     if candidates and index == len(candidates):
-        raise UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint is "
-                         "damaged, see the warnings above); set overwrite_output_dir to start over")
+        raise no_usable_checkpoint(args)
     return index, candidates
+
+
+def no_usable_checkpoint(args: Arguments) -> UsageError:
+    """Every complete checkpoint is damaged (found by this rank before fleet.init, or by some rank after)."""
+    return UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint is "
+                      "damaged, see the warnings above); set overwrite_output_dir to start over")
 
 
 def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, args: Arguments) -> list[str]:
@@ -371,11 +376,6 @@ def grad_square_sum(parameters):
 def global_grad_norm(parameters):
     """The global gradient norm as a 0-d device tensor."""
     return paddle.sqrt(grad_square_sum(parameters))
-
-
-def scalar(tensor) -> float:
-    """A one-element tensor as a float (fleet's pipeline returns losses of shape [1])."""
-    return float(tensor.numpy().reshape(-1)[0])
 
 
 @dataclass
@@ -617,8 +617,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         for message in more_warnings:
             warn(message)
         if resume_index == len(resume_candidates):
-            raise UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint "
-                             "is damaged, see the warnings above); set overwrite_output_dir to start over")
+            raise no_usable_checkpoint(args)
         resume_from = resume_candidates[resume_index]
         state = checkpointer.load(resume_from, unwrapped_model, optimizer, precision.scaler)
         start_step, consumed_samples = state["global_step"], state["consumed_samples"]

@@ -10,7 +10,7 @@ only at step 2:
   - fleet's master gradients (main_grad) in stages 1 and 2 give the same losses, norms and
     weights as without them, and the gradients really live in main_grad.
 The rest runs in this process: scaler kind per layout, amp_master_grad refusals (one-line
-errors before fleet.init), the autocast context and its op lists in train/pipeline/eval, the
+errors before fleet.init), the objects Precision.prepare builds per dtype, level and layout, the autocast context and its op lists in train/pipeline/eval, the
 attention path (flash kernel with GQA unrepeated and ALiBi as a mask, fused rope arguments,
 fused swiglu, rotary tables built once), bf16 bit patterns in export and weight loading.
 """
@@ -177,6 +177,52 @@ def test_autocast_uses_paddlenlps_op_lists(level, monkeypatch):
     assert set(AMP_BLACK_LIST) <= set(black)
     assert set(O2_WHITE_LIST) <= set(white) if level == "O2" else not set(O2_WHITE_LIST) & set(calls[0]["custom_white_list"])
     assert "lookup_table_v2" not in black or level == "O1"
+
+
+@pytest.mark.parametrize("dtype, level, master_grad, degrees", [
+    ("fp16", "O2", True, {}),                              # one process: decorate keeps the float32 grads
+    ("fp16", "O2", True, {"tensor_parallel_degree": 2}),   # distributed: fleet's main_grad hooks instead
+    ("bf16", "O2", False, {"sharding_degree": 2, "sharding_stage": 2}),
+    ("bf16", "O1", True, {}),                              # O1: nothing decorated, no master grads
+])
+def test_prepare_builds_paddlenlps_amp_objects(dtype, level, master_grad, degrees, monkeypatch):
+    """Precision.prepare on a GPU, with the GPU-only constructors recorded: which objects are built
+    with which options (paddlenlp/trainer/trainer.py _wrap_amp_model / _wrap_model)."""
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.utils import mix_precision_utils
+
+    import llm_pretrain.precision as precision_module
+
+    calls = {}
+    monkeypatch.setattr(paddle.amp, "decorate", lambda **k: calls.setdefault("decorate", k) and (k["models"], "O2-opt"))
+    monkeypatch.setattr(precision_module, "keep_master_grads",
+                        lambda model, optimizer, dtype: calls.setdefault("master_grads", (optimizer, dtype)) and "mg-opt")
+    monkeypatch.setattr(paddle.amp, "GradScaler", lambda **k: calls.setdefault("scaler", k) and SimpleNamespace())
+    monkeypatch.setattr(mix_precision_utils, "MixPrecisionScaler", lambda s: calls.setdefault("mp_scaler", s))
+    monkeypatch.setattr(fleet, "distributed_scaler", lambda s: calls.setdefault("distributed_scaler", s) and s)
+    layout = _layout(**degrees)
+    args = SimpleNamespace(bf16=dtype == "bf16", fp16=dtype == "fp16", fp16_opt_level=level,
+                           amp_master_grad=master_grad, scale_loss=32768.0)
+    precision = Precision(args, "gpu")
+    model, optimizer = precision.prepare("model", "opt", layout)
+    half = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    assert model == "model"
+    if level == "O1":
+        assert "decorate" not in calls and "master_grads" not in calls and optimizer == "opt"
+    else:
+        assert {k: calls["decorate"][k] for k in ("level", "dtype", "master_weight", "master_grad")} == {
+            "level": "O2", "dtype": half, "master_weight": True, "master_grad": master_grad and not layout.distributed}
+        fleet_master_grads = master_grad and layout.distributed
+        assert calls.get("master_grads") == (("O2-opt", half) if fleet_master_grads else None)
+        assert optimizer == ("mg-opt" if fleet_master_grads else "O2-opt")
+    if dtype == "fp16":
+        assert calls["scaler"] == {"init_loss_scaling": 32768.0}
+        assert ("mp_scaler" in calls) == (master_grad and layout.distributed)
+        assert ("distributed_scaler" in calls) == layout.distributed
+        assert precision.scaler is not None and precision.scaler_kind == loss_scaler_kind(layout)
+    else:
+        assert "scaler" not in calls and precision.scaler is None
+    assert Precision(args, "cpu").prepare("model", "opt", layout) == ("model", "opt")  # CPU: plain float32
 
 
 class _RecordingPrecision(Precision):
