@@ -23,7 +23,7 @@ import pytest
 from llm_pretrain.arguments import parse_arguments, validate_arguments
 from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
 from llm_pretrain.trainer import build_model_config
-from models.config import FAMILIES
+from models.families import FAMILY_NAMES as FAMILIES
 from models.registry import ARCHITECTURES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
