@@ -57,7 +57,9 @@ def test_there_are_files_for_every_family():
 def test_config_file(path, monkeypatch, embedded_corpus):
     monkeypatch.chdir(REPO_ROOT)  # tiny files use paths relative to the repository root
     overrides = []
-    if json.load(open(path)).get("tokenizer_name_or_path", "").startswith("data/embedded"):
+    with open(path, encoding="utf-8") as f:
+        tokenizer = json.load(f).get("tokenizer_name_or_path", "")
+    if tokenizer.startswith("data/embedded"):
         # The tiny files name the embedded corpus's tokenizer, which quickstart builds; a missing
         # local tokenizer path is a startup error, so point at the one this test session built.
         overrides = ["--tokenizer_name_or_path", embedded_corpus["tokenizer"]]
