@@ -89,13 +89,3 @@ def make_config(family: str, **sizes) -> ModelConfig:
     from models.families import get_family
 
     return get_family(family).config(**sizes)
-
-
-def __getattr__(name):
-    # FAMILIES: the family names (kept for `from models.config import FAMILIES`); the records are
-    # in models/families/, which imports this module.
-    if name == "FAMILIES":
-        from models.families import FAMILY_NAMES
-
-        return FAMILY_NAMES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

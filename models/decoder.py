@@ -2,10 +2,10 @@
 
     tokens -> Embeddings -> DecoderLayer x N -> final norm -> LMHead -> logits -> loss
 
-The families (LLaMA, Baichuan, Qwen, GPT-3, Bloom) differ only in the switches
-of `ModelConfig`: RMSNorm or LayerNorm, rotary / ALiBi / learned positions,
-SwiGLU or GELU MLP, biases, a LayerNorm after the word embedding, tied or
-normalized output head. The blocks below are also the stages of the pipeline
+The families (LLaMA, Baichuan, Qwen, Qwen2, GPT-3, Bloom; each one record in
+models/families/) differ only in the switches of `ModelConfig`: RMSNorm or LayerNorm,
+rotary (Llama 3.1's scaled frequencies too) / ALiBi / learned positions, SwiGLU or
+GELU MLP, biases, a LayerNorm after the word embedding, tied or normalized output head. The blocks below are also the stages of the pipeline
 model (models/pipeline.py), so both paths run the same code.
 """
 

@@ -23,7 +23,7 @@ import pytest
 from llm_pretrain.arguments import parse_arguments, validate_arguments
 from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
 from llm_pretrain.trainer import build_model_config
-from models.config import FAMILIES
+from models.families import FAMILY_NAMES as FAMILIES
 from models.registry import ARCHITECTURES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,9 @@ def test_there_are_files_for_every_family():
 def test_config_file(path, monkeypatch, embedded_corpus):
     monkeypatch.chdir(REPO_ROOT)  # tiny files use paths relative to the repository root
     overrides = []
-    if json.load(open(path)).get("tokenizer_name_or_path", "").startswith("data/embedded"):
+    with open(path, encoding="utf-8") as f:
+        tokenizer = json.load(f).get("tokenizer_name_or_path", "")
+    if tokenizer.startswith("data/embedded"):
         # The tiny files name the embedded corpus's tokenizer, which quickstart builds; a missing
         # local tokenizer path is a startup error, so point at the one this test session built.
         overrides = ["--tokenizer_name_or_path", embedded_corpus["tokenizer"]]

@@ -130,14 +130,19 @@ def test_norm_head_is_exported_normalized_and_comes_back(tmp_path):
 
 
 def test_export_refuses_what_paddlenlp_cannot_express(tmp_path):
-    bad = {
-        "qwen with GQA": CASES["qwen"][3].replace(num_key_value_heads=2),
-        "bloom with a 3h MLP": CASES["bloom"][3].replace(intermediate_size=288),
-        "gpt3 with exact GELU": CASES["gpt3"][3].replace(hidden_act="gelu"),
+    gqa = r"cannot express grouped-query attention \(num_key_value_heads 2 != num_attention_heads \d+\)"
+    bad = {  # each refused for its own reason
+        "qwen with GQA": (CASES["qwen"][3].replace(num_key_value_heads=2), "QWenForCausalLM " + gqa),
+        "gpt3 with GQA": (CASES["gpt3"][3].replace(num_key_value_heads=2), "GPTForCausalLM " + gqa),
+        "bloom with GQA": (CASES["bloom"][3].replace(num_key_value_heads=2), "BloomForCausalLM " + gqa),
+        "bloom with a 3h MLP": (CASES["bloom"][3].replace(intermediate_size=288),
+                                "BloomForCausalLM cannot express an MLP of intermediate_size 288"),
+        "gpt3 with exact GELU": (CASES["gpt3"][3].replace(hidden_act="gelu"),
+                                 "GPTForCausalLM cannot express hidden_act='gelu'"),
     }
-    for what, config in bad.items():
+    for what, (config, reason) in bad.items():
         state = full_state(our_random_model(config))
-        with pytest.raises(UsageError, match="PaddleNLP"):
+        with pytest.raises(UsageError, match="PaddleNLP's " + reason):
             export_to_paddlenlp(state, str(tmp_path / "x"), config=config)
         assert not (tmp_path / "x").exists(), what
 

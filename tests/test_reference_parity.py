@@ -300,3 +300,28 @@ def test_llama31_rope_scaling_is_what_makes_the_difference():
     inv_freq = (1.0 / 500000.0 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)).astype(np.float32)
     np.testing.assert_allclose(llama3_scaled_inv_freq(inv_freq, config.rope_scaling),
                                _meta_apply_scaling(inv_freq, config.rope_scaling), rtol=1e-6)
+
+
+def test_rms_norm_gradients_match_paddlenlp():
+    """Our CPU RMSNorm writes its backward out (models/parallel_layers.py RMSNormCPU); its gradients for
+    the input and the weight equal autograd's through PaddleNLP's LlamaRMSNorm (the forward is checked
+    by the cases above; the parity tests cannot see a wrong gradient, both sides use the same one)."""
+    from paddlenlp.transformers.llama.modeling import LlamaRMSNorm
+
+    from models.parallel_layers import RMSNorm
+
+    rng = np.random.default_rng(0)
+    x_value = rng.standard_normal((2, 8, 64)).astype("float32")
+    weight_value = (1.0 + 0.1 * rng.standard_normal(64)).astype("float32")
+    upstream = paddle.to_tensor(rng.standard_normal((2, 8, 64)).astype("float32"))
+    grads = []
+    reference = LlamaRMSNorm(paddlenlp_transformers.LlamaConfig(hidden_size=64, rms_norm_eps=1e-6))
+    for norm in (RMSNorm(64, 1e-6), reference):
+        norm.weight.set_value(weight_value)
+        x = paddle.to_tensor(x_value, stop_gradient=False)
+        (norm(x) * upstream).sum().backward()
+        grads.append((x.grad.numpy(), norm.weight.grad.numpy()))
+    (ours_x, ours_w), (ref_x, ref_w) = grads
+    assert np.abs(ref_x).max() > 0.1 and np.abs(ref_w).max() > 0.1
+    np.testing.assert_allclose(ours_x, ref_x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours_w, ref_w, rtol=1e-5, atol=1e-5)

@@ -76,6 +76,14 @@ def unsupported(source: str, what: str):
     raise UsageError(f"model_name_or_path: {source}: {what} is not supported by this toolkit's decoder")
 
 
+def no_grouped_query(c: ModelConfig) -> Optional[str]:
+    """A PaddleNLPClass.check for classes without grouped-query attention (QWen, GPT, Bloom)."""
+    if c.num_key_value_heads != c.num_attention_heads:
+        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
+                f"{c.num_attention_heads})")
+    return None
+
+
 def tiny_sizes(**extra) -> dict:
     """vocab 256, 4 heads, width 64, 2 layers: every size splits 2 ways."""
     return {**dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

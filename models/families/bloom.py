@@ -9,7 +9,8 @@ BloomConfig default and bloom-560m's config.json; seq_length 2048: bloomz-560m's
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
+    tiny_sizes, unsupported
 from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
     weight_and_bias
 
@@ -73,9 +74,8 @@ def config_json(c) -> dict:
 
 
 def check(c):
-    if c.num_key_value_heads != c.num_attention_heads:
-        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
-                f"{c.num_attention_heads})")
+    if reason := no_grouped_query(c):
+        return reason
     if c.intermediate_size != 4 * c.hidden_size:
         return f"an MLP of intermediate_size {c.intermediate_size} (it has 4 x hidden_size = {4 * c.hidden_size})"
     return None

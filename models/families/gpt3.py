@@ -19,7 +19,8 @@ only the weights URL of gpt2-medium-en, no config).
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
+    tiny_sizes, unsupported
 from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
     weight_and_bias
 
@@ -147,13 +148,6 @@ def config_json(c) -> dict:
     )
 
 
-def check(c):
-    if c.num_key_value_heads != c.num_attention_heads:
-        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
-                f"{c.num_attention_heads})")
-    return None
-
-
 def _reference_kwargs(**extra):
     return dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -169,7 +163,7 @@ FAMILY = Family(
                       tie_word_embeddings=True, embedding_layernorm=False, norm_eps=1e-5),
         export_table=lambda config: gpt_table(),
         import_table=import_table,
-        config_json=config_json, check=check,
+        config_json=config_json, check=no_grouped_query,
     ),
     reference_cases={
         "gpt3": ReferenceCase("GPTForCausalLM", "GPTConfig", _reference_kwargs(),

@@ -15,7 +15,8 @@ seq_length but Qwen-14B's max_position_embeddings; left as it was (the base mode
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
+    tiny_sizes, unsupported
 from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True)
@@ -95,9 +96,8 @@ def config_json(c) -> dict:
 
 
 def check(c):
-    if c.num_key_value_heads != c.num_attention_heads:
-        return (f"grouped-query attention (num_key_value_heads {c.num_key_value_heads} != num_attention_heads "
-                f"{c.num_attention_heads})")
+    if reason := no_grouped_query(c):
+        return reason
     if c.rope_scaling:
         return "rope_scaling"
     return None
