@@ -44,6 +44,7 @@ import numpy as np
 import paddle
 
 from llm_pretrain.errors import UsageError
+from models.paddlenlp_interop import bfloat16_bits_to_float32
 
 INDEX_FILE = "tensors.index.json"
 FORMAT_VERSION = 1
@@ -533,7 +534,7 @@ def read_full_weights(directory: str) -> dict[str, np.ndarray]:
         for name in reader.parameter_names():
             array = reader.read_full(name)
             if reader.entry(name)["dtype"] == "bfloat16":  # raw bits -> float32
-                array = (array.astype(np.uint32) << 16).view(np.float32)
+                array = bfloat16_bits_to_float32(array)
             weights[name] = array
     return weights
 
