@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 
 from launch_utils import REPO_ROOT, launch
+from models.families import FAMILY_NAMES as FAMILIES  # every family, Qwen2 included
 from parity_utils import argv, base_arguments, run_record, summary_records, write_json
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
-FAMILIES = ("llama", "qwen", "baichuan", "gpt3", "bloom")
 GRANULARITIES = ("full", "full_attn", "core_attn")
 PARTS = {"full": "forward", "full_attn": "attention_block", "core_attn": "core_attention"}
 LAYERS = 8
