@@ -452,6 +452,7 @@ def test_embedded_corpus_is_built_once_and_deterministically(embedded_corpus, tm
 def test_sample_reads_agree_with_and_without_the_single_item_shortcut(corpus, tmp_path):
     train, _, _ = build_pretraining_datasets(corpus, "8,1,1", 16, 7, (300, 0, 0), data_cache=str(tmp_path / "c"))
     fast = [train[i] for i in range(len(train))]
-    assert train._single_items is True
+    assert train._single_items is True and train.data._document_offsets is None
     train._single_items = False  # what a prefix with multi-item documents takes: spans from the offsets
     assert all(np.array_equal(train[i], sample) for i, sample in enumerate(fast))
+    assert train.data._document_offsets is not None  # the offsets path ran

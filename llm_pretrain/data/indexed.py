@@ -156,12 +156,17 @@ class IndexedDataset:
     def document_sizes(self) -> np.ndarray:
         return np.diff(self.document_offsets)
 
-    def document_spans(self, documents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(starts, ends) in `tokens` of several documents at once (int64)."""
+    def document_spans(self, documents: np.ndarray, single_items: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) in `tokens` of several documents at once (int64).
+
+        single_items: whether these documents are one item each, when the caller already knows
+        (GPTDataset checks its range once); None: checked here from doc_idx.
+        """
         documents = np.asarray(documents, dtype=np.int64)
-        items = self.doc_idx[documents]
-        if len(self.sizes) and np.array_equal(items, documents) and np.array_equal(self.doc_idx[documents + 1],
-                                                                                   documents + 1):
+        if single_items is None:
+            single_items = bool(len(self.sizes)) and np.array_equal(self.doc_idx[documents], documents) \
+                and np.array_equal(self.doc_idx[documents + 1], documents + 1)
+        if single_items:
             starts = self.pointers[documents] // self.dtype.itemsize  # one item each: no offsets array needed
             return starts, starts + self.sizes[documents]
         offsets = self.document_offsets

@@ -322,11 +322,7 @@ class GPTDataset:
         documents = self.doc_idx[first:last + 1]
         if self._single_items is None:  # checked once, on the first read (opening stays header-only)
             self._single_items = self.data.one_item_per_document(*self.documents)
-        if self._single_items:  # each document one item: its span straight from the index
-            starts = self.data.pointers[documents] // self.data.dtype.itemsize
-            ends = starts + self.data.sizes[documents]
-        else:
-            starts, ends = self.data.document_spans(documents)
+        starts, ends = self.data.document_spans(documents, self._single_items)
         ends[-1] = starts[-1] + end + 1  # the window ends inside its last document (inclusive)...
         starts[0] += start  # ...and starts inside its first
         tokens = self.data.tokens
