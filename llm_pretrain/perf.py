@@ -488,3 +488,15 @@ def render_table_for_output_dir(output_dir: str, warmup_steps: int = DEFAULT_WAR
     environment = environment or collect_environment()
     return render_markdown([summarize_log(output_dir, warmup_steps, environment=environment)], environment,
                            warmup_steps)
+
+
+def write_keeping_findings(path: str, generated: str, marker: str = "## Findings") -> None:
+    """Write a benchmark file: the generated tables, then the hand-written section of the existing
+    file from `marker` on, kept as it is (scripts/*_benchmark.py regenerate only their tables)."""
+    kept = ""
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        kept = "\n" + text[text.index(marker):] if marker in text else ""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(generated + kept)

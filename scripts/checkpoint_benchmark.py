@@ -138,15 +138,9 @@ def write_report(results: dict, out: str) -> None:
         lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
                      f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
                      f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
-    path = os.path.join(out, "checkpoint_io.md")
-    findings = ""
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = f.read()
-        if "## Findings" in old:
-            findings = old[old.index("## Findings"):]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n\n" + findings)
+    from llm_pretrain import perf  # here, not at the top: worker processes import the tree they measure
+
+    perf.write_keeping_findings(os.path.join(out, "checkpoint_io.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

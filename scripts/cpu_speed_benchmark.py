@@ -326,17 +326,6 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: str, generated: str, marker: str = "## Findings") -> None:
-    """The generated tables, then the hand-written Findings of the existing file, kept as they are."""
-    kept = ""
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        kept = "\n" + text[text.index(marker):] if marker in text else ""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(generated + kept)
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     parser = UsageArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
@@ -439,7 +428,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(options.out, "cpu_speed.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
     markdown = render(results)
-    write_markdown(os.path.join(options.out, "cpu_speed.md"), markdown)
+    perf.write_keeping_findings(os.path.join(options.out, "cpu_speed.md"), markdown)
     print("\n" + markdown, flush=True)
     if not options.work_dir:
         shutil.rmtree(root, ignore_errors=True)

@@ -440,14 +440,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(options.out, "data_pipeline.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
     markdown = render(results)
-    path = os.path.join(options.out, "data_pipeline.md")
-    kept = ""
-    if os.path.isfile(path):  # a hand-written "## Findings" section is kept
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-        kept = "\n" + old[old.index("## Findings"):] if "## Findings" in old else ""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(markdown + kept)
+    perf.write_keeping_findings(os.path.join(options.out, "data_pipeline.md"), markdown)
     print("\n" + markdown, flush=True)
     if not options.work_dir:
         shutil.rmtree(root, ignore_errors=True)
