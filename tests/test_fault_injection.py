@@ -452,6 +452,23 @@ def test_startup_errors_before_any_work(embedded_corpus, tmp_path, overrides, fr
     assert not (tmp_path / "out").exists()
 
 
+def test_skip_nan_inf_steps_is_refused_under_the_pipeline(embedded_corpus, tmp_path):
+    """fleet's train_batch steps the optimizer before the loss can be checked: one line, not a silent no-op.
+    check_startup on a 2-stage layout (a launch is not needed: it runs before fleet.init)."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import Layout
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.trainer import build_model_config, check_startup
+
+    args, _ = parse_arguments([str(small_run(embedded_corpus, tmp_path)), "--output_dir", str(tmp_path / "out"),
+                               "--skip_nan_inf_steps", "1", "--pipeline_parallel_degree", "2"])
+    layout = Layout(world_size=2, pipeline_parallel_degree=2)
+    config, _, _ = build_model_config(args, layout, "cpu")
+    with pytest.raises(UsageError, match=r"^skip_nan_inf_steps: not available with pipeline_parallel_degree > 1"):
+        check_startup(args, config, layout, "cpu")
+    check_startup(args, config, Layout(world_size=2, data_parallel_degree=2), "cpu")  # other layouts: allowed
+
+
 # ----------------------------------------------------------------------------- dead ranks
 def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
     """A failed collective's message names the peer whose process is gone, with its last step."""
