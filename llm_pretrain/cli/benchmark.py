@@ -1,8 +1,10 @@
 """Benchmark argument files: launch each for a few steps, collect the figures, write the performance table.
 
-    python scripts/benchmark.py configs/llama/a.json configs/llama/b.json --steps 20 --warmup 5
-    python scripts/benchmark.py --suite configs/benchmark_suite.json --out benchmark_output
-    python scripts/benchmark.py a.json --nproc 2 --extra --per_device_train_batch_size 2
+(The `llm-benchmark` command; `python scripts/benchmark.py` runs the same.)
+
+    llm-benchmark configs/llama/a.json configs/llama/b.json --steps 20 --warmup 5
+    llm-benchmark --suite configs/benchmark_suite.json --out benchmark_output
+    llm-benchmark a.json --nproc 2 --extra --per_device_train_batch_size 2
 
 Each file runs as
 
@@ -36,12 +38,10 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from llm_pretrain import perf
 
-from llm_pretrain import perf  # noqa: E402
-
-RUN_PRETRAIN = os.path.join(REPO_ROOT, "llm_pretrain", "run_pretrain.py")
+# Launched as a script file, as users launch it (the package must be importable: installed, or on PYTHONPATH).
+RUN_PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run_pretrain.py")
 DEFAULT_STEPS = 20
 DEFAULT_TIMEOUT_S = 3600
 OOM_PATTERNS = ("out of memory", "resourceexhaustederror", "memoryerror", "cannot allocate memory", "bad_alloc")
@@ -306,7 +306,8 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     options = parse_command_line(argv)
     suite, suite_dir = None, os.getcwd()
     if options.suite:

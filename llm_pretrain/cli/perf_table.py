@@ -1,8 +1,10 @@
 """The performance table of runs that already happened -- nothing is re-run.
 
-    python scripts/perf_table.py benchmark_output                 # a scripts/benchmark.py folder
-    python scripts/perf_table.py output/run_a output/run_b        # training output folders (train_log.jsonl)
-    python scripts/perf_table.py output/ --warmup 5 --out reports # every run folder below output/
+(The `llm-perf-table` command; `python scripts/perf_table.py` runs the same.)
+
+    llm-perf-table benchmark_output                 # a scripts/benchmark.py folder
+    llm-perf-table output/run_a output/run_b        # training output folders (train_log.jsonl)
+    llm-perf-table output/ --warmup 5 --out reports # every run folder below output/
 
 Prints the markdown table; with --out also writes perf_table.md, .csv and .png there.
 A benchmark folder keeps the figures and environment it recorded. Training
@@ -17,9 +19,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain import perf  # noqa: E402
+from llm_pretrain import perf
 
 
 def expand(paths: list[str]) -> list[str]:
@@ -37,7 +37,8 @@ def expand(paths: list[str]) -> list[str]:
     return expanded
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="benchmark folders, training output folders or train_log.jsonl files")

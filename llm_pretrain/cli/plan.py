@@ -1,7 +1,9 @@
 """Predict memory and speed of a layout before booking GPUs; search the best layout and write its argument file.
 
-    python scripts/plan.py estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
-    python scripts/plan.py search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
+(The `llm-plan` command; `python scripts/plan.py` runs the same.)
+
+    llm-plan estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
+    llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
         --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
 
 estimate: per-rank peak memory (the allocator's peak, as the trainer's peak_mem_allocated_mb; on GPU also
@@ -24,12 +26,9 @@ GPU on A100 nodes, 50 = NDR 400 Gb/s on H100 nodes).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error  # noqa: E402
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
 
 
 def _cluster_options(opts) -> dict:
@@ -139,7 +138,8 @@ def cmd_search(argv: list[str]) -> int:
     return 0 if result["top"] else 1
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     commands = {"estimate": cmd_estimate, "search": cmd_search}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

@@ -1,6 +1,8 @@
 """Tokenize JSON-lines text into the mmap format (prefix.bin + prefix.idx) for pretraining.
 
-    python scripts/prepare_data.py --input corpus.jsonl [--input more.jsonl] --tokenizer TOKENIZER \
+(The `llm-prepare-data` command; `python scripts/prepare_data.py` runs the same.)
+
+    llm-prepare-data --input corpus.jsonl [--input more.jsonl] --tokenizer TOKENIZER \
         --output_prefix data/my_text_document [--json_key text] [--workers 4] [--no_append_eos]
 
 One document per line ({"text": "..."}); EOS is appended to each. Each text is cleaned as
@@ -13,14 +15,9 @@ Bad input is reported as one line `error: ...` with exit code 2.
 """
 
 import argparse
-import os
 import sys
 
-# Run as a script: make the repository root importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error  # noqa: E402
-
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
 
 
 def parse_args(argv):
@@ -40,7 +37,8 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def main(argv) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
         from llm_pretrain.data.prepare import prepare_jsonl
