@@ -315,7 +315,7 @@ def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
 
 def _unknown_key_error(key: str, where: str) -> UsageError:
     nearest = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.5)
-    hint = f"; did you mean '{nearest[0]}'?" if nearest else "; see README.md for the accepted keys"
+    hint = f"; did you mean '{nearest[0]}'?" if nearest else "; see docs/arguments-and-launch.md or --help for the accepted keys"
     return UsageError(f"unknown key '{key}' ({where}){hint}")
 
 

@@ -541,7 +541,7 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) ->
         load_legacy_state(path, model, optimizer, layout)
     # RNG streams: each rank's own when the layout is the same; otherwise every rank takes rank 0's
     # global streams (Python, NumPy, Paddle: seeded alike on all ranks) and keeps the tensor-parallel
-    # streams fleet derived for its new rank (dropout masks differ across layouts, see README).
+    # streams fleet derived for its new rank (dropout masks differ across layouts, see docs/checkpoints.md).
     saved_layout = trainer_state.get("layout") or {}
     same_layout = bool(saved_layout) and all(getattr(layout, key) == value for key, value in saved_layout.items())
     with open(os.path.join(path, rng_file(layout) if same_layout else rng_file(Layout())), "rb") as f:

@@ -12,10 +12,7 @@ written, a dead rank); 130 a second Ctrl-C. A Python traceback means a bug.
 import os
 import sys
 
-# Run as a script: make the repository root importable (llm_pretrain/ and models/).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_with_usage_error  # noqa: E402
+from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_with_usage_error
 
 
 def main(argv: list[str]) -> int:
@@ -51,6 +48,11 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return 130
     return 0
+
+
+def console_main() -> None:
+    """The `llm-pretrain` command (pyproject.toml)."""
+    sys.exit(main(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,11 @@ Text: the docstrings of the installed Python standard library. See llm_pretrain/
 """
 
 import argparse
-import os
 import sys
 import time
 
 # Run as a script: make the repository root importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.data.embedded import DEFAULT_OUT_DIR, ensure_embedded_corpus  # noqa: E402
+from llm_pretrain.data.embedded import DEFAULT_OUT_DIR, ensure_embedded_corpus
 
 
 def main(argv) -> int:

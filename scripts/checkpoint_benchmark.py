@@ -35,8 +35,7 @@ LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
 
 # ----------------------------------------------------------------------------- worker (one layout, one tree)
 def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str], result_file: str) -> None:
-    sys.path.insert(0, tree)
-    import paddle
+    import paddle  # llm_pretrain comes from `tree`: measure() puts it first on PYTHONPATH
 
     import llm_pretrain
     assert os.path.dirname(os.path.dirname(os.path.abspath(llm_pretrain.__file__))) == os.path.abspath(tree)
@@ -155,7 +154,6 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         worker(args.tree, args.model, args.work, args.rounds, args.extra, args.result)
         return 0
-    sys.path.insert(0, REPO_ROOT)
     from llm_pretrain.errors import UsageArgumentParser
 
     parser = UsageArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

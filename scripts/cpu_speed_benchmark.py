@@ -43,12 +43,11 @@ import time
 
 ORIGINAL_ENV = dict(os.environ)  # before anything imports Paddle (it sets OMP_NUM_THREADS=1 when unset)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "scripts")]
-from benchmark import forced_arguments  # noqa: E402  (scripts/benchmark.py: every step logged, nothing saved)
-from llm_pretrain import flops, perf  # noqa: E402  (none of these imports Paddle)
-from llm_pretrain.errors import UsageArgumentParser  # noqa: E402
-from models.config import make_config  # noqa: E402
-from models.registry import parameter_count  # noqa: E402
+from llm_pretrain.cli.benchmark import forced_arguments  # (every step logged, nothing saved)
+from llm_pretrain import flops, perf  # (none of these imports Paddle)
+from llm_pretrain.errors import UsageArgumentParser
+from models.config import make_config
+from models.registry import parameter_count
 
 RUN_PRETRAIN = os.path.join(REPO_ROOT, "llm_pretrain", "run_pretrain.py")
 ARGS_FILE = os.path.join(REPO_ROOT, "configs", "llama", "pretrain-llama_tiny-dp.json")  # every path overridden

@@ -41,9 +41,8 @@ import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO_ROOT]
-from llm_pretrain import flops, perf  # noqa: E402  (neither imports Paddle)
-from llm_pretrain.errors import UsageArgumentParser  # noqa: E402
+from llm_pretrain import flops, perf  # (neither imports Paddle)
+from llm_pretrain.errors import UsageArgumentParser
 
 SEQ_INDEX, SEQ_READS, SEED = 4096, 1024, 1234
 INDEX_CASES = {  # name -> (prefixes, samples as a multiple of one prefix's samples per epoch)

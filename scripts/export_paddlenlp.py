@@ -16,13 +16,10 @@ models/paddlenlp_interop.py. Bad input is one line `error: ...` with exit code 2
 """
 
 import argparse
-import os
 import sys
 
 # Run as a script: make the repository root importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error  # noqa: E402
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
 
 
 

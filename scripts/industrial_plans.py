@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from llm_pretrain.errors import UsageArgumentParser, UsageError  # noqa: E402
+from llm_pretrain.errors import UsageArgumentParser, UsageError
 
 # Published runs. TFLOP/s per GPU as the papers report them (hardware FLOPs, recompute included), quoted
 # from the papers named; `layout` is what we feed our trainer (None: the argument file in configs/industrial/).

@@ -12,10 +12,9 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
 
-from llm_pretrain.data.embedded import ensure_embedded_corpus  # noqa: E402
-from llm_pretrain.run_pretrain import main as run_pretrain  # noqa: E402
+from llm_pretrain.data.embedded import ensure_embedded_corpus
+from llm_pretrain.run_pretrain import main as run_pretrain
 
 ARGS_FILE = "configs/llama/pretrain-llama_tiny-dp.json"
 OUTPUT_DIR = "output/quickstart"

@@ -1,9 +1,13 @@
 import os
 import sys
 
+# The tests import this copy of the repository, whether or not (and whichever copy) the package is
+# installed: first on sys.path here, and first on PYTHONPATH for every process the tests start
+# (scripts, run_pretrain.py, workers; tests/launch_utils.py adds tests/ for the launched workers).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
 
 import pytest
 

@@ -7,7 +7,7 @@ configurations and one that fails.
 """
 
 import csv
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -24,10 +24,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module behind scripts/<name>.py (llm_pretrain/cli/<name>.py)."""
+    return importlib.import_module(f"llm_pretrain.cli.{name}")
 
 
 # ----------------------------------------------------------------------------- FLOPs by hand

@@ -8,15 +8,11 @@ tensor. Prints one JSON object.
 """
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-import paddle.distributed as dist  # noqa: E402
-from paddle.base import core  # noqa: E402
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.base import core
 
 paddle.set_device("cpu")
 upstream_c_ops_identity = paddle._C_ops.c_identity

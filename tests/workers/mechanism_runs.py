@@ -23,21 +23,18 @@ Each rank writes {run name: observations} with launch_utils.write_result.
 
 import gc
 import json
-import os
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import numpy as np
+import paddle
+from paddle.base import core
+from paddle.distributed.fleet.utils import sequence_parallel_utils
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-from paddle.base import core  # noqa: E402
-from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
-
-from llm_pretrain import run_record  # noqa: E402
-from llm_pretrain.run_pretrain import main  # noqa: E402
-from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
-from models.registry import parameter_count  # noqa: E402
+from llm_pretrain import run_record
+from llm_pretrain.run_pretrain import main
+from models.decoder import Attention, CausalLM, DecoderLayer
+from models.registry import parameter_count
 
 probe: dict = {}
 

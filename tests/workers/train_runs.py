@@ -12,9 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from llm_pretrain.run_pretrain import main  # noqa: E402
+from llm_pretrain.run_pretrain import main
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:

@@ -5,18 +5,15 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from pathlib import Path
 
 START = time.monotonic()
-WORKERS_DIR = Path(__file__).resolve().parent
-sys.path[:0] = [str(WORKERS_DIR.parent.parent), str(WORKERS_DIR.parent)]  # repo root, tests/
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 from paddle.distributed import fleet  # noqa: E402
 
-from launch_utils import write_result  # noqa: E402
+from launch_utils import write_result  # noqa: E402  (tests/launch_utils.launch puts the repo and tests/ on PYTHONPATH)
 from llm_pretrain.cpu_compat import apply_cpu_compat  # noqa: E402
 
 

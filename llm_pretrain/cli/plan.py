@@ -1,0 +1,157 @@
+"""Predict memory and speed of a layout before booking GPUs; search the best layout and write its argument file.
+
+(The `llm-plan` command; `python scripts/plan.py` runs the same.)
+
+    llm-plan estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
+    llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
+        --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
+
+estimate: per-rank peak memory (the allocator's peak, as the trainer's peak_mem_allocated_mb; on GPU also
+the allocator's reserve, which decides an out-of-memory), step time, tokens/card/s and MFU (GPU), each
+term with the rank it applies to. The layout is checked by the trainer's own validation: a layout the
+trainer refuses is its one-line error, exit code 2. `--key value` after the file overrides it, as for
+run_pretrain.py.
+
+search: every layout the trainer accepts (tensor parallelism inside a node unless
+--allow_inter_node_tp), with sequence parallelism, recompute none/full/full_attn/core_attn and
+micro-batch sizes; keeps those under the card's memory minus --headroom; ranks them by predicted
+tokens/card/s; --write writes the best as an argument file (a directory gets the configs/ name
+pretrain-<model>-<strategy>.json, the strategy from llm_pretrain.layout.strategy_name).
+
+Bandwidths (GB/s per GPU, one direction): --intra_node_gbps (NVLink; default 240 for A100, 360 for H100,
+llm_pretrain/planner/speed.py DEFAULT_LINKS) and --inter_node_gbps (InfiniBand; 25 = HDR 200 Gb/s per
+GPU on A100 nodes, 50 = NDR 400 Gb/s on H100 nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
+
+
+def _cluster_options(opts) -> dict:
+    return {"intra_node_gbps": opts.intra_node_gbps, "inter_node_gbps": opts.inter_node_gbps}
+
+
+def _fmt(value, digits=1):
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def format_estimate(result: dict) -> str:
+    lines = [f"{result.get('strategy', '')} on {result['world_size']} x {result['device']}: "
+             f"{result['params'] / 1e9:.3f}B parameters",
+             f"peak memory allocated {_fmt(result['peak_mem_allocated_mb'], 0)} MB"
+             + (f", reserved {_fmt(result['peak_mem_reserved_mb'], 0)} MB" if result["peak_mem_reserved_mb"] else "")
+             + (f" of {_fmt(result['device_memory_mb'], 0)} MB" if result["device_memory_mb"] else "")
+             + f" ({result['peak_rank']}, {result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"),
+             ]
+    if result["step_time_s"] is not None:
+        lines.append(f"step time {result['step_time_s']:.3f} s, {result['tokens_per_card_per_sec']:,.0f} tokens/card/s, "
+                     f"{result['tflops_per_card']:.1f} TFLOPs/card, MFU {100 * result['mfu']:.1f} %, "
+                     f"bottleneck: {result['bottleneck']}")
+    else:
+        lines.append("speed: no CPU speed model (measure with scripts/benchmark.py)")
+    lines.append("")
+    lines.append("| term | phase | rank | MB / s |")
+    lines.append("|---|---|---|---:|")
+    for row in result["breakdown"]:
+        value = f"{row['mb']:,.1f} MB" if row["kind"] == "memory" else f"{row['s']:.4f} s"
+        lines.append(f"| {row['term']} | {row.get('phase', 'step')} | {row['rank']} | {value} |")
+    return "\n".join(lines)
+
+
+def cmd_estimate(argv: list[str]) -> int:
+    parser = UsageArgumentParser(prog="plan.py estimate", description="predicted memory and speed of an argument file")
+    parser.add_argument("args_file")
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes (GPUs)")
+    parser.add_argument("--device", required=True, help="cpu, or a GPU: A100-80G, A100-40G, H100-80G, H800, A800, V100")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--intra_node_gbps", type=float, default=None)
+    parser.add_argument("--inter_node_gbps", type=float, default=None)
+    opts, overrides = parser.parse_known_args(argv)
+    if opts.nproc < 1:
+        raise UsageError(f"--nproc: must be >= 1, got {opts.nproc}")
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner import estimate
+
+    args, _ = parse_arguments([opts.args_file] + overrides)
+    result = estimate(args, opts.nproc, opts.device,
+                      dict(_cluster_options(opts), gpus_per_node=opts.gpus_per_node))
+    print(json.dumps(result, indent=1) if opts.json else format_estimate(result))
+    return 0
+
+
+def cmd_search(argv: list[str]) -> int:
+    parser = UsageArgumentParser(prog="plan.py search", description="the best valid layouts for a model and cluster")
+    parser.add_argument("--model", required=True, help="a built-in name (models/registry.py) or a model directory")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--global_batch_size", type=int, required=True)
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--headroom", type=float, default=0.10, help="fraction of the card kept free (default 0.10)")
+    parser.add_argument("--allow_inter_node_tp", action="store_true")
+    parser.add_argument("--intra_node_gbps", type=float, default=None)
+    parser.add_argument("--inter_node_gbps", type=float, default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--write", default=None, help="write the best layout's argument file (a .json path or a directory)")
+    opts = parser.parse_args(argv)
+    from llm_pretrain.planner import check_device, device_kind
+    from llm_pretrain.planner.search import search, write_arguments
+    from models.registry import resolve_model
+
+    check_device(opts.device)
+    if device_kind(opts.device) == "cpu":
+        raise UsageError("--device: search needs a GPU (the speed model is for GPUs); got cpu")
+    resolve_model(opts.model)  # an unknown model is a usage error before the search
+    if opts.gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1:
+        raise UsageError("--gpus, --seq and --global_batch_size must be positive")
+    result = search(opts.model, opts.device, opts.gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
+                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp)
+    written = None
+    if opts.write and result["top"]:
+        written = write_arguments(result["top"][0]["arguments"], opts.write)
+    if opts.json:
+        print(json.dumps(dict(result, written=written), indent=1))
+    else:
+        print(f"{result['examined']} layouts examined, {result['refused_by_trainer']} refused by the trainer's "
+              f"validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
+        print("| rank | strategy | micro-batch | acc | SP | recompute | reserved MB | step s | tokens/card/s | MFU | bottleneck |")
+        print("|---:|---|---:|---:|---|---|---:|---:|---:|---:|---|")
+        for i, r in enumerate(result["top"], 1):
+            a = r["arguments"]
+            recompute = a["recompute_granularity"] if a["recompute"] else "none"
+            print(f"| {i} | {r['strategy']} | {a['per_device_train_batch_size']} | {a['gradient_accumulation_steps']} | "
+                  f"{'yes' if a['sequence_parallel'] else 'no'} | {recompute} | {r['peak_mem_reserved_mb']:,.0f} | "
+                  f"{r['step_time_s']:.2f} | {r['tokens_per_card_per_sec']:,.0f} | {100 * r['mfu']:.1f} % | "
+                  f"{r['bottleneck']} |")
+        if written:
+            print(f"wrote {written}")
+        if not result["top"]:
+            print("no layout fits")
+    return 0 if result["top"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"estimate": cmd_estimate, "search": cmd_search}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if argv[0] not in commands:
+        exit_with_usage_error(UsageError(f"unknown command {argv[0]!r}; use estimate or search (see --help)"))
+    try:
+        return commands[argv[0]](argv[1:])
+    except UsageError as error:
+        exit_with_usage_error(error)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
