@@ -67,7 +67,7 @@ def test_bad_inputs_are_one_line_before_paddle_is_imported(embedded_corpus, tmp_
         traced = run_cli(*argv, python_options=("-X", "importtime"))
         modules = imported_modules(traced.stderr)
         assert "llm_pretrain.arguments" in modules, name  # the trace works
-        assert not {m for m in modules if m == "paddle" or m.startswith("paddle.")}, name
+        assert "paddle" not in modules, (name, sorted(m for m in modules if m.startswith("paddle"))[:5])
         assert [line for line in traced.stderr.splitlines() if not line.startswith("import time:")] == [
             output.rstrip("\n")], name
 
@@ -108,7 +108,7 @@ def test_run_record_holds_the_cpu_defaults_printed_when_training_starts(embedded
                                     "llm_pretrain.planner.search"])
 def test_preflight_and_planner_load_neither_paddle_nor_the_trainer(module):
     code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'paddle' or m == 'llm_pretrain.trainer'))")
+            "print(sorted(m for m in sys.modules if m in ('paddle', 'llm_pretrain.trainer')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=fresh_env(PYTHONPATH=str(REPO_ROOT)),
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
