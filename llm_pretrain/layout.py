@@ -7,7 +7,7 @@
     strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
 
 Every check raises a one-line UsageError before any process group exists
-(llm_pretrain/trainer.py runs them before fleet.init; llm_pretrain/planner uses the same
+(llm_pretrain/preflight.py runs them before fleet.init; llm_pretrain/planner uses the same
 functions, so a layout the planner proposes is one the trainer accepts). No Paddle import here.
 """
 
