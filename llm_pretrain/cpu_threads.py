@@ -20,13 +20,20 @@ So when the run is on CPU and the user has not set them, `apply_cpu_defaults` se
 OMP_NUM_THREADS to the cores of this node divided by the training processes on this node
 (PADDLE_LOCAL_SIZE, which `paddle.distributed.launch` gives every process it starts),
 FLAGS_use_stride_kernel=0 and, on AMD CPUs with an MKL build of Paddle, MKL_DEBUG_CPU_TYPE=5; it
-prints one line saying so. (Paddle reads FLAGS_* from the environment when it is imported.) A value
-the user set always wins. GPU runs are left as they are.
+returns one line saying so, which the trainer writes into the run record and prints when training
+starts. (Paddle reads FLAGS_* from the environment when it is imported.) A value the user set always
+wins. GPU runs are left as they are.
+
+Paddle's bootstrap prints a warning for any OMP_NUM_THREADS above 1 (paddle/base/__init__.py:152-164 in
+Paddle 3.3.1: `WARNING: OMP_NUM_THREADS set to N, not 1 ... PLEASE USE OMP_NUM_THREADS WISELY.`, two
+print() calls to sys.stderr, no flag or variable turns it off; only an unset or 1 stays silent, which
+is the single-core speed this module exists to avoid). `import_paddle` imports Paddle without those two
+lines when the value is the one set here, and with them when it is the user's own.
 
 Nothing here imports Paddle (that would be too late). Two questions need answers without it:
 
 * Is the run on CPU? The `device` argument when given; otherwise what Paddle's own default
-  would be (llm_pretrain.distributed.select_device: gpu when Paddle is compiled with CUDA),
+  would be (llm_pretrain.preflight.choose_device: gpu when Paddle is compiled with CUDA),
   read from the build's version file: paddle/version/__init__.py is written when the wheel is
   built and holds `cuda_version = 'False'` (and `hip_version = None`) in CPU builds; it is what
   `paddle.version.cuda()` returns. Found through importlib's spec of the package, not imported.
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import io
 import os
 import re
 import sys
@@ -51,6 +59,13 @@ THREADS = "OMP_NUM_THREADS"
 MKL_CPU_TYPE = "MKL_DEBUG_CPU_TYPE"
 STRIDED_VIEWS = "FLAGS_use_stride_kernel"
 LAUNCHERS = ("paddle.distributed.launch", "fleetrun")  # what starts processes with PADDLE_LOCAL_SIZE set
+# Printed by Paddle 3.3.1's __bootstrap__ (paddle/base/__init__.py:156-164) for OMP_NUM_THREADS > 1.
+PADDLE_THREADS_WARNING = (
+    "WARNING: OMP_NUM_THREADS set to {threads}, not 1. The computation speed will not be optimized if you use data "
+    "parallel. It will fail if this PaddlePaddle binary is compiled with OpenBlas since OpenBlas does not support "
+    "multi-threads.\nPLEASE USE OMP_NUM_THREADS WISELY.\n")
+
+_set_here: dict[str, str] = {}  # what apply_cpu_defaults set in this process
 
 
 def paddle_build() -> dict:
@@ -129,9 +144,34 @@ def apply_cpu_defaults(device: str | None) -> str | None:
     if not settings:
         return None
     os.environ.update(settings)
+    _set_here.update(settings)
     why = {THREADS: f"{cpu_count()} cores / {os.environ.get('PADDLE_LOCAL_SIZE', '1')} process(es) on this node",
            STRIDED_VIEWS: "copies of transposed views by the transpose kernel",
            MKL_CPU_TYPE: "MKL's AVX2 kernels on this AMD CPU"}
-    # Paddle then warns "OMP_NUM_THREADS set to N, not 1" (its bootstrap does for any N > 1): expected.
     return ("cpu defaults: " + ", ".join(f"{k}={v} ({why[k]})" for k, v in settings.items())
             + "; set them yourself to override")
+
+
+def import_paddle():
+    """`import paddle`, without Paddle's OMP_NUM_THREADS warning when the value is the one apply_cpu_defaults
+    set on an MKL build (the toolkit divided the cores itself; the warning's failure is OpenBLAS's). A value
+    the user set keeps its warning, and so does an OpenBLAS build. Anything else Paddle prints while
+    loading is shown as it is."""
+    if "paddle" in sys.modules:
+        return sys.modules["paddle"]
+    ours = _set_here.get(THREADS)
+    if ours is None or os.environ.get(THREADS) != ours or not paddle_build()["mkl"]:
+        import paddle
+
+        return paddle
+    real, captured = sys.stderr, io.StringIO()
+    sys.stderr = captured  # the warning is two print(..., file=sys.stderr) calls
+    try:
+        import paddle
+    finally:
+        sys.stderr = real
+        shown = captured.getvalue().replace(PADDLE_THREADS_WARNING.format(threads=int(ours)), "", 1)
+        if shown:
+            real.write(shown)
+            real.flush()
+    return paddle

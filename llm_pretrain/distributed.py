@@ -16,29 +16,11 @@ import paddle
 import paddle.distributed as dist
 
 from llm_pretrain.arguments import Arguments
-from llm_pretrain.errors import UsageError
 # Moved to llm_pretrain/layout.py (one module decides validity); imported here for build_strategy
 # and for callers that still import them from this module.
 from llm_pretrain.layout import (  # noqa: F401
     PARALLEL_CONFIG_OPTIONS, REFUSED_PARALLEL_CONFIG_OPTIONS, Layout, parallel_config_settings, plan_layout,
 )
-
-
-def launcher_world_size() -> int:
-    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
-
-
-def select_device(args: Arguments) -> str:
-    """'cpu' or 'gpu' for this run (set as Paddle's device)."""
-    device = args.device or ("gpu" if paddle.is_compiled_with_cuda() else "cpu")
-    if device == "gpu" and not paddle.is_compiled_with_cuda():
-        raise UsageError("device: 'gpu' was requested but this Paddle build has no CUDA; use device 'cpu'")
-    if device == "gpu":
-        local_gpu = os.environ.get("FLAGS_selected_gpus", "0").split(",")[0]
-        paddle.set_device(f"gpu:{local_gpu}")
-    else:
-        paddle.set_device("cpu")
-    return device
 
 
 def build_strategy(layout: Layout, args: Arguments):

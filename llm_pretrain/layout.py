@@ -7,7 +7,7 @@
     strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
 
 Every check raises a one-line UsageError before any process group exists
-(llm_pretrain/trainer.py runs them before fleet.init; llm_pretrain/planner uses the same
+(llm_pretrain/preflight.py runs them before fleet.init; llm_pretrain/planner uses the same
 functions, so a layout the planner proposes is one the trainer accepts). No Paddle import here.
 """
 
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from llm_pretrain.arguments import Arguments
 from llm_pretrain.errors import UsageError
-from llm_pretrain.precision import check_master_grad
 from models.config import ModelConfig
 
 
@@ -223,6 +222,30 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
             pipeline_eval_micro_batches(args, iterations, vpp)
     parallel_config_settings(args)
     check_master_grad(args, layout)
+
+
+def check_master_grad(args, layout) -> None:
+    """amp_master_grad where it cannot work safely is a UsageError (called before fleet.init)."""
+    if not args.amp_master_grad or not (args.bf16 or args.fp16) or args.fp16_opt_level != "O2":
+        return  # only O2 has half-precision gradients to keep in float32
+    if not layout.distributed:
+        return
+    pure_data_parallel = (layout.tensor_parallel_degree == 1 and layout.pipeline_parallel_degree == 1
+                          and not layout.sharding_stage)
+    if pure_data_parallel:
+        raise UsageError(
+            "amp_master_grad: not supported with pure data parallelism: fleet's DataParallel all-reduces "
+            "param.grad, which the float32 main_grad hooks empty (PaddleNLP needs its own gradient all-reduce "
+            "there); use tensor/pipeline parallelism or sharding stage1/stage2, or set amp_master_grad false")
+    if layout.sharding_stage == 3:
+        raise UsageError(
+            "amp_master_grad: not supported with sharding stage3: Paddle 3.3.1's stage-3 optimizer has no "
+            "main_grad support; use stage1 or stage2, or set amp_master_grad false")
+    if layout.sharding_stage == 2 and layout.data_parallel_degree > 1:
+        raise UsageError(
+            f"amp_master_grad: not supported with sharding stage2 and data_parallel_degree "
+            f"{layout.data_parallel_degree} (as PaddleNLP: stage-2 main grads are not reduced over the data-parallel "
+            "group); use sharding over all ranks, or set amp_master_grad false")
 
 
 def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:

@@ -23,7 +23,9 @@ from types import MethodType
 
 import paddle
 
-from llm_pretrain.errors import UsageError
+# check_master_grad decides whether a layout is valid, so it lives in llm_pretrain/layout.py (which has
+# no Paddle import: the preflight runs it before Paddle loads); imported here for existing callers.
+from llm_pretrain.layout import check_master_grad  # noqa: F401
 
 # paddlenlp/trainer/trainer.py autocast_smart_context_manager: reductions and the (parallel)
 # cross entropy stay in float32; under O2 the embedding lookup returns half precision too
@@ -91,30 +93,6 @@ def _update_loss_scale(self):
         if self._incr_count == self._incr_every_n_steps:
             self._scale = self._scale * self._incr_ratio
             self._incr_count = 0
-
-
-def check_master_grad(args, layout) -> None:
-    """amp_master_grad where it cannot work safely is a UsageError (called before fleet.init)."""
-    if not args.amp_master_grad or not (args.bf16 or args.fp16) or args.fp16_opt_level != "O2":
-        return  # only O2 has half-precision gradients to keep in float32
-    if not layout.distributed:
-        return
-    pure_data_parallel = (layout.tensor_parallel_degree == 1 and layout.pipeline_parallel_degree == 1
-                          and not layout.sharding_stage)
-    if pure_data_parallel:
-        raise UsageError(
-            "amp_master_grad: not supported with pure data parallelism: fleet's DataParallel all-reduces "
-            "param.grad, which the float32 main_grad hooks empty (PaddleNLP needs its own gradient all-reduce "
-            "there); use tensor/pipeline parallelism or sharding stage1/stage2, or set amp_master_grad false")
-    if layout.sharding_stage == 3:
-        raise UsageError(
-            "amp_master_grad: not supported with sharding stage3: Paddle 3.3.1's stage-3 optimizer has no "
-            "main_grad support; use stage1 or stage2, or set amp_master_grad false")
-    if layout.sharding_stage == 2 and layout.data_parallel_degree > 1:
-        raise UsageError(
-            f"amp_master_grad: not supported with sharding stage2 and data_parallel_degree "
-            f"{layout.data_parallel_degree} (as PaddleNLP: stage-2 main grads are not reduced over the data-parallel "
-            "group); use sharding over all ranks, or set amp_master_grad false")
 
 
 def keep_master_grads(model, optimizer, dtype: str):

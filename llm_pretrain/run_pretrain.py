@@ -15,6 +15,17 @@ import sys
 from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_with_usage_error
 
 
+def run(args, argument_warnings: list[str], args_file: str | None = None) -> dict:
+    """One run in this process: the preflight decides and checks it (llm_pretrain/preflight.py: every check
+    before Paddle is imported), the trainer runs its loop (llm_pretrain/trainer.py)."""
+    from llm_pretrain.preflight import plan_run
+
+    plan = plan_run(args, argument_warnings, args_file)
+    from llm_pretrain.trainer import train  # imports Paddle's training pieces: only for a checked run
+
+    return train(plan)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         from llm_pretrain.arguments import format_key_help
@@ -29,16 +40,8 @@ def main(argv: list[str]) -> int:
     try:
         from llm_pretrain.arguments import parse_arguments
 
-        args, warnings = parse_arguments(argv)  # before importing Paddle: bad input fails fast
-        from llm_pretrain.cpu_threads import apply_cpu_defaults
-
-        message = apply_cpu_defaults(args.device)  # threads and MKL's fast path on CPU, before Paddle loads
-        if message and os.environ.get("PADDLE_LOCAL_RANK", "0") == "0":
-            print(message, flush=True)
-        from llm_pretrain.trainer import train
-
-        args_file = argv[0] if argv[0].endswith(".json") else None
-        train(args, warnings, args_file)
+        args, warnings = parse_arguments(argv)
+        run(args, warnings, argv[0] if argv[0].endswith(".json") else None)
     except UsageError as error:
         exit_with_usage_error(error)
     except RunError as error:

@@ -1,25 +1,21 @@
-"""The pretraining run, top to bottom.
+"""The pretraining loop, top to bottom, of a run the preflight planned (llm_pretrain/preflight.py RunPlan).
 
-    check everything that can be wrong   (arguments, layout, model, data integrity, output_dir lock,
-                                          which checkpoint is intact)
     fleet.init                           (only for several processes)
     build model, optimizer, data         (weights identical at every parallel layout)
     resume from the newest intact checkpoint every rank agrees on (Checkpointer)
     for each step: forward/backward over the micro-batches, one agreed flag (non-finite? stop
                    requested?), clip, AdamW step, log (MetricsLogger), evaluate, save (Checkpointer)
 
-All user mistakes are found before fleet.init and reported as one-line
-UsageErrors (exit code 2); divergence is exit code 3, SIGTERM/SIGINT a checkpoint and exit 0.
+Every user mistake was found by the preflight before fleet.init and reported as a one-line
+UsageError (exit code 2); divergence is exit code 3, SIGTERM/SIGINT a checkpoint and exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 import random
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,250 +24,26 @@ import numpy as np
 import paddle
 
 from llm_pretrain import checkpoint as ckpt
-from llm_pretrain.checkpoint import Checkpointer, OutputDirLock
+from llm_pretrain.checkpoint import Checkpointer
 from llm_pretrain.arguments import Arguments, arguments_to_dict
-from llm_pretrain.data import build_pretraining_datasets, check_data_inputs
+from llm_pretrain.data import build_pretraining_datasets
 from llm_pretrain.distributed import (
-    all_reduce_mean_over_replicas, barrier, init_distributed, launcher_world_size, record_grad_norm, select_device,
-    wrap_for_training,
+    all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
 )
-from llm_pretrain.data.integrity import check_data_integrity, damaged_sample_index_files
+from llm_pretrain.data.integrity import damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
-# The layout checks live in llm_pretrain/layout.py (the planner uses the same); imported here for train()
-# and for existing callers.
-from llm_pretrain.layout import (  # noqa: F401
-    Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout, predict_iterations,
-    strategy_name,
-)
+from llm_pretrain.layout import Layout, pipeline_eval_micro_batches, predict_iterations
 from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
+from llm_pretrain.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
 from llm_pretrain.replica_check import check_replicas
 from llm_pretrain.precision import Precision
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
 from models.decoder import CausalLM
-from models.registry import resolve_model
 from models.weights import init_weights, load_weights_file
-
-GPU_ONLY_OPTIONS = {
-    "bf16": "Paddle's CPU build has no bfloat16 kernels",
-    "fp16": "Paddle's CPU build has no float16 kernels",
-    "use_flash_attention": "flash attention is a GPU kernel",
-    "use_fused_rms_norm": "the fused RMSNorm is a GPU kernel",
-    "use_fused_rope": "the fused rotary embedding is a GPU kernel",
-    "use_fast_layer_norm": "the fast LayerNorm is a GPU kernel",
-}
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- checks and setup
-def gpu_only_warnings(args: Arguments, device: str) -> list[str]:
-    """On CPU, GPU-only options run the plain float32 path; say so once each."""
-    if device == "gpu":
-        return []
-    return [f"{key} has no effect on CPU ({why}); training in plain float32"
-            for key, why in GPU_ONLY_OPTIONS.items() if getattr(args, key)]
-
-
-def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
-    """The architecture from model_name_or_path with the run's overrides and runtime options."""
-    config, weights_file = resolve_model(args.model_name_or_path)
-    notes = []
-    overrides = {key: getattr(args, key) for key in (
-        "num_hidden_layers", "initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob",
-        "fuse_attention_qkv", "fuse_attention_ffn") if getattr(args, key) is not None}
-    config = config.replace(**overrides)
-    if not args.continue_training:
-        # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
-        config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
-        tokenizer_vocab = _local_tokenizer_vocab_size(args.tokenizer_path)
-        if tokenizer_vocab is not None:
-            config.vocab_size = max(config.vocab_size, ((tokenizer_vocab - 1) // 128 + 1) * 128)
-    if args.max_seq_length > config.max_position_embeddings:
-        # As PaddleNLP's run_pretrain.py with continue_training: the checkpoint's max_position_embeddings
-        # stays and rotary tables (ALiBi biases) are computed for the longer sequence; a learned position
-        # table has no rows beyond it.
-        if config.position_embedding == "learned":
-            raise UsageError(f"max_seq_length: {args.max_seq_length} exceeds the model's max_position_embeddings "
-                             f"{config.max_position_embeddings} (learned positions have no rows beyond it)")
-        notes.append(f"max_seq_length {args.max_seq_length} exceeds the model's max_position_embeddings "
-                     f"{config.max_position_embeddings}: its {config.position_embedding} positions are extended "
-                     "beyond the length it was trained on (as PaddleNLP does with continue_training)")
-    gpu = device == "gpu"
-    config = config.replace(
-        seq_length=args.max_seq_length,
-        tensor_parallel_degree=layout.tensor_parallel_degree,
-        sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute,
-        recompute_granularity=args.recompute_granularity,
-        no_recompute_layers=list(args.no_recompute_layers or []),
-        pp_recompute_interval=args.pp_recompute_interval,
-        use_flash_attention=args.use_flash_attention and gpu,
-        use_fused_rms_norm=args.use_fused_rms_norm and gpu,
-        use_fused_rope=args.use_fused_rope and gpu,
-        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
-        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
-    )
-    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
-        raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
-                         "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
-    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
-        notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
-                     "use_fused_rms_norm is its fused kernel)")
-    if args.continue_training and weights_file is None:
-        notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
-                     "(model_state.pdparams); starting from a random initialization")
-    return config, (weights_file if args.continue_training else None), notes
-
-
-def _local_tokenizer_vocab_size(path: str) -> int | None:
-    if not os.path.exists(path):
-        return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
-    from llm_pretrain.tokenizer import load_tokenizer
-
-    return load_tokenizer(path).vocab_size
-
-
-def looks_like_a_path(name: str) -> bool:
-    """A local path rather than a hub/registry name such as "facebook/llama-7b" or "llama-tiny"."""
-    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
-            or name.endswith((".model", ".json", ".txt")))
-
-
-# Above this the run is refused even when no memory estimate is possible (the longest contexts
-# pretrained today are 128K-1M tokens; PaddleNLP's presets stop at 32K).
-MAX_SEQ_LENGTH_CEILING = 1 << 20
-
-
-def device_memory_bytes(device: str) -> int:
-    if device == "gpu":
-        return paddle.device.cuda.get_device_properties().total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def activation_floor_bytes(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> int:
-    """A lower bound of one micro-batch's activation memory: the float32 logits (vocab split over
-    tensor-parallel ranks) and, without flash attention, one layer's attention probabilities.
-    Deliberately an underestimate: it only refuses lengths that cannot possibly fit."""
-    batch, seq = args.per_device_train_batch_size, args.max_seq_length
-    tp = layout.tensor_parallel_degree
-    logits = batch * seq * config.vocab_size // tp * 4
-    flash = args.use_flash_attention and device == "gpu"
-    attention = 0 if flash else batch * config.num_attention_heads // tp * seq * seq * 4
-    return logits + attention
-
-
-def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:
-    """Values that would fail late (after the model and data are built, or in the OOM killer)."""
-    from llm_pretrain.data import parse_split
-
-    tokenizer = args.tokenizer_path
-    if not os.path.exists(tokenizer) and looks_like_a_path(tokenizer):
-        raise UsageError(f"tokenizer_name_or_path: {tokenizer} does not exist (a local tokenizer directory or file "
-                         "is expected; names like facebook/llama-7b select the architecture's vocabulary)")
-    if args.do_train and parse_split(args.split)[0] == 0:
-        raise UsageError(f"split: '{args.split}' gives training no documents; give the first (train) share a "
-                         "positive value, e.g. '949,50,1'")
-    if args.skip_nan_inf_steps and layout.pipeline_parallel_degree > 1:
-        raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
-                         "applies the optimizer step before the loss and gradient norm can be checked)")
-    if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
-        raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
-    need, have = activation_floor_bytes(args, config, layout, device), device_memory_bytes(device)
-    if need > have:
-        raise UsageError(f"max_seq_length: {args.max_seq_length} cannot fit: one micro-batch of "
-                         f"{args.per_device_train_batch_size} needs at least {need / 2**30:.1f} GiB of activations "
-                         f"(logits and attention scores) and the {device} has {have / 2**30:.1f} GiB; lower "
-                         "max_seq_length or per_device_train_batch_size")
-
-
-def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: str) -> dict:
-    """The planner's estimate of this run (llm_pretrain/planner), for the run record and the memory warning.
-
-    A planner failure must not stop a valid run: it is recorded as {"error": ...} instead."""
-    from llm_pretrain.planner import estimate_setup, setup_from
-
-    try:
-        name = device_name(device) if device == "gpu" else "cpu"
-        result = estimate_setup(setup_from(args, layout, config, device), name)
-    except Exception as error:  # noqa: BLE001 -- recorded, never silent
-        return {"error": f"{type(error).__name__}: {error}"}
-    if device == "gpu":
-        total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
-        result["device_memory_mb"] = total
-        result["fits"] = result["peak_mem_reserved_mb"] <= total
-    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
-            "step_time_s", "tokens_per_card_per_sec", "mfu", "bottleneck")
-    memory_terms = [row for row in result["breakdown"] if row["kind"] == "memory"]
-    top = max(memory_terms, key=lambda row: row["mb"])
-    return {**{key: result[key] for key in keys}, "top_term": {"term": top["term"], "mb": top["mb"]}}
-
-
-def memory_warning(prediction: dict) -> str:
-    top = prediction["top_term"]
-    return (f"the planner predicts {prediction['peak_mem_reserved_mb']:,.0f} MB reserved on {prediction['peak_rank']} "
-            f"({prediction['peak_phase']}), more than the device's {prediction['device_memory_mb']:,.0f} MB; the "
-            f"largest term is {top['term']} ({top['mb']:,.0f} MB); see `python scripts/plan.py estimate` and "
-            "`search` for layouts that fit")
-
-
-def launcher_rank() -> int:
-    """This process's global rank as the launcher numbers it (known before fleet.init)."""
-    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
-
-
-def find_resume(args: Arguments, world_size: int) -> tuple[int, list[str]]:
-    """The checkpoint candidates (newest first) and the index of the newest one this rank found intact.
-
-    resume_from_checkpoint names one checkpoint (no fallback); otherwise every complete
-    checkpoint in output_dir is a candidate (none with overwrite_output_dir). Damaged ones
-    are one warning each, naming the file. The ranks agree after fleet.init (agree_on_checkpoint).
-    """
-    if args.resume_from_checkpoint:
-        problem = ckpt.verify_checkpoint(args.resume_from_checkpoint)
-        if problem:
-            raise UsageError(f"resume_from_checkpoint: {args.resume_from_checkpoint} cannot be used: {problem}")
-        return 0, [args.resume_from_checkpoint]
-    if args.overwrite_output_dir:
-        return 0, []
-    index, candidates, warnings = ckpt.find_resume_checkpoint(args.output_dir, launcher_rank(), world_size)
-    for message in warnings:
-        warn(message)
-    if candidates and index == len(candidates):
-        raise no_usable_checkpoint(args)
-    return index, candidates
-
-
-def no_usable_checkpoint(args: Arguments) -> UsageError:
-    """Every complete checkpoint is damaged (found by this rank before fleet.init, or by some rank after)."""
-    return UsageError(f"output_dir: no usable checkpoint in {args.output_dir} (every complete checkpoint is "
-                      "damaged, see the warnings above); set overwrite_output_dir to start over")
-
-
-def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, args: Arguments) -> list[str]:
-    """UsageError unless the checkpoint is of this model (architecture, vocabulary, sequence length);
-    any layout may resume it (llm_pretrain/dist_checkpoint.py). Returns a warning listing the other
-    keys that changed (learning rate, steps, seed, degrees ...)."""
-    from llm_pretrain.dist_checkpoint import check_resumable
-
-    state = ckpt.read_trainer_state(path)
-    check_resumable(path, state, config.architecture_dict(), args.max_seq_length, layout_summary(layout))
-    saved_args, now_args = state.get("args", {}), arguments_to_dict(args)
-    ignored = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm"}
-    changed = [f"{key} {saved_args[key]!r} -> {value!r}" for key, value in now_args.items()
-               if key in saved_args and key not in ignored and saved_args[key] != value]
-    return [f"resuming {path} with changed keys: {', '.join(changed)}"] if changed else []
-
-
-def layout_summary(layout: Layout) -> dict:
-    return {key: getattr(layout, key) for key in (
-        "world_size", "data_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-        "sharding_degree", "sharding_stage", "virtual_pp_degree")}
 
 
 def set_seed(seed: int) -> None:
@@ -355,11 +127,6 @@ def to_device(array: np.ndarray, device: str):
     if device != "gpu":
         return paddle.to_tensor(array)
     return paddle.to_tensor(array, place=paddle.CUDAPinnedPlace()).cuda(blocking=False)
-
-
-def device_name(device: str) -> str:
-    """The accelerator's name for reports (the peak-TFLOPs lookup uses it): "NVIDIA A100-SXM4-80GB", "cpu"."""
-    return paddle.device.cuda.get_device_name(0) if device == "gpu" else "cpu"
 
 
 # ----------------------------------------------------------------------------- steps
@@ -545,39 +312,24 @@ def build_model(config: ModelConfig, layout: Layout):
 
 
 # ----------------------------------------------------------------------------- the run
-def train(args: Arguments, argument_warnings: list[str], args_file: str | None = None) -> dict:
+def train(plan: RunPlan) -> dict:
     with contextlib.ExitStack() as run:
+        if plan.output_dir_lock is not None:
+            run.callback(plan.output_dir_lock.release)  # one run per output_dir, until this one ends
         stop = run.enter_context(StopRequest())  # SIGTERM/SIGINT from here on: stop at a step boundary
-        return _train(args, argument_warnings, args_file, stop, run)
+        return _train(plan, stop, run)
 
 
-def _train(args: Arguments, argument_warnings: list[str], args_file: str | None, stop: StopRequest,
-           run: contextlib.ExitStack) -> dict:
-    # 1. Everything that can be wrong, before any expensive work.
-    device = select_device(args)
-    layout = plan_layout(args, launcher_world_size())
-    config, weights_file, model_notes = build_model_config(args, layout, device)
-    check_model_fits_layout(config, layout)
-    check_strategy(args, config, layout)
-    check_startup(args, config, layout, device)
-    check_data_inputs(args.input_dir, args.split)
-    prediction = predict_run(args, layout, config, device)
-    if device == "gpu" and prediction.get("fits") is False:
-        warn(memory_warning(prediction))
-    # The integrity passes read every .idx and .bin once (then cached): one process per node does them.
-    check_data_integrity(args.input_dir, config.vocab_size, args.data_cache,
-                         thorough=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
-    if launcher_rank() == 0:
-        run.callback(take_output_dir(args).release)  # the lock: one run per output_dir
-    resume_index, resume_candidates = find_resume(args, layout.world_size) if args.do_train else (0, [])
-    if resume_candidates[resume_index:]:
-        model_notes += check_checkpoint_matches(resume_candidates[resume_index], layout, config, args)
+def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
+    # 1. The run as the preflight checked and planned it (llm_pretrain/preflight.py).
+    args, args_file, device, config = plan.args, plan.args_file, plan.device, plan.config
+    weights_file, prediction = plan.weights_file, plan.prediction
+    resume_index, resume_candidates = plan.resume_index, plan.resume_candidates
 
     # 2. Processes and groups.
-    set_collective_timeout(args, device)
-    layout = init_distributed(layout, device, args)
+    layout = init_distributed(plan.layout, device, args)
     if layout.is_main:
-        for message in argument_warnings + gpu_only_warnings(args, device) + model_notes:
+        for message in plan.warnings:
             warn(message)
     set_seed(args.seed)
 
@@ -640,8 +392,10 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         "dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(precision.dtype, "fp32"),
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
-        "prediction": prediction,
+        "prediction": prediction, "cpu_defaults": plan.cpu_defaults,
     })
+    if plan.cpu_defaults:
+        metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu_threads.py set before Paddle loaded
     resumed = f", resumed from {resume_from}" if resume_from else ""
     metrics.say(f"training {args.model_name_or_path} ({config.family}, "
                 f"{sum(int(np.prod(p.shape)) for p in parameters):,} parameters on rank 0) with {name} on "
@@ -714,27 +468,6 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
     return metrics.finish(**({"replica_check": replicas} if replicas else {}))
-
-
-def set_collective_timeout(args: Arguments, device: str) -> None:
-    """distributed_timeout_minutes on GPU: ProcessGroupNCCL is created with PADDLE_PG_TIMEOUT (milliseconds;
-    read at paddle/distributed/parallel.py:747, passed at paddle/distributed/collective.py:176), so a hung
-    rank ends the job in bounded time. gloo (CPU) takes no such timeout."""
-    if device == "gpu" and args.distributed_timeout_minutes:
-        os.environ["PADDLE_PG_TIMEOUT"] = str(int(args.distributed_timeout_minutes * 60_000))
-
-
-def take_output_dir(args: Arguments) -> OutputDirLock:
-    """Rank 0, before any work: output_dir created and writable, locked, debris of crashed saves removed."""
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        lock = OutputDirLock(args.output_dir).acquire()
-    except OSError as error:
-        raise UsageError(f"output_dir: cannot create or write {args.output_dir} "
-                         f"({error.strerror or error})") from None
-    for name in ckpt.remove_stale_partials(args.output_dir):
-        warn(f"removed {os.path.join(args.output_dir, name)} (left by an interrupted save)")
-    return lock
 
 
 def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):

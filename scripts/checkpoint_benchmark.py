@@ -44,7 +44,8 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
     from llm_pretrain.optim import build_optimizer, build_schedule
-    from llm_pretrain.trainer import build_model, build_model_config, layout_summary
+    from llm_pretrain.preflight import build_model_config, layout_summary
+    from llm_pretrain.trainer import build_model
     from models.registry import parameter_count
     from models.weights import init_weights
 

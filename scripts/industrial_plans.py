@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--write-presets", action="store_true")
     parser.add_argument("--top", type=int, default=1)
     opts = parser.parse_args(argv)
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
     from llm_pretrain.planner.search import search, write_arguments
 
     lines = ["# Industrial layouts through the planner", "",

@@ -50,7 +50,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("sp_off", "`sequence_parallel` forced off in the model config (trainer)", "llm_pretrain/trainer.py",
+    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/preflight.py",
              "sequence_parallel=args.sequence_parallel,", "sequence_parallel=False,", (TP2,)),
     Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/distributed.py",
              "register_sequence_parallel_allreduce_hooks(model, accumulation_steps,",

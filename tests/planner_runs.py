@@ -81,7 +81,7 @@ def run_all(corpus: dict, work_dir: Path) -> list[dict]:
 def predict(run: dict) -> dict:
     """The planner's estimate for a measured run (its argument file, overrides and process count)."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
 
     overrides = []
     for key, value in run["overrides"].items():

@@ -122,3 +122,25 @@ def test_paddle_takes_the_strided_view_switch_from_the_environment():
         return json.loads(out.strip().splitlines()[-1])
     assert run({}) == [False, True, False]  # our default: the transpose kernel writes a new tensor
     assert run({STRIDES: "1"}) == [True, False, True]  # the user's value wins: a strided view
+
+
+def test_paddles_thread_warning_is_shown_for_the_users_value_only():
+    """Paddle warns for any OMP_NUM_THREADS above 1 (paddle/base/__init__.py:152-164); import_paddle drops
+    those two lines only when the value is the one apply_cpu_defaults set, never for the user's own."""
+    from llm_pretrain.flops import cpu_count
+
+    code = ("import os; from llm_pretrain.cpu_threads import apply_cpu_defaults, import_paddle; "
+            "apply_cpu_defaults('cpu'); import_paddle(); print(os.environ['OMP_NUM_THREADS'])")
+    def run(env):
+        env = {**env, "PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              check=True)
+    users = max(2, cpu_count())  # the same count the toolkit would choose (when there are 2 cores or more)
+    shown = run({"OMP_NUM_THREADS": str(users)})
+    assert shown.stdout.strip() == str(users)
+    assert f"WARNING: OMP_NUM_THREADS set to {users}, not 1." in shown.stderr, shown.stderr
+    assert "PLEASE USE OMP_NUM_THREADS WISELY." in shown.stderr
+    ours = run({})
+    assert ours.stdout.strip() == str(cpu_count())  # the toolkit's count reached Paddle
+    # Kept on an OpenBLAS build (the failure it warns of is OpenBLAS's); one core: Paddle has nothing to say.
+    assert ("OMP_NUM_THREADS" in ours.stderr) == (not paddle_build()["mkl"] and cpu_count() > 1), ours.stderr

@@ -149,7 +149,7 @@ def test_second_run_on_a_busy_output_dir_is_refused(embedded_corpus, tmp_path):
     naming the directory and the holder, and touches nothing."""
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import train
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
 
     out = tmp_path / "busy"
     holder = subprocess.Popen([sys.executable, "-c", (
@@ -303,7 +303,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
     # No usable checkpoint at all: one line (the trainer's check before fleet.init).
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import find_resume
+    from llm_pretrain.preflight import find_resume
 
     for path in damaged.glob("checkpoint-*/trainer_state.json"):
         path.write_text("{}")
@@ -437,7 +437,7 @@ def test_startup_errors_before_any_work(embedded_corpus, tmp_path, overrides, fr
     """In-process (the checks run before fleet.init and before any model is built)."""
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import train
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
 
     (tmp_path / "FILE").write_text("a file, not a directory")
     overrides = {k: (str(tmp_path / v) if k == "output_dir" else v) for k, v in overrides.items()}
@@ -458,7 +458,7 @@ def test_skip_nan_inf_steps_is_refused_under_the_pipeline(embedded_corpus, tmp_p
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.distributed import Layout
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import build_model_config, check_startup
+    from llm_pretrain.preflight import build_model_config, check_startup
 
     args, _ = parse_arguments([str(small_run(embedded_corpus, tmp_path)), "--output_dir", str(tmp_path / "out"),
                                "--skip_nan_inf_steps", "1", "--pipeline_parallel_degree", "2"])
@@ -547,7 +547,8 @@ def test_overwrite_output_dir_starts_afresh_and_resume_checks_the_model(embedded
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.distributed import Layout
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import build_model_config, check_checkpoint_matches, train
+    from llm_pretrain.preflight import build_model_config, check_checkpoint_matches
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
 
     out = tmp_path / "out"
     args_file = small_run(embedded_corpus, tmp_path, max_steps=4, save_steps=2)
@@ -580,7 +581,7 @@ def test_collective_timeout_reaches_paddles_process_group_settings(monkeypatch):
     import paddle.distributed as dist
 
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.trainer import set_collective_timeout
+    from llm_pretrain.preflight import set_collective_timeout
 
     monkeypatch.delenv("PADDLE_PG_TIMEOUT", raising=False)
     args, _ = parse_arguments(["--max_steps", "1", "--input_dir", "x", "--distributed_timeout_minutes", "2.5"])

@@ -232,7 +232,7 @@ def test_imported_directory_continues_training(tmp_path):
     """The trainer's model setup takes the imported weights (continue_training) instead of a random init."""
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.layout import plan_layout
-    from llm_pretrain.trainer import build_model_config
+    from llm_pretrain.preflight import build_model_config
 
     reference, _, _ = build_paddlenlp_model("qwen", seed=17)
     reference.save_pretrained(str(tmp_path / "pd"))

@@ -19,10 +19,9 @@ import pytest
 from llm_pretrain.arguments import parse_arguments
 from llm_pretrain.distributed import Layout, plan_layout
 from llm_pretrain.errors import UsageError
-from llm_pretrain.trainer import (
-    BatchPlan, build_model_config, check_strategy, first_eval_sample, pipeline_eval_micro_batches,
-    predict_iterations, valid_samples,
-)
+from llm_pretrain.layout import check_strategy, pipeline_eval_micro_batches, predict_iterations
+from llm_pretrain.preflight import build_model_config
+from llm_pretrain.trainer import BatchPlan, first_eval_sample, valid_samples
 from models.decoder import CausalLM
 from models.weights import init_weights
 

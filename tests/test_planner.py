@@ -62,21 +62,21 @@ def test_gpu_memory_warning_wiring(monkeypatch):
     from types import SimpleNamespace
 
     import paddle
-    from llm_pretrain import trainer
+    from llm_pretrain import preflight
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.layout import plan_layout
 
-    monkeypatch.setattr(trainer, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(preflight, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(total_memory=40 * 2**30))
     args, _ = parse_arguments([str(REPO_ROOT / "configs" / "llama" / "pretrain-llama_13b-tp2sd4_stage2.json"),
                                "--sharding", "", "--tensor_parallel_degree", "1"])
     layout = plan_layout(args, 1)
-    config, _, _ = trainer.build_model_config(args, layout, "gpu")
-    prediction = trainer.predict_run(args, layout, config, "gpu")
+    config, _, _ = preflight.build_model_config(args, layout, "gpu")
+    prediction = preflight.predict_run(args, layout, config, "gpu")
     assert prediction["fits"] is False and prediction["device_memory_mb"] == 40 * 1024
     assert prediction["top_term"]["term"] == "Adam moments (fp32)"  # 13B x 8 bytes, the largest term
-    message = trainer.memory_warning(prediction)
+    message = preflight.memory_warning(prediction)
     assert "more than the device's 40,960 MB" in message and "Adam moments (fp32)" in message
 
 
@@ -222,7 +222,7 @@ def run_plan(capsys, *args) -> tuple[int, str, str]:
 
 def test_search_results_pass_the_trainers_validation_and_write_round_trips(tmp_path):
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
     from llm_pretrain.planner.search import search, write_arguments
 
     result = search("gpt3-1.3B-en", "A100-40G", gpus=8, seq=1024, global_batch=16, top=6)
@@ -275,12 +275,12 @@ def test_cli_search_writes_file(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- one place decides validity
 def test_trainer_and_planner_share_one_validity_module():
-    from llm_pretrain import distributed, layout, trainer
-    from llm_pretrain.planner import validated_setup  # noqa: F401 (uses llm_pretrain.layout)
+    from llm_pretrain import distributed, layout, preflight
+    from llm_pretrain.planner.estimate import validated_setup  # noqa: F401 (uses llm_pretrain.layout)
 
-    assert trainer.check_strategy is layout.check_strategy
-    assert trainer.check_model_fits_layout is layout.check_model_fits_layout
-    assert trainer.plan_layout is distributed.plan_layout is layout.plan_layout
+    assert preflight.check_strategy is layout.check_strategy
+    assert preflight.check_model_fits_layout is layout.check_model_fits_layout
+    assert preflight.plan_layout is distributed.plan_layout is layout.plan_layout
     assert distributed.parallel_config_settings is layout.parallel_config_settings
     assert "import paddle" not in Path(layout.__file__).read_text()  # the planner needs no Paddle for validity
     run = layout.Layout(world_size=32, data_parallel_degree=2, tensor_parallel_degree=2, pipeline_parallel_degree=4,

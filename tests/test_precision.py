@@ -144,7 +144,7 @@ def test_safe_master_grad_combinations_are_accepted(degrees):
 
 def test_master_grad_refusal_comes_before_fleet_init(tmp_path, monkeypatch):
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.trainer import train
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
     from parity_utils import base_arguments, write_json
 
     no_data = {"tokenizer": "facebook/llama-7b", "input_dir": str(tmp_path)}  # a hub name; refused before data checks
@@ -561,7 +561,7 @@ def test_gpu_model_config_wires_the_fused_kernels(tmp_path):
     """What build_model_config gives the model on a GPU (nothing here runs on one)."""
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.distributed import plan_layout
-    from llm_pretrain.trainer import build_model_config
+    from llm_pretrain.preflight import build_model_config
 
     def config_for(model, **keys):
         argv = ["--model_name_or_path", model, "--input_dir", str(tmp_path), "--max_steps", "1"]

@@ -31,7 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize("world_size, overrides, expected", CASES)
 def test_layout_errors_name_the_keys(embedded_corpus, tmp_path, monkeypatch, world_size, overrides, expected):
-    from llm_pretrain.trainer import train
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
 
     args_file = write_json(tmp_path / "args.json", base_arguments(embedded_corpus, tmp_path, **overrides))
     args, warnings = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])

@@ -77,7 +77,7 @@ def cmd_estimate(argv: list[str]) -> int:
     if opts.nproc < 1:
         raise UsageError(f"--nproc: must be >= 1, got {opts.nproc}")
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
 
     args, _ = parse_arguments([opts.args_file] + overrides)
     result = estimate(args, opts.nproc, opts.device,

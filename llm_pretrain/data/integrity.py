@@ -9,8 +9,9 @@
     damaged_sample_index_files(datasets)   cached sample indices whose values are out of range
         (the trainer removes and rebuilds them)
 
-Kept apart from indexed.py / samples.py so that their hot paths stay as they are; the checks
-are called where the datasets are opened (trainer.py).
+Kept apart from indexed.py / samples.py so that their hot paths stay as they are; the integrity
+check runs in the preflight (llm_pretrain/preflight.py, before Paddle is imported), the sample
+index check where the datasets are opened (trainer.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """The parallel-configuration planner: predicted per-rank memory and step time of an argument file
-on N processes of a device, from the same validation the trainer runs.
+on N processes of a device, from the same checks the run's preflight makes.
 
     memory.py   what each rank allocates, tensor by tensor (measured on CPU against Paddle's allocator)
     speed.py    step time on a GPU cluster (calibrated on the Megatron-LM paper's Table 1)
     search.py   every valid layout for a model and cluster, ranked by predicted tokens/card/s
+    estimate.py `estimate(args, nproc, device)`: an argument file checked by the preflight as a run
+                of nproc processes would be, then estimated; what `python scripts/plan.py estimate` prints
 
-`estimate(args, nproc, device)` is what `python scripts/plan.py estimate` prints and what the
-trainer records in its run record.
+This package estimates a checked Setup and imports neither the preflight nor the trainer;
+llm_pretrain/preflight.py records `estimate_setup` of every run in its run record, and
+planner/estimate.py (not imported here) runs the preflight's checks for an argument file.
 """
 
 from __future__ import annotations
@@ -57,19 +60,6 @@ def check_device(device: str) -> None:
                              "H800, A800, V100, ... (llm_pretrain/flops.py PEAK_TFLOPS) or cpu")
 
 
-def validated_setup(args: Arguments, nproc: int, device: str):
-    """(Setup, layout, config) after the trainer's own checks (UsageError for an invalid layout)."""
-    from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout
-    from llm_pretrain.trainer import build_model_config
-
-    kind = device_kind(device)
-    layout = plan_layout(args, nproc)
-    config, _, _ = build_model_config(args, layout, kind)
-    check_model_fits_layout(config, layout)
-    check_strategy(args, config, layout)
-    return setup_from(args, layout, config, kind), layout, config
-
-
 def setup_from(args: Arguments, layout, config, kind: str) -> Setup:
     if kind == "gpu" and (args.bf16 or args.fp16):
         precision = Precision("bf16" if args.bf16 else "fp16", args.fp16_opt_level, bool(args.amp_master_grad))
@@ -118,17 +108,4 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
         slowest = "pipeline stage 0" if setup.pp > 1 else "every rank"
         result["breakdown"] += [{"term": term, "s": seconds, "rank": slowest, "kind": "time"}
                                 for term, seconds in speed["terms"].items()]
-    return result
-
-
-def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | None = None) -> dict:
-    """Predicted per-rank peak memory and speed of `args` on `nproc` processes of `device`.
-
-    device: "cpu" or a GPU name of llm_pretrain/flops.py's table ("A100-80G", "H100-80G", ...). Raises the
-    trainer's UsageError for a layout it would refuse. Speed is predicted for GPUs only (None on CPU).
-    """
-    check_device(device)
-    setup, layout, config = validated_setup(args, nproc, device)
-    result = estimate_setup(setup, device, cluster_options)
-    result["strategy"] = layout.strategy
     return result

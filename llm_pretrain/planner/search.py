@@ -15,7 +15,8 @@ import json
 
 from llm_pretrain.arguments import Arguments, validate_arguments
 from llm_pretrain.errors import UsageError
-from llm_pretrain.planner import device_memory_mb, estimate_setup, validated_setup
+from llm_pretrain.planner import device_memory_mb, estimate_setup
+from llm_pretrain.planner.estimate import validated_setup
 
 DEFAULT_HEADROOM = 0.10  # keep 10 % of the card free (CUDA context, NCCL buffers, allocator growth)
 RECOMPUTE_CHOICES = (None, "full_attn", "core_attn", "full")

@@ -1,0 +1,33 @@
+"""The planner's estimate of an argument file: the preflight's own checks of the layout and model
+(llm_pretrain/preflight.py check_layout_and_model, as a run of nproc processes makes them), then
+the memory and speed of the checked Setup (llm_pretrain/planner/__init__.py estimate_setup).
+
+A separate module so that the planner package itself needs no preflight: the preflight records
+`estimate_setup` of every run, and this module runs the preflight; neither imports the trainer.
+"""
+
+from __future__ import annotations
+
+from llm_pretrain.arguments import Arguments
+from llm_pretrain.planner import check_device, device_kind, estimate_setup, setup_from
+from llm_pretrain.preflight import check_layout_and_model
+
+
+def validated_setup(args: Arguments, nproc: int, device: str):
+    """(Setup, layout, config) after the preflight's checks (UsageError for an invalid layout)."""
+    kind = device_kind(device)
+    layout, config, _, _ = check_layout_and_model(args, nproc, kind)
+    return setup_from(args, layout, config, kind), layout, config
+
+
+def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | None = None) -> dict:
+    """Predicted per-rank peak memory and speed of `args` on `nproc` processes of `device`.
+
+    device: "cpu" or a GPU name of llm_pretrain/flops.py's table ("A100-80G", "H100-80G", ...). Raises the
+    preflight's UsageError for a layout a run would refuse. Speed is predicted for GPUs only (None on CPU).
+    """
+    check_device(device)
+    setup, layout, config = validated_setup(args, nproc, device)
+    result = estimate_setup(setup, device, cluster_options)
+    result["strategy"] = layout.strategy
+    return result
