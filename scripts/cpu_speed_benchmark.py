@@ -47,7 +47,7 @@ sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "scripts")]
 from benchmark import forced_arguments  # noqa: E402  (scripts/benchmark.py: every step logged, nothing saved)
 from llm_pretrain import flops, perf  # noqa: E402  (none of these imports Paddle)
 from llm_pretrain.errors import UsageArgumentParser  # noqa: E402
-from models.config import make_config  # noqa: E402
+from models.registry import make_config  # noqa: E402
 from models.registry import parameter_count  # noqa: E402
 
 RUN_PRETRAIN = os.path.join(REPO_ROOT, "llm_pretrain", "run_pretrain.py")

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from llm_pretrain import flops, perf
-from models.config import make_config
+from models.registry import make_config
 from models.registry import resolve_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -164,11 +164,17 @@ def bottleneck(terms: dict[str, float]) -> str:
     return names[worst] if non_compute[worst] >= 0.25 * terms["compute"] else "compute"
 
 
+def megatron_table1_rows() -> list[dict]:
+    """The rows of MEGATRON_TABLE1, as csv.DictReader gives them (strings)."""
+    with open(MEGATRON_TABLE1, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def megatron_row_setup(row: dict, micro_batch: int = 1) -> tuple[Setup, Cluster]:
     """A Megatron Table 1 row as a Setup: GPT (GELU 4h MLP, learned positions, tied head), fp16, full
     recompute, 1F1B (the table gives neither micro-batch size nor interleaving: micro-batch 1, no vpp)."""
     from llm_pretrain.planner.memory import Precision
-    from models.config import make_config
+    from models.registry import make_config
 
     h, layers, heads = int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"])
     tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
