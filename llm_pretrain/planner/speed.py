@@ -24,8 +24,10 @@ and listed with their errors in benchmarks/planner_accuracy.md.
 
 from __future__ import annotations
 
+import csv
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from llm_pretrain.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
 from llm_pretrain.planner.memory import Setup
@@ -33,6 +35,8 @@ from llm_pretrain.planner.params import stage_parameters
 
 CALIBRATION_SOURCE = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
                       "Megatron-LM (SC21), Table 1: GPT 1.7B-1T, seq 2048, vocab 51200, fp16, A100-80GB DGX nodes")
+# That table as published (its columns: data/README.md), shipped with the package.
+MEGATRON_TABLE1 = Path(__file__).resolve().parent / "data" / "megatron_table1.csv"
 
 # Achievable fraction of the dense tensor-core peak for the matrix products of one GPU, growing with the
 # width of its matrices (hidden / tp): eff = EFF_MAX * w / (w + EFF_HALF_WIDTH). Fitted once on the Megatron
