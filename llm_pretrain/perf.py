@@ -497,7 +497,7 @@ def write_chart(records: list[dict], path: str) -> None:
         ax.set_xticklabels(series["labels"], fontsize=8, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.margins(y=0.15)
+        ax.margins(y=0.3)  # room for the legend above the tallest bar's figure
         ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
