@@ -12,7 +12,8 @@ plus the run's tokenizer files when its tokenizer is a local directory:
 
 LLaMA and Baichuan export as LlamaForCausalLM (alibi for the 13B Baichuans), Qwen as
 QWenForCausalLM, GPT-3 as GPTForCausalLM, Bloom as BloomForCausalLM; see
-llm_pretrain/interchange.py and models/paddlenlp_interop.py. Bad input is one line `error: ...` with exit code 2.
+llm_pretrain/interchange.py (directories) and models/paddlenlp_interop.py (the mapping).
+Bad input is one line `error: ...` with exit code 2.
 """
 
 import argparse
