@@ -44,7 +44,7 @@ import numpy as np
 import paddle
 
 from llm_pretrain.errors import UsageError
-from models.paddlenlp_interop import bfloat16_bits_to_float32
+from models.dtypes import bfloat16_bits_to_float32
 
 INDEX_FILE = "tensors.index.json"
 FORMAT_VERSION = 1

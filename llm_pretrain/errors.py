@@ -1,19 +1,20 @@
-"""The one error type for bad user input.
+"""The one error type for bad user input, and what the entry points do with it.
 
-Anything the user can get wrong (argument files, keys, values, paths, data)
+Anything the user can get wrong (argument files, keys, values, paths, data, models)
 raises `UsageError` with a single-line message that names the key, file or
 value and what is allowed. Entry points catch it, print `error: <message>`
 to stderr and exit with code 2 -- never a traceback.
+
+The class itself is models/errors.py's (models/ may not import llm_pretrain/, and what it
+raises must be caught by every `except UsageError` here): this module re-exports that class.
 """
 
 import argparse
 import sys
 
+from models.errors import UsageError  # noqa: F401 (the one class; llm_pretrain.errors.UsageError is it)
+
 USAGE_EXIT_CODE = 2
-
-
-class UsageError(Exception):
-    """Bad input from the user. The message is one line, shown as is."""
 
 
 def exit_with_usage_error(error: UsageError) -> None:

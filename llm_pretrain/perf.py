@@ -5,7 +5,8 @@ One run becomes one *record* (a flat dict, one line of results.jsonl):
     name, status ("ok" | "failed" | "OOM" | "timeout"), error, model, family, seq_length, strategy,
     world_size, device, dtype, global_batch_size, steps, warmup_steps, measured_steps,
     tokens_per_card_per_sec, step_time_s, tflops_per_card, peak_tflops_per_card, mfu,
-    peak_rss_mb (CPU) | peak_mem_allocated_mb + peak_mem_reserved_mb (GPU),
+    peak_mem_allocated_mb + peak_rss_mb (CPU) | peak_mem_allocated_mb + peak_mem_reserved_mb (GPU),
+    predicted_peak_mem_mb, predicted_peak_mem_allocated_mb, predicted_tokens_per_card_per_sec (the planner's),
     args_file, test_time, output_dir
 
 How the figures are made, so that they can be trusted:
@@ -18,8 +19,10 @@ How the figures are made, so that they can be trusted:
   move the figure.
 * Memory is the peak over the whole run (warm-up included: the peak is the
   peak), and over all ranks: the trainer all-reduces it with max before rank 0
-  logs it. GPU: Paddle's max_memory_allocated and max_memory_reserved; CPU: the
-  peak resident set size of the process.
+  logs it. The table and the chart lead with the allocator's peak -- GPU: Paddle's
+  max_memory_allocated (then max_memory_reserved); CPU: Paddle's host allocator
+  peak (then the process's peak resident set) -- beside the planner's prediction
+  of it (the run record's "prediction", llm_pretrain/planner).
 * TFLOPs are *model* FLOPs (llm_pretrain/flops.py: no recompute) times the
   median speed. MFU divides them by the card's peak: the datasheet figure
   for a GPU (flops.PEAK_TFLOPS), for a CPU the fp32 matmul peak measured on
@@ -58,7 +61,7 @@ CSV_COLUMNS = (
     "tflops_per_card", "peak_tflops_per_card", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb",
     "peak_rss_mb", "args_file", "test_time", "output_dir", "error",
     "built", "schedule", "sharding_implementation", "sequence_parallel", "recompute", "precision",
-    "predicted_peak_mem_mb", "predicted_tokens_per_card_per_sec",
+    "predicted_peak_mem_mb", "predicted_tokens_per_card_per_sec", "predicted_peak_mem_allocated_mb",
 )
 
 
@@ -142,7 +145,9 @@ def run_fields(run: dict) -> dict:
         fields["test_time"] = format_time(run["time"])
     fields.update(built_fields(run.get("built")))
     prediction = run.get("prediction") or {}
-    # The planner's allocated peak (what the trainer measures as peak_mem_allocated_mb); on GPU the reserve.
+    # The planner's allocated peak (what the trainer measures as peak_mem_allocated_mb), and its last memory
+    # figure (on GPU the reserve, else the allocated peak).
+    fields["predicted_peak_mem_allocated_mb"] = prediction.get("peak_mem_allocated_mb")
     fields["predicted_peak_mem_mb"] = prediction.get("peak_mem_reserved_mb") or prediction.get("peak_mem_allocated_mb")
     fields["predicted_tokens_per_card_per_sec"] = prediction.get("tokens_per_card_per_sec")
     return {k: v for k, v in fields.items() if v is not None}
@@ -304,23 +309,57 @@ def format_environment(env: dict, warmup_steps: int | None) -> str:
                 "a process's share of it is its card's peak")
     if warmup_steps is not None:
         lines.append(f"- Speed: median tokens/card/sec over the steps after the first {warmup_steps} "
-                     "(warm-up, excluded). Memory: peak over the run and all ranks -- CPU: resident set; "
-                     "GPU: max allocated / max reserved. TFLOPs: model FLOPs (llm_pretrain/flops.py, no recompute).")
+                     f"(warm-up, excluded). {MEMORY_LEGEND} TFLOPs: model FLOPs (llm_pretrain/flops.py, "
+                     "no recompute). (predicted ...): the planner's prediction (llm_pretrain/planner).")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- rendering
+MEMORY_LEGEND = ("Memory (MB): peak over the run and all ranks, first the allocator's peak -- CPU: Paddle's host "
+                 "allocator (the process's resident set in parentheses); GPU: max allocated / max reserved.")
+
+
 def _fmt(value, digits: int = 0, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:,.{digits}f}{suffix}"
 
 
+def lead_memory(record: dict) -> tuple[float | None, str | None]:
+    """The memory figure the table leads with and the chart plots, and what it is.
+
+    The allocator's peak (GPU: max allocated; CPU: Paddle's host allocator); a log without it
+    (an older run) has only the resident set.
+    """
+    if record.get("peak_mem_allocated_mb") is not None:
+        gpu = record.get("device") == "gpu" or record.get("peak_mem_reserved_mb") is not None
+        return record["peak_mem_allocated_mb"], "GPU: max allocated" if gpu else "CPU: host allocator's peak"
+    if record.get("peak_rss_mb") is not None:
+        return record["peak_rss_mb"], "resident set (a log without the allocator's peak)"
+    return None, None
+
+
+def predicted_lead_memory(record: dict) -> float | None:
+    """The planner's prediction of lead_memory (its allocated peak); None for an older log without one."""
+    if record.get("predicted_peak_mem_allocated_mb") is not None:
+        return record["predicted_peak_mem_allocated_mb"]
+    if record.get("device") != "gpu" and record.get("peak_mem_reserved_mb") is None:
+        return record.get("predicted_peak_mem_mb")  # off GPU the planner predicts only the allocated peak
+    return None
+
+
 def memory_cell(record: dict) -> str:
-    return _measured_memory(record) + _predicted(record.get("predicted_peak_mem_mb"), 0)
+    """The measured figures, then the planner's prediction of the same figures."""
+    predicted_allocated, predicted_last = record.get("predicted_peak_mem_allocated_mb"), \
+        record.get("predicted_peak_mem_mb")
+    if record.get("peak_mem_reserved_mb") is not None and predicted_allocated is not None \
+            and predicted_last is not None and predicted_last != predicted_allocated:
+        return f"{_measured_memory(record)} (predicted {_fmt(predicted_allocated)} / {_fmt(predicted_last)})"
+    return _measured_memory(record) + _predicted(predicted_last, 0)
 
 
 def _measured_memory(record: dict) -> str:
+    """lead_memory first, then the reserve (GPU) or the resident set (CPU)."""
     if record.get("peak_mem_reserved_mb") is not None:
         return f"{_fmt(record.get('peak_mem_allocated_mb'))} / {_fmt(record.get('peak_mem_reserved_mb'))}"
     if record.get("peak_mem_allocated_mb") is not None and record.get("peak_rss_mb") is not None:
@@ -405,32 +444,61 @@ def chart_label(record: dict) -> str:
     return f"{record.get('name')}\n{record.get('strategy') or '?'} s{record.get('seq_length') or '?'}"
 
 
+def chart_series(records: list[dict]) -> dict:
+    """What the chart plots, per record: the table's figures (speed; memory: lead_memory) and beside each
+    the planner's prediction (None where it made none). Runs that did not succeed have no figures."""
+    ok = [r.get("status", OK) == OK for r in records]
+    memory = [lead_memory(r) for r in records]
+    kinds = sorted({kind for (value, kind), good in zip(memory, ok) if good and kind})
+    return {
+        "labels": [chart_label(r) for r in records], "ok": ok,
+        "speed": [r.get("tokens_per_card_per_sec") if good else None for r, good in zip(records, ok)],
+        "predicted_speed": [r.get("predicted_tokens_per_card_per_sec") if good else None
+                            for r, good in zip(records, ok)],
+        "memory": [value if good else None for (value, _), good in zip(memory, ok)],
+        "predicted_memory": [predicted_lead_memory(r) if good else None for r, good in zip(records, ok)],
+        "memory_title": "peak memory -- " + "; ".join(kinds) if kinds else "peak memory",
+    }
+
+
 def write_chart(records: list[dict], path: str) -> None:
-    """Bars of tokens/card/sec and of peak memory per configuration; failed runs are marked, not drawn."""
+    """Per configuration, the table's speed and lead memory figure (measured bars) with the planner's
+    prediction beside each (hatched bars, where it made one); failed runs are marked, not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    labels = [chart_label(r) for r in records]
-    ok = [r.get("status", OK) == OK for r in records]
-    speeds = [(r.get("tokens_per_card_per_sec") or 0) if good else 0 for r, good in zip(records, ok)]
-    memory = [(r.get("peak_mem_reserved_mb") or r.get("peak_rss_mb") or 0) if good else 0 for r, good in zip(records, ok)]
+    series = chart_series(records)
     width = max(6.0, 1.4 * len(records) + 2)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * width, 4.5))
-    for ax, values, ylabel in ((axes[0], speeds, "tokens/card/sec (median)"), (axes[1], memory, "peak memory (MB)")):
-        positions = range(len(records))
-        bars = ax.bar(positions, values, color=["tab:blue" if good else "lightgray" for good in ok])
-        for bar, good, r in zip(bars, ok, records):
-            text = f"{bar.get_height():,.0f}" if good else r.get("status", FAILED)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width, 4.8))
+    panels = ((axes[0], "speed", "predicted_speed", "tokens/card/sec (median after warm-up)",
+               "speed (tokens/card/sec)", 1),
+              (axes[1], "memory", "predicted_memory", "MB, peak over the run and all ranks", series["memory_title"], 0))
+    positions = list(range(len(records)))
+    for ax, measured_key, predicted_key, ylabel, title, digits in panels:
+        measured, predicted = series[measured_key], series[predicted_key]
+        shift = 0.2 if any(v is not None for v in predicted) else 0.0
+        bar_width = 0.4 if shift else 0.8
+        bars = ax.bar([x - shift for x in positions], [v or 0 for v in measured], bar_width, label="measured",
+                      color=["tab:blue" if good else "lightgray" for good in series["ok"]])
+        for bar, value, good, r in zip(bars, measured, series["ok"], records):
+            text = _fmt(value, digits) if good else r.get("status", FAILED)
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=8, color="black" if good else "tab:red")
-        ax.set_xticks(list(positions))
-        ax.set_xticklabels(labels, fontsize=8, rotation=20, ha="right")
+        if shift:
+            drawn = [(x + shift, v) for x, v in zip(positions, predicted) if v is not None]
+            bars = ax.bar([x for x, _ in drawn], [v for _, v in drawn], bar_width, label="predicted (planner)",
+                          color="white", edgecolor="tab:orange", hatch="//")
+            for bar, (_, value) in zip(bars, drawn):
+                ax.annotate(_fmt(value, digits), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8, color="tab:orange")
+        ax.set_xticks(positions)
+        ax.set_xticklabels(series["labels"], fontsize=8, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
-        ax.margins(y=0.15)
-    axes[0].set_title("speed")
-    axes[1].set_title("memory (GPU: max reserved; CPU: peak resident)")
+        ax.set_title(title)
+        ax.margins(y=0.3)  # room for the legend above the tallest bar's figure
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

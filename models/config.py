@@ -3,7 +3,7 @@
 One `ModelConfig` describes every family this toolkit trains. The families
 differ in a handful of switches -- normalization, position information, MLP,
 biases, tied head -- that each family's record sets (models/families/); everything
-else is shared.
+else is shared. A config of a family: models.registry.make_config(family, **sizes).
 """
 
 from __future__ import annotations
@@ -82,10 +82,3 @@ RUNTIME_KEYS = (
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm",
 )
-
-
-def make_config(family: str, **sizes) -> ModelConfig:
-    """A config of `family` (its record's switches) with the given sizes."""
-    from models.families import get_family
-
-    return get_family(family).config(**sizes)

@@ -21,14 +21,19 @@ from __future__ import annotations
 import json
 import os
 
-from llm_pretrain.errors import UsageError
-from models.config import RUNTIME_KEYS, ModelConfig, make_config  # noqa: F401 (make_config: imported from here too)
+from models.errors import UsageError
+from models.config import RUNTIME_KEYS, ModelConfig
 from models.families import FAMILIES, FAMILY_NAMES, family_for_model_type, get_family, supported_model_types
 
 # Every family's entries (models/families/<family>.py), in family order.
 ARCHITECTURES: dict[str, ModelConfig] = {
     name: config for family in FAMILIES.values() for name, config in family.architectures.items()
 }
+
+
+def make_config(family: str, **sizes) -> ModelConfig:
+    """A config of `family` (its record's switches) with the given sizes."""
+    return get_family(family).config(**sizes)
 
 
 def known_model_names() -> list[str]:

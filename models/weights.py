@@ -124,7 +124,7 @@ def load_full_weights(model, config, full_state: dict, source: str) -> None:
 
     `full_state` should hold host (numpy) arrays (paddle.load(..., return_numpy=True)): only this
     rank's slice is copied to the device, never the whole checkpoint."""
-    from llm_pretrain.errors import UsageError
+    from models.errors import UsageError
 
     tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
     for name, param in model.canonical_named_parameters():

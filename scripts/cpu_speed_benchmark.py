@@ -46,8 +46,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from llm_pretrain.cli.benchmark import forced_arguments  # (every step logged, nothing saved)
 from llm_pretrain import flops, perf  # (none of these imports Paddle)
 from llm_pretrain.errors import UsageArgumentParser
-from models.config import make_config
-from models.registry import parameter_count
+from models.registry import make_config, parameter_count
 
 RUN_PRETRAIN = os.path.join(REPO_ROOT, "llm_pretrain", "run_pretrain.py")
 ARGS_FILE = os.path.join(REPO_ROOT, "configs", "llama", "pretrain-llama_tiny-dp.json")  # every path overridden

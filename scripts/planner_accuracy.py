@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import csv
 import sys
 import tempfile
 import time
@@ -22,8 +21,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the measuring runs are the tests' (tests/planner_runs.py)
 
 from llm_pretrain.errors import UsageArgumentParser  # noqa: E402
-
-MEGATRON_CSV = "/work/shared/data/megatron_table1.csv"
 
 
 def memory_section(work_dir: Path) -> list[str]:
@@ -52,8 +49,7 @@ def memory_section(work_dir: Path) -> list[str]:
 def speed_section(calibrate: bool) -> list[str]:
     from llm_pretrain.planner import speed
 
-    with open(MEGATRON_CSV) as f:
-        rows = list(csv.DictReader(f))
+    rows = speed.megatron_table1_rows()
     lines = []
     if calibrate:
         eff, half, _ = speed.fit_efficiency(rows)
@@ -82,7 +78,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--skip-cpu", action="store_true", help="only the GPU speed section")
     opts = parser.parse_args(argv)
-    from llm_pretrain.planner.speed import CALIBRATION_SOURCE, EFF_HALF_WIDTH, EFF_MAX
+    from llm_pretrain.planner.speed import CALIBRATION_SOURCE, EFF_HALF_WIDTH, EFF_MAX, MEGATRON_TABLE1
+
+    table_file = "/".join(MEGATRON_TABLE1.parts[-4:])  # llm_pretrain/planner/data/..., in the package
 
     text = ["# Planner accuracy", "",
             "Written by `python scripts/planner_accuracy.py`. The planner is `llm_pretrain/planner/` "
@@ -100,14 +98,14 @@ def main(argv: list[str]) -> int:
     else:
         text += ["(not rerun: --skip-cpu)"]
     text += ["", "## Speed: Megatron-LM Table 1 reproduced", "",
-             f"Source: {CALIBRATION_SOURCE} (`{MEGATRON_CSV}`). Each row as our GPT family (GELU 4h MLP, learned "
+             f"Source: {CALIBRATION_SOURCE} (`{table_file}`). Each row as our GPT family (GELU 4h MLP, learned "
              "positions, tied head), fp16 O2 with fp32 master gradients, full recompute, micro-batch 1, 1F1B (the "
              "table gives neither micro-batch nor interleaving), data-parallel gradients all-reduced after the "
              "last backward (Megatron-LM 2021 does not overlap them), A100-80G DGX nodes (8 GPUs, NVLink "
              "240 GB/s, HDR InfiniBand 25 GB/s per GPU). TFLOP/s counted as the table does (96 B s l h^2 (1 + "
              f"s/6h + V/16lh) per iteration). Calibrated constants: EFF_MAX {EFF_MAX}, EFF_HALF_WIDTH "
              f"{EFF_HALF_WIDTH} (matmul efficiency = EFF_MAX w / (w + EFF_HALF_WIDTH), w = hidden / tp), the "
-             "same for every row. Korthikanti et al. 2022's recompute timings are not in `../shared/data/` and "
+             "same for every row. Korthikanti et al. 2022's recompute timings are not in the repository and "
              "were not used.", ""]
     text += speed_section(opts.calibrate)
     Path(opts.out).write_text("\n".join(text) + "\n")

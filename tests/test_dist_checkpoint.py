@@ -139,7 +139,7 @@ def test_bfloat16_weights_load_into_a_float32_model(tmp_path):
     import paddle
 
     from llm_pretrain.distributed import Layout
-    from models.config import make_config
+    from models.registry import make_config
     from models.decoder import CausalLM
 
     config = make_config("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -18,7 +18,7 @@ import pytest
 
 from llm_pretrain.layout import Layout, check_model_fits_layout
 from llm_pretrain.errors import UsageError, exit_with_usage_error
-from models.config import make_config
+from models.registry import make_config
 from parity_utils import argv, assert_same_training, base_arguments, final_weights, run_launch, run_single, write_json
 
 TINY_GQA1 = dict(family="llama", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -79,7 +79,7 @@ def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, tmp_path)
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (64, 64)
 
     # The export to PaddleNLP sees the same full weights as the single process's.
-    from models.paddlenlp_interop import export_to_paddlenlp
+    from llm_pretrain.interchange import export_to_paddlenlp
 
     exported = {}
     for run in (single, tp2):

@@ -23,9 +23,8 @@ from llm_pretrain import checkpoint as ckpt
 from llm_pretrain.layout import Layout
 from llm_pretrain.errors import UsageError
 from models.decoder import CausalLM
-from models.paddlenlp_interop import (
-    export_to_paddlenlp, import_from_paddlenlp, paddlenlp_config,
-)
+from llm_pretrain.interchange import export_to_paddlenlp, import_from_paddlenlp
+from models.paddlenlp_interop import paddlenlp_config
 from models.registry import config_from_dict, resolve_model
 from models.weights import load_full_weights, local_slice
 from models.families import FAMILIES

@@ -10,6 +10,7 @@ import csv
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,8 +18,7 @@ import time
 import pytest
 
 from llm_pretrain import flops, perf
-from models.config import make_config
-from models.registry import resolve_model
+from models.registry import make_config, resolve_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,13 +128,15 @@ def test_cpu_peak_is_measured_and_cached():
 
 # ----------------------------------------------------------------------------- tables from logs
 def write_log(directory, speeds, *, step_every=1, strategy="dp", device="cpu", memory=None, finished=True,
-              world_size=1, args_file="configs/llama/tiny.json", flops_per_token=1e6, when=1_700_000_000.0):
+              world_size=1, args_file="configs/llama/tiny.json", flops_per_token=1e6, when=1_700_000_000.0,
+              prediction=None):
     os.makedirs(directory, exist_ok=True)
     memory = memory or {"peak_rss_mb": 1000.0}
     lines = [{"event": "run", "time": when, "model": "llama-tiny", "family": "llama", "args_file": args_file,
               "strategy": strategy, "layout": {"world_size": world_size}, "seq_length": 64, "global_batch_size": 4,
               "max_steps": len(speeds) * step_every, "start_step": 0, "device": device, "paddle_version": "3.3.1",
-              "paddle_commit": "abc", "flops_per_token": flops_per_token, "model_config": {}}]
+              "paddle_commit": "abc", "flops_per_token": flops_per_token, "model_config": {},
+              **({"prediction": prediction} if prediction else {})}]
     for i, speed in enumerate(speeds, 1):
         lines.append({"event": "train", "time": when + i, "step": i * step_every, "loss": 5.0, "learning_rate": 1e-4,
                       "grad_norm": 1.0, "tokens_per_card_per_sec": speed, "step_time_s": 256 / speed,
@@ -235,6 +237,63 @@ def test_csv_and_png(tmp_path):
     with open(paths["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "**failed**" in open(paths["md"]).read()
+
+
+def test_chart_plots_the_tables_figures_beside_the_planners_prediction(tmp_path, monkeypatch):
+    """The chart's bars are the table's numbers: speed, and memory's lead figure (CPU: Paddle's host allocator
+    peak, not the resident set; GPU: max allocated), each with the planner's prediction beside it."""
+    import matplotlib.axes
+
+    cpu = perf.summarize_log(write_log(
+        tmp_path / "cpu", [5, 50, 50, 50], strategy="tp2", memory={"peak_mem_allocated_mb": 300.0, "peak_rss_mb": 700.0},
+        prediction={"peak_mem_allocated_mb": 310.0, "peak_mem_reserved_mb": None, "tokens_per_card_per_sec": None}),
+        1, environment=CPU_ENV)
+    gpu = perf.summarize_log(write_log(
+        tmp_path / "gpu", [100, 3000, 3000, 3000], strategy="sd8_stage2", device="gpu",
+        memory={"peak_mem_allocated_mb": 30000.0, "peak_mem_reserved_mb": 35000.0},
+        prediction={"peak_mem_allocated_mb": 29000.0, "peak_mem_reserved_mb": 36000.0,
+                    "tokens_per_card_per_sec": 3100.0}), 1)
+    failed = {"name": "bad", "status": "failed", "error": "boom"}
+    drawn = []  # (label, heights) of every ax.bar call, in order: speed measured/predicted, memory ditto
+    real_bar = matplotlib.axes.Axes.bar
+
+    def recording_bar(self, x, height, *args, **kwargs):
+        drawn.append((kwargs.get("label"), [float(h) for h in height]))
+        return real_bar(self, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
+    paths = perf.write_reports([cpu, gpu, failed], CPU_ENV, str(tmp_path / "out"), 1)
+
+    table = open(paths["md"]).read()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| llama-tiny")]
+    speed_cells, memory_cells = [row[4] for row in rows], [row[7] for row in rows]
+    assert speed_cells == ["50.0", "3,000.0 (predicted 3,100.0)"]
+    assert memory_cells == ["304 (RSS 704) (predicted 310)", "30,004 / 35,004 (predicted 29,000 / 36,000)"]
+
+    def numbers(cell):  # the measured figure first, then the predicted one (if any)
+        values = re.findall(r"[\d,]+\.?\d*", cell)
+        measured = float(values[0].replace(",", ""))
+        predicted = re.search(r"predicted ([\d,.]+)", cell)
+        return measured, float(predicted.group(1).replace(",", "")) if predicted else None
+
+    assert [label for label, _ in drawn] == ["measured", "predicted (planner)"] * 2
+    (_, speed), (_, predicted_speed), (_, memory), (_, predicted_memory) = drawn
+    assert speed == [numbers(c)[0] for c in speed_cells] + [0.0] == [50.0, 3000.0, 0.0]  # failed: no bar height
+    assert predicted_speed == [numbers(c)[1] for c in speed_cells if numbers(c)[1]] == [3100.0]
+    assert memory == [numbers(c)[0] for c in memory_cells] + [0.0] == [304.0, 30004.0, 0.0]  # not RSS 704
+    assert predicted_memory == [numbers(c)[1] for c in memory_cells] == [310.0, 29000.0]
+    series = perf.chart_series([cpu, gpu, failed])
+    assert series["memory_title"] == "peak memory -- CPU: host allocator's peak; GPU: max allocated"
+    # The table's legend says the same: the allocator's peak leads, the resident set is in parentheses.
+    assert "CPU: resident set" not in table and "CPU: Paddle's host allocator (the process's resident set" in table
+    with open(paths["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # An older log with only the resident set: that is what the chart plots and says.
+    old = perf.summarize_log(write_log(tmp_path / "old", [5, 40, 40]), 1, environment=CPU_ENV)
+    old_series = perf.chart_series([old])
+    assert old_series["memory"] == [1003.0] and old_series["predicted_memory"] == [None]
+    assert "resident set" in old_series["memory_title"]
 
 
 def test_render_table_for_output_dir_and_perf_table_script(tmp_path, capsys):

@@ -3,7 +3,6 @@ the Megatron calibration, search and scripts/plan.py."""
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from llm_pretrain.planner import speed
 from llm_pretrain.planner.params import parameter_list, stage_parameters
 from models.registry import ARCHITECTURES, parameter_count
 
-MEGATRON_CSV = Path("/work/shared/data/megatron_table1.csv")
 PLAN = REPO_ROOT / "scripts" / "plan.py"
 MiB = 2**20
 
@@ -194,13 +192,10 @@ def test_time_terms_by_hand():
 
 
 # ----------------------------------------------------------------------------- Megatron calibration
-def megatron_rows():
-    with open(MEGATRON_CSV) as f:
-        return list(csv.DictReader(f))
-
-
 def test_megatron_table_reproduced_within_stated_accuracy():
-    for row in megatron_rows():
+    rows = speed.megatron_table1_rows()  # the table shipped in the package, not a file outside the clone
+    assert speed.MEGATRON_TABLE1.is_relative_to(REPO_ROOT / "llm_pretrain") and len(rows) == 10
+    for row in rows:
         predicted = speed.megatron_tflops(*speed.megatron_row_setup(row))
         error = predicted / float(row["tflops_per_gpu"]) - 1
         assert abs(error) <= speed.MEGATRON_TOLERANCE, (row["params_billion"], predicted, row["tflops_per_gpu"])

@@ -31,7 +31,7 @@ from launch_utils import launch
 from llm_pretrain.distributed import Layout
 from llm_pretrain.errors import UsageError
 from llm_pretrain.precision import AMP_BLACK_LIST, O2_WHITE_LIST, Precision, check_master_grad, loss_scaler_kind
-from models.config import make_config
+from models.registry import make_config
 
 WORKER = Path(__file__).resolve().parent / "workers" / "precision_worker.py"
 TOL = 1e-6
@@ -509,7 +509,8 @@ def test_rotary_tables_are_built_once(monkeypatch):
 # ----------------------------------------------------------------------------- bfloat16 on the host
 def test_bf16_weights_are_widened_before_arithmetic():
     """numpy holds bfloat16 as uint16 bit patterns: NormHead export and weight loading reinterpret them."""
-    from models.paddlenlp_interop import _to_numpy, bfloat16_bits_to_float32
+    from models.dtypes import bfloat16_bits_to_float32
+    from models.paddlenlp_interop import _to_numpy
     from models.weights import host_tensor
 
     values = paddle.to_tensor([[0.75, -2.5], [3.0, 0.0078125]]).astype("bfloat16")

@@ -24,8 +24,10 @@ and listed with their errors in benchmarks/planner_accuracy.md.
 
 from __future__ import annotations
 
+import csv
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from llm_pretrain.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
 from llm_pretrain.planner.memory import Setup
@@ -33,6 +35,8 @@ from llm_pretrain.planner.params import stage_parameters
 
 CALIBRATION_SOURCE = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
                       "Megatron-LM (SC21), Table 1: GPT 1.7B-1T, seq 2048, vocab 51200, fp16, A100-80GB DGX nodes")
+# That table as published (its columns: data/README.md), shipped with the package.
+MEGATRON_TABLE1 = Path(__file__).resolve().parent / "data" / "megatron_table1.csv"
 
 # Achievable fraction of the dense tensor-core peak for the matrix products of one GPU, growing with the
 # width of its matrices (hidden / tp): eff = EFF_MAX * w / (w + EFF_HALF_WIDTH). Fitted once on the Megatron
@@ -164,11 +168,17 @@ def bottleneck(terms: dict[str, float]) -> str:
     return names[worst] if non_compute[worst] >= 0.25 * terms["compute"] else "compute"
 
 
+def megatron_table1_rows() -> list[dict]:
+    """The rows of MEGATRON_TABLE1, as csv.DictReader gives them (strings)."""
+    with open(MEGATRON_TABLE1, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def megatron_row_setup(row: dict, micro_batch: int = 1) -> tuple[Setup, Cluster]:
     """A Megatron Table 1 row as a Setup: GPT (GELU 4h MLP, learned positions, tied head), fp16, full
     recompute, 1F1B (the table gives neither micro-batch size nor interleaving: micro-batch 1, no vpp)."""
     from llm_pretrain.planner.memory import Precision
-    from models.config import make_config
+    from models.registry import make_config
 
     h, layers, heads = int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"])
     tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])

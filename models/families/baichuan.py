@@ -19,7 +19,7 @@ import dataclasses
 from models.config import ModelConfig
 from models.families.base import Family, ReferenceCase, reference_sizes, tiny_sizes
 from models.families.llama import LLAMA_CLASS, llama_style_table
-from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_WEIGHTS, R, _attn, _mlp
+from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_WEIGHTS, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu")
 BAICHUAN2_VOCAB_SIZE = 125696

@@ -14,7 +14,7 @@ class PaddleNLPClass:
 
     requires: ModelConfig values the class can express (a tuple: any of them); export refuses others.
     check: further limits of the class -> a one-line reason, or None when the config is exportable.
-    export_table(config): our canonical names -> theirs (models/paddlenlp_interop.Rule list).
+    export_table(config): our canonical names -> theirs (models/weight_names.Rule list).
     import_table(raw config.json, our config, names in their weights): theirs -> ours.
     config_json(config): the class's config.json for `config`.
     explicit_head: a tied head is written as an explicit lm_head (the class cannot tie it).
@@ -71,7 +71,7 @@ class Family:
 
 
 def unsupported(source: str, what: str):
-    from llm_pretrain.errors import UsageError
+    from models.errors import UsageError
 
     raise UsageError(f"model_name_or_path: {source}: {what} is not supported by this toolkit's decoder")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
     tiny_sizes, unsupported
-from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
+from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
     weight_and_bias
 
 SWITCHES = dict(norm_type="layernorm", position_embedding="alibi", hidden_act="gelu_tanh", linear_bias=True,

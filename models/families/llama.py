@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
-from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
+from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu")
 LLAMA3_VOCAB = 128256
@@ -121,7 +121,7 @@ def read_rope_scaling(raw: dict, source: str):
         unsupported(source, f"rope_scaling {scaling!r} (supported: rope_type 'llama3')")
     missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
     if missing:
-        from llm_pretrain.errors import UsageError
+        from models.errors import UsageError
 
         raise UsageError(f"model_name_or_path: {source}: rope_scaling has no {missing[0]!r} "
                          f"(rope_type 'llama3' needs {', '.join(ROPE_SCALING_KEYS)})")

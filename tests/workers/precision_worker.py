@@ -33,7 +33,7 @@ from llm_pretrain.precision import (
     Precision, fix_scale_update, keep_master_grads, loss_scaler_kind,
 )
 from llm_pretrain.trainer import train_step
-from models.config import make_config
+from models.registry import make_config
 from models.decoder import CausalLM
 from models.weights import init_weights
 
