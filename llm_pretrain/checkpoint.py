@@ -533,7 +533,7 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) ->
     given); returns the trainer state.
 
     A checkpoint in the layout-free format loads under any layout; one written before it (per-layout
-    model_state/optimizer files) only under the layout that wrote it (checked in trainer.py)."""
+    model_state/optimizer files) only under the layout that wrote it (checked by the preflight, llm_pretrain/preflight.py)."""
     trainer_state = read_trainer_state(path)
     if dist_checkpoint.is_layout_free(path):
         dist_checkpoint.load_state(path, model, optimizer, layout)

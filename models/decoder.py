@@ -145,7 +145,7 @@ class Attention(nn.Layer):
         else:
             self.num_kv_heads = config.num_key_value_heads // tp_degree
         bias = config.qkv_bias or config.linear_bias
-        if config.fuse_attention_qkv:  # (not with replicated kv: trainer.check_model_fits_layout)
+        if config.fuse_attention_qkv:  # (not with replicated kv: layout.check_model_fits_layout)
             self.qkv_proj = pl.column_linear(config, config.hidden_size, q_size + 2 * kv_size, bias,
                                              parts=(q_size, kv_size, kv_size))
         else:

@@ -4,7 +4,7 @@
 
 1. Trains llama-real (hidden 1024) on CPU processes in every layout of tests/planner_runs.py and
    compares Paddle's host-allocator peak (train_log.jsonl peak_mem_allocated_mb, max over ranks)
-   with `llm_pretrain.planner.estimate(..., "cpu")`.
+   with `llm_pretrain.planner.estimate.estimate(..., "cpu")`.
 2. Reproduces the ten rows of the Megatron-LM paper's Table 1 (per-GPU TFLOP/s) with the GPU
    speed model; --calibrate also refits its two efficiency constants (a few minutes) and prints them.
 """
