@@ -4,7 +4,9 @@ With TWO kv heads of 8 q heads under tp4 + sequence parallelism (one 4-process l
 mechanism probes, tests/workers/mechanism_runs.py), ranks 0-1 must attend with kv head 0 and ranks
 2-3 with kv head 1: the run trains exactly like one process (loss, grad norm, final weights within
 1e-5), and each rank's attention takes the v columns of the kv head its first q head belongs to
-(rank r with q heads [a..b] uses kv head a // (8 / 2)), found by comparing values. With one kv head
+(rank r with q heads [a..b] uses kv head a // (8 / 2)), found by comparing values. The same
+launch trains Baichuan's tiny ALiBi preset (4 heads, one per rank) like one process: each rank's
+bias takes its own head's slope. With one kv head
 (below) every rank's head is head 0, so only this case notices a rank keeping the wrong head.
 pp2 x tp4 (8 processes) is not run: on the 2 CPU cores of the test machine one 8-process launch
 takes minutes; the pipeline does not touch the head choice (each stage builds the same Attention).
@@ -73,22 +75,32 @@ def test_fused_qkv_with_replicated_kv_is_a_usage_error(heads, kv_heads, tp):
     check_model_fits_layout(_config(heads, tp, fuse_attention_qkv=True), Layout(tensor_parallel_degree=tp))
 
 
-def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_kv_head(embedded_corpus, tmp_path):
-    model_dir = write_json(tmp_path / "llama-tiny-gqa2" / "config.json", TINY_GQA2).parent
-    args_file = write_json(tmp_path / "gqa2.json", base_arguments(embedded_corpus, tmp_path,
-                                                                  model_name_or_path=str(model_dir),
-                                                                  num_hidden_layers=2))
-    single, tp4_sp = tmp_path / "runs" / "single", tmp_path / "runs" / "tp4_sp"
-    run_single([argv(args_file, single)], tmp_path, "single")
-    spec = [{"name": "tp4_sp", "argv": argv(args_file, tp4_sp, tensor_parallel_degree=4, sequence_parallel=True)}]
-    runs_file = write_json(tmp_path / "tp4.runs.json", spec)
-    ranks = launch(MECHANISM_WORKER, 4, [str(runs_file)], log_dir=tmp_path / "tp4.log", timeout=900).check().results()
+@pytest.fixture(scope="module")
+def tp4_sp(embedded_corpus, tmp_path_factory):
+    """One process, then ONE 4-process launch (tp4 + SP, through the mechanism probes): the LLaMA with
+    2 kv heads of 8 q heads, and Baichuan's tiny preset (4 ALiBi heads, one per rank) on 2 layers.
+    Returns (work dir, {rank: {run name: observations}})."""
+    work = tmp_path_factory.mktemp("tp4")
+    model_dir = write_json(work / "llama-tiny-gqa2" / "config.json", TINY_GQA2).parent
+    files = {name: write_json(work / f"{name}.json", base_arguments(embedded_corpus, work, model_name_or_path=model,
+                                                                    num_hidden_layers=2))
+             for name, model in (("gqa2", str(model_dir)), ("alibi", "baichuan-tiny"))}
+    run_single([argv(file, work / "single" / name) for name, file in files.items()], work, "single")
+    spec = [{"name": name, "argv": argv(file, work / "tp4_sp" / name, tensor_parallel_degree=4, sequence_parallel=True)}
+            for name, file in files.items()]
+    runs_file = write_json(work / "tp4.runs.json", spec)
+    ranks = launch(MECHANISM_WORKER, 4, [str(runs_file)], log_dir=work / "tp4.log", timeout=900).check().results()
+    return work, ranks
 
-    print(f"tp4_sp vs single process: {assert_same_training(single, tp4_sp)}")
-    _check_replicas_identical(tp4_sp / "checkpoint-5", kv_width=2 * 16)
+
+def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_kv_head(tp4_sp):
+    work, ranks = tp4_sp
+    single, run = work / "single" / "gqa2", work / "tp4_sp" / "gqa2"
+    print(f"tp4_sp vs single process: {assert_same_training(single, run)}")
+    _check_replicas_identical(run / "checkpoint-5", kv_width=2 * 16)
     group = TINY_GQA2["num_attention_heads"] // TINY_GQA2["num_key_value_heads"]
     for rank, observed in ranks.items():
-        layers = observed["tp4_sp"]["kv_heads"]
+        layers = observed["gqa2"]["kv_heads"]
         assert sorted(layers) == ["0", "1"], f"rank {rank}: replicated kv heads not seen: {layers}"
         for layer, seen in layers.items():
             first_q_head = seen["q_heads"][0]
@@ -96,8 +108,16 @@ def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_k
             assert seen["kv_heads_used"] == [first_q_head // group], \
                 f"rank {rank} layer {layer}: q heads {seen['q_heads']} attend with kv head(s) " \
                 f"{seen['kv_heads_used']}, expected {first_q_head // group}"
-    built = run_record(tp4_sp)["built"]
+    built = run_record(run)["built"]
     assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 4
+
+
+def test_tp4_sp_alibi_takes_each_ranks_slopes(tp4_sp):
+    """One ALiBi head per rank: each rank's bias must use its own head's slope (models/decoder.py
+    Attention: the slopes of the rank's heads), or the rank's attention differs from one process's."""
+    work, ranks = tp4_sp
+    print(f"alibi tp4_sp vs single process: {assert_same_training(work / 'single' / 'alibi', work / 'tp4_sp' / 'alibi')}")
+    assert all(not observed["alibi"]["kv_heads"] for observed in ranks.values())  # 4 kv heads: split, not replicated
 
 
 def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, tmp_path):
