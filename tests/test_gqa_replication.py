@@ -96,8 +96,6 @@ def tp4_sp(embedded_corpus, tmp_path_factory):
 def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_kv_head(tp4_sp):
     work, ranks = tp4_sp
     single, run = work / "single" / "gqa2", work / "tp4_sp" / "gqa2"
-    print(f"tp4_sp vs single process: {assert_same_training(single, run)}")
-    _check_replicas_identical(run / "checkpoint-5", kv_width=2 * 16)
     group = TINY_GQA2["num_attention_heads"] // TINY_GQA2["num_key_value_heads"]
     for rank, observed in ranks.items():
         layers = observed["gqa2"]["kv_heads"]
@@ -110,6 +108,8 @@ def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_k
                 f"{seen['kv_heads_used']}, expected {first_q_head // group}"
     built = run_record(run)["built"]
     assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 4
+    print(f"tp4_sp vs single process: {assert_same_training(single, run)}")
+    _check_replicas_identical(run / "checkpoint-5", kv_width=2 * 16)
 
 
 def test_tp4_sp_alibi_takes_each_ranks_slopes(tp4_sp):
