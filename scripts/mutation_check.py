@@ -12,8 +12,9 @@ with pytest. "caught" means they failed; "missed" means they passed with the fea
 a README mark is not proven. First the same tests run on the unmutated copy ("baseline"):
 a mutation counts only if they pass without it.
 
-Not part of the default test command: it runs each test file several times (~30 minutes on
-2 cores). The last result is in benchmarks/mutation_check.md.
+Not part of the default test command: it runs each test file several times (~45 minutes on
+2 cores; test_real_size for stage3_grad_norm_local alone about 6). The last result is in
+benchmarks/mutation_check.md.
 """
 
 from __future__ import annotations

@@ -2,14 +2,13 @@
 
 With TWO kv heads of 8 q heads under tp4 + sequence parallelism (one 4-process launch through the
 mechanism probes, tests/workers/mechanism_runs.py), ranks 0-1 must attend with kv head 0 and ranks
-2-3 with kv head 1: the run trains exactly like one process (loss, grad norm, final weights within
-1e-5), and each rank's attention takes the v columns of the kv head its first q head belongs to
-(rank r with q heads [a..b] uses kv head a // (8 / 2)), found by comparing values. The same
-launch trains Baichuan's tiny ALiBi preset (4 heads, one per rank) like one process: each rank's
-bias takes its own head's slope. With one kv head
-(below) every rank's head is head 0, so only this case notices a rank keeping the wrong head.
-pp2 x tp4 (8 processes) is not run: on the 2 CPU cores of the test machine one 8-process launch
-takes minutes; the pipeline does not touch the head choice (each stage builds the same Attention).
+2-3 with kv head 1: each rank's attention is seen to take the v columns of the kv head its first q
+head belongs to (rank r with q heads [a..b] uses kv head a // (8 / 2); found by comparing values),
+and the run trains exactly like one process (loss, grad norm, final weights within 1e-5). With one
+kv head (below) every rank's head is head 0, so only this case notices a rank keeping the wrong
+head. The same launch trains Baichuan's tiny ALiBi preset (4 heads, one per rank) like one
+process: each rank's bias takes its own head's slope.
+pp2 x tp4 is not part of the suite: 8 processes on the test machine's 2 cores (PP_TP4_NOTE).
 
 A LLaMA with 4 query heads and ONE kv head trains under tp2 and tp2 + sequence parallelism,
 and a Qwen of that shape (q/k/v biases) under tp2 -- one 2-process launch -- exactly like one
