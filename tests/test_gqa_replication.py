@@ -8,7 +8,8 @@ and the run trains exactly like one process (loss, grad norm, final weights with
 kv head (below) every rank's head is head 0, so only this case notices a rank keeping the wrong
 head. The same launch trains Baichuan's tiny ALiBi preset (4 heads, one per rank) like one
 process: each rank's bias takes its own head's slope.
-pp2 x tp4 is not part of the suite: 8 processes on the test machine's 2 cores (PP_TP4_NOTE).
+The same LLaMA also trains under pp2 x tp4 + SP (8 processes, about 35 s on 2 cores) like one
+process, each rank of both stages keeping its q heads' kv head.
 
 A LLaMA with 4 query heads and ONE kv head trains under tp2 and tp2 + sequence parallelism,
 and a Qwen of that shape (q/k/v biases) under tp2 -- one 2-process launch -- exactly like one
@@ -109,6 +110,28 @@ def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_k
     assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 4
     print(f"tp4_sp vs single process: {assert_same_training(single, run)}")
     _check_replicas_identical(run / "checkpoint-5", kv_width=2 * 16)
+
+
+def test_pp2_tp4_sp_with_two_kv_heads_trains_like_one_process(tp4_sp):
+    """The pipeline builds each stage's decoder layers from the same Attention: under pp2 x tp4 the
+    ranks of both stages keep their q heads' kv head, and the run equals one process."""
+    work, _ = tp4_sp
+    run = work / "pp2tp4_sp" / "gqa2"
+    spec = [{"name": "gqa2", "argv": argv(work / "gqa2.json", run, pipeline_parallel_degree=2, tensor_parallel_degree=4,
+                                          sequence_parallel=True)}]
+    runs_file = write_json(work / "pp2tp4.runs.json", spec)
+    ranks = launch(MECHANISM_WORKER, 8, [str(runs_file)], log_dir=work / "pp2tp4.log", timeout=900).check().results()
+    group = TINY_GQA2["num_attention_heads"] // TINY_GQA2["num_key_value_heads"]
+    layers_seen = set()
+    for rank, observed in ranks.items():
+        for layer, seen in observed["gqa2"]["kv_heads"].items():
+            layers_seen.add(layer)
+            tp_rank = seen["tp_rank"]
+            assert seen["q_heads"] == [2 * tp_rank, 2 * tp_rank + 1], seen
+            assert seen["kv_heads_used"] == [seen["q_heads"][0] // group], f"rank {rank} layer {layer}: {seen}"
+    assert layers_seen == {"0", "1"}, layers_seen  # one decoder layer per stage, both seen
+    assert run_record(run)["layout"]["pipeline_parallel_degree"] == 2
+    print(f"pp2tp4_sp vs single process: {assert_same_training(work / 'single' / 'gqa2', run)}")
 
 
 def test_tp4_sp_alibi_takes_each_ranks_slopes(tp4_sp):
