@@ -12,8 +12,9 @@ with pytest. "caught" means they failed; "missed" means they passed with the fea
 a README mark is not proven. First the same tests run on the unmutated copy ("baseline"):
 a mutation counts only if they pass without it.
 
-Not part of the default test command: it runs each test file several times (~30 minutes on
-2 cores). The last result is in benchmarks/mutation_check.md.
+Not part of the default test command: it runs each test file several times (~45 minutes on
+2 cores; test_real_size for stage3_grad_norm_local alone about 6). The last result is in
+benchmarks/mutation_check.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ DP2 = f"{MECHANISMS}::test_data_parallel_syncs_once_per_step_and_recompute_under
 SD2 = f"{MECHANISMS}::test_sharding_stages_and_recompute_under_sd2"
 PP4 = f"{MECHANISMS}::test_pipeline_schedules_and_recompute_under_pp4"
 LR = "tests/test_lr_schedule.py"
+TP4 = "tests/test_gqa_replication.py::test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_kv_head"
+TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_slopes"
+ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
+                "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
+TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 
 
 @dataclass
@@ -86,6 +92,42 @@ MUTATIONS = [
     Mutation("warmup_ratio_rounded", "warmup_ratio x max_steps rounded down (PaddleNLP does not round)",
              "llm_pretrain/arguments.py", "return self.warmup_ratio * self.max_steps",
              "return int(self.warmup_ratio * self.max_steps)", (LR,)),
+    # issue 28: what the suite missed, or caught only by chance
+    Mutation("kv_head_0", "with fewer kv heads than tensor-parallel ranks, every rank keeps kv head 0 instead of "
+             "the one its q heads share", "models/decoder.py",
+             "self.kv_head = tp_rank // (tp_degree // config.num_key_value_heads)", "self.kv_head = 0", (TP4,)),
+    Mutation("accumulation_division_dropped", "each micro-batch's loss not divided by the number of micro-batches "
+             "before backward", "llm_pretrain/trainer.py", "precision.backward(loss / len(micro_batches))",
+             "precision.backward(loss)", ACCUMULATION),
+    Mutation("tokens_global_per_card", "tokens/card/sec reports the global tokens per second (not divided by the "
+             "cards)", "llm_pretrain/metrics.py",
+             "self.global_tokens_per_step * steps / self.layout.world_size / self._time",
+             "self.global_tokens_per_step * steps / self._time", (TOKENS_PER_CARD,)),
+    # issue 28: five more mechanisms no test named
+    Mutation("sp_gather_seq_major", "sequence parallelism's gather reads the tokens sequence-major ([seq, batch]) "
+             "instead of batch-major as they were split", "models/parallel_layers.py",
+             "return GatherOp.apply(hidden).reshape([-1, config.seq_length, hidden.shape[-1]])",
+             "return GatherOp.apply(hidden).reshape([config.seq_length, -1, hidden.shape[-1]]).transpose([1, 0, 2])",
+             (TP4,)),
+    Mutation("batch_offset_per_replica", "each data replica scales the global batch's first sample by the replica "
+             "count (the samples change with the data-parallel degree)", "llm_pretrain/trainer.py",
+             "start = first_sample + self.data_replica_rank * per_replica",
+             "start = first_sample * self.data_replicas + self.data_replica_rank * per_replica",
+             ("tests/test_training.py::test_global_batches_read_the_same_samples_at_any_data_parallel_degree",)),
+    Mutation("alibi_slopes_rank0", "every tensor-parallel rank takes the ALiBi slopes of rank 0's heads",
+             "models/decoder.py", "local = slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]",
+             "local = slopes[:self.num_heads]", (TP4_ALIBI,)),
+    Mutation("eval_offset_one_late", "the k-th evaluation reads the (k+1)-th run of eval_iters batches of the "
+             "validation split", "llm_pretrain/trainer.py",
+             "return max(step // args.effective_eval_steps - 1, 0) * args.eval_iters",
+             "return max(step // args.effective_eval_steps, 0) * args.eval_iters",
+             ("tests/test_paddlenlp_files.py::test_eval_and_test_sample_counts_are_paddlenlp_run_pretrains",)),
+    # (stage 2's clip is fleet's HybridParallelClipGrad, and a tiny model has no sliced parameter:
+    # only stage 3 at real size, parameters above 2**20 elements, takes this path)
+    Mutation("stage3_grad_norm_local", "stage 3: the logged grad norm's part from sliced parameters not summed "
+             "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
+             "dist.all_reduce(sliced, group=clip._group)", "pass",
+             ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
 ]
 
 

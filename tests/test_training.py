@@ -106,3 +106,26 @@ def test_empty_data_is_a_one_line_error(embedded_corpus, tmp_path):
         assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
         assert "input_dir" in result.stderr and str(input_dir) in result.stderr and expected in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("replicas, accumulation", [(2, 2), (4, 1), (2, 1)])
+def test_global_batches_read_the_same_samples_at_any_data_parallel_degree(replicas, accumulation):
+    """Step k reads samples [k x G, (k + 1) x G) of the split (G the global batch), whatever the
+    data-parallel degree, replica r the r-th contiguous slice, micro-batches in order: so a run
+    resumed under another data-parallel degree (tests/test_resume_any_layout.py) goes on with the
+    samples the first part would have read, in the same order as one process."""
+    from llm_pretrain.trainer import BatchPlan
+
+    dataset = [np.full(5, i) for i in range(64)]  # sample i holds tokens i
+    one = BatchPlan(micro_batch_size=2, accumulation_steps=4, data_replicas=1, data_replica_rank=0)
+    micro = one.global_batch_size // (replicas * accumulation)
+    plans = [BatchPlan(micro, accumulation, replicas, rank) for rank in range(replicas)]
+    assert all(plan.global_batch_size == one.global_batch_size for plan in plans)
+    for step in range(3):
+        first = step * one.global_batch_size
+        expected = list(range(first, first + one.global_batch_size))
+        read = [int(s) for plan in plans for s in plan.host_batch(dataset, first, vocab_size=64)[:, 0]]
+        assert read == expected, f"step {step + 1} under {replicas} replicas reads {read}, one process {expected}"
+        micro_batches = plans[-1].micro_batches(dataset, first, vocab_size=64)
+        assert [b[0].numpy()[:, 0].tolist() for b in micro_batches] == \
+            [expected[-micro * accumulation:][i * micro:(i + 1) * micro] for i in range(accumulation)]

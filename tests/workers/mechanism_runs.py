@@ -13,6 +13,9 @@ Before the runs, this worker wraps (counting, then calling the original):
     CausalLM.forward and the optimizer's step
                        a fingerprint of one gradient before every micro-batch and at the step: data
                        parallelism must leave gradients local until the last micro-batch
+    Attention.project_qkv (replicated kv heads, fewer kv heads than tensor-parallel ranks)
+                       which kv head's columns of the whole v projection each rank's attention
+                       takes, and which q heads it has: each rank must keep the head its q heads share
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
@@ -42,7 +45,7 @@ probe: dict = {}
 def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
-                 grad_fingerprints=[], built=None)
+                 grad_fingerprints=[], built=None, kv_heads={})
 
 
 def counting(owner, method):
@@ -73,6 +76,34 @@ def watch_sp_hooks():
         return counted_hook
 
     sequence_parallel_utils.create_non_fused_allreduce_gradient_hook = create
+
+
+def watch_kv_heads():
+    """Per decoder layer (first training forward): the q heads this rank holds and the kv head whose
+    columns of the whole v projection (all kv heads, computed on every rank) it attends with, found
+    by comparing the values, not by reading Attention.kv_head."""
+    from models.parallel_layers import tensor_parallel_rank_and_degree
+
+    original = Attention.project_qkv
+
+    def project_qkv(self, hidden):
+        if not (self.training and getattr(self, "replicated_kv", False)) or self.layer_index in probe["kv_heads"]:
+            return original(self, hidden)
+        whole = []
+        handle = self.v_proj.register_forward_post_hook(lambda layer, inputs, output: whole.append(output))
+        try:
+            q, k, v = original(self, hidden)
+        finally:
+            handle.remove()
+        d, kv_heads = self.config.head_dim, self.config.num_key_value_heads
+        every_head = whole[0].numpy().reshape([-1, v.shape[1], kv_heads, d])
+        used = [j for j in range(kv_heads) if np.array_equal(every_head[:, :, j], v.numpy()[:, :, 0])]
+        rank, _ = tensor_parallel_rank_and_degree(self.config)
+        probe["kv_heads"][self.layer_index] = {"q_heads": [rank * self.num_heads, (rank + 1) * self.num_heads - 1],
+                                               "kv_heads_used": used, "tp_rank": rank}
+        return q, k, v
+
+    Attention.project_qkv = project_qkv
 
 
 def grad_fingerprint(model) -> float | None:
@@ -154,6 +185,7 @@ def observations() -> dict:
         "stage3": stage3_slices(model),
         "model_classes": run_record._class_names(run_record.model_chain(model)),
         "optimizer_classes": run_record._class_names(run_record.optimizer_chain(optimizer)),
+        "kv_heads": {str(k): v for k, v in probe["kv_heads"].items()},
         "peak_allocated": core.host_memory_stat_peak_value("Allocated", 0) - probe["allocated_before"],
     }
 
@@ -195,6 +227,7 @@ if __name__ == "__main__":
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
     watch_sp_hooks()
+    watch_kv_heads()
     watch_data_parallel()
     catch_built_run()
     with open(sys.argv[1]) as f:
