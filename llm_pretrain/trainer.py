@@ -180,6 +180,9 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     if args.skip_nan_inf_steps and layout.pipeline_parallel_degree > 1:
         raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
                          "applies the optimizer step before the loss and gradient norm can be checked)")
+    if args.last_save_in_hf:  # the family must have a Hugging Face class that can express the model
+        from llm_pretrain.hf_export import check_exportable
+        check_exportable(config)
     if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
         raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
     need, have = activation_floor_bytes(args, config, layout, device), device_memory_bytes(device)
@@ -706,6 +709,10 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
         if args.check_replicas_interval and step % args.check_replicas_interval == 0 and step < args.max_steps:
             replicas = check_replicas(unwrapped_model, optimizer, layout, step)
             replica_checks += 1
+
+    if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
+        from llm_pretrain.hf_export import export_final_checkpoint  # the checkpoint saved just above
+        metrics.say(export_final_checkpoint(args.output_dir, step))
 
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
