@@ -148,6 +148,11 @@ def test_bfloat16_export_rounds_like_paddle(tmp_path):
     bits = np.frombuffer(raw[8 + length + begin:8 + length + end], dtype=np.uint16)
     expected = paddle.to_tensor(model.norm.weight.numpy()).astype("bfloat16").view("uint16").numpy()  # Paddle's cast
     assert np.array_equal(bits, expected)
+    # Import widens bfloat16 to float32 exactly: the weights are the checkpoint's, rounded as Paddle rounds.
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = paddle.load(str(tmp_path / "back" / "model_state.pdparams"), return_numpy=True)
+    for name, param in model.canonical_named_parameters():
+        assert np.array_equal(back[name], param.astype("bfloat16").astype("float32").numpy()), name
 
 
 def test_export_reads_one_tensor_at_a_time(tmp_path):
