@@ -404,7 +404,8 @@ def main(argv=None) -> int:
     remote = " (the model repository's own code: trust_remote_code)" if result["remote_code"] else ""
     print(f"{result['out_dir']}: {result['class']}{remote}, {result['parameters']:,} parameters in "
           f"{result['tensors']} tensors, {len([f for f in result['files'] if f.endswith('.safetensors')])} "
-          f"safetensors file(s), {result['seconds']:.1f} s", flush=True)
+          f"safetensors file(s), {result['seconds']:.1f} s; tokenizer: "
+          f"{result['tokenizer'] or 'none copied (the run named no local tokenizer found from here)'}", flush=True)
     return 0
 
 

@@ -710,16 +710,16 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             replicas = check_replicas(unwrapped_model, optimizer, layout, step)
             replica_checks += 1
 
-    if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
-        from llm_pretrain.hf_export import export_final_checkpoint  # the checkpoint saved just above
-        metrics.say(export_final_checkpoint(args.output_dir, step))
-
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
         replicas = {**check_replicas(unwrapped_model, optimizer, layout, step), "checks": replica_checks + 1}
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
+    if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
+        # After every collective (other ranks need not wait): the final checkpoint, saved in the loop.
+        from llm_pretrain.hf_export import export_final_checkpoint
+        metrics.say(export_final_checkpoint(args.output_dir, step))
     return metrics.finish(**({"replica_check": replicas} if replicas else {}))
 
 

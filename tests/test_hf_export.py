@@ -260,3 +260,16 @@ def test_script_and_last_save_in_hf_then_training_continues(embedded_corpus, tmp
     assert [r["loss"] for r in from_import] == [r["loss"] for r in from_checkpoint] and len(from_import) == 2
     first = train_records(tmp_path / "first")
     assert from_import[0]["loss"] < first[0]["loss"]  # it did continue from the trained weights
+
+
+def test_import_bloom_saved_without_prefix(tmp_path):
+    """bigscience's published Bloom files were saved from BloomModel: no "transformer." in the names."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = random_checkpoint(tmp_path, ARCHITECTURES["bloom-tiny"])
+    export_hf(path, str(tmp_path / "hf"))
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    save_file({k[len("transformer."):]: v for k, v in state.items()}, str(tmp_path / "hf" / "model.safetensors"))
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = paddle.load(str(tmp_path / "back" / "model_state.pdparams"), return_numpy=True)
+    assert all(np.array_equal(back[name], value) for name, value in ckpt.merge_checkpoint(path).items())

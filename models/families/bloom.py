@@ -62,17 +62,18 @@ def bloom_table() -> list:
     ]
 
 
-def hf_bloom_table() -> list:
+def hf_bloom_table(prefix: str = "transformer.") -> list:
     """Hugging Face BloomForCausalLM: PaddleNLP's names under "transformer.", PyTorch's [out, in] matrices
-    (query_key_value per head [heads, 3, head_dim] along the output axis, as PaddleNLP's), tied head."""
-    p = "transformer.h.{i}."
+    (query_key_value per head [heads, 3, head_dim] along the output axis, as PaddleNLP's), tied head.
+    (bigscience's published files were saved from BloomModel: the same names without "transformer.".)"""
+    p = prefix + "h.{i}."
 
     def linear(theirs: str, ours: str) -> list:
         return [R(f"{theirs}.weight", f"{ours}.weight", "transpose"), R(f"{theirs}.bias", f"{ours}.bias")]
 
     return [
-        R("transformer.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-        *weight_and_bias("transformer.word_embeddings_layernorm", "embeddings.word_embeddings_layernorm"),
+        R(prefix + "word_embeddings.weight", "embeddings.word_embeddings.weight"),
+        *weight_and_bias(prefix + "word_embeddings_layernorm", "embeddings.word_embeddings_layernorm"),
         *weight_and_bias(p + "input_layernorm", INPUT_NORM),
         R(p + "self_attention.query_key_value.weight", QKV_WEIGHTS, "per_head_transpose"),
         R(p + "self_attention.query_key_value.bias", QKV_BIASES, "per_head"),
@@ -80,13 +81,15 @@ def hf_bloom_table() -> list:
         *weight_and_bias(p + "post_attention_layernorm", POST_ATTENTION_NORM),
         *linear(p + "mlp.dense_h_to_4h", _mlp("up_proj")),
         *linear(p + "mlp.dense_4h_to_h", _mlp("down_proj")),
-        *weight_and_bias("transformer.ln_f", "norm"),
+        *weight_and_bias(prefix + "ln_f", "norm"),
     ]
 
 
 def import_table(raw: dict, config, names=()) -> list:
     if any(n.startswith("transformer.") for n in names):  # Hugging Face's BloomForCausalLM
         return hf_bloom_table()
+    if "word_embeddings.weight" in names:  # Hugging Face's, saved from BloomModel (bigscience/bloom*)
+        return hf_bloom_table("")
     return bloom_table()
 
 
