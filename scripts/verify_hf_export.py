@@ -6,9 +6,9 @@ For every exported family's tiny preset (random weights, every parameter non-tri
 checkpoint written by llm_pretrain.checkpoint -> llm_pretrain.hf_export -> loaded by
 
   * Hugging Face transformers with torch on CPU (the reference client), in its own venv (created
-    here with pip: torch's CPU wheel and transformers; they are not in the test requirements,
-    since PyPI's default torch wheel pulls several GB of CUDA libraries), through
-    scripts/hf_client_logits.py;
+    here with pip: torch's CPU wheel where pip finds one, else the default torch, and transformers;
+    they are not in the test requirements: the default torch wheel pulls 5.6 GB of CUDA packages
+    that `import torch` cannot do without), through scripts/hf_client_logits.py;
   * PaddleNLP 2.8.1's own Hugging Face conversion, `from_pretrained(dir, convert_from_torch=True)`
     (paddlenlp/transformers/model_utils.py: reads model.safetensors or the sharded index with its own
     deserializer, renames and transposes by the class's _get_name_mappings), for the classes 2.8.1
@@ -38,7 +38,10 @@ import numpy as np  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-4
 BATCH, SEQ = 2, 24
-CLIENT_PACKAGES = ("torch", "transformers", "safetensors", "numpy")
+CLIENT_PACKAGES = ("transformers", "safetensors", "numpy")
+# torch's CPU wheel first (192 MB; this machine's pip finds it): the default torch on PyPI pulls 15 nvidia-*
+# CUDA packages and triton (a 5.6 GB venv, measured), and without them `import torch` fails (libcudnn.so.9).
+TORCH_CHOICES = ("torch==2.13.0+cpu", "torch")
 
 # (case, preset, changes to its config, how transformers loads it, PaddleNLP 2.8.1 class or None, shard bytes)
 CASES = [
@@ -59,7 +62,11 @@ def ensure_client_venv(venv: str) -> str:
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     probe = subprocess.run([python, "-c", "import torch, transformers, safetensors"], capture_output=True)
     if probe.returncode != 0:
-        subprocess.run([python, "-m", "pip", "install", "-q", *CLIENT_PACKAGES], check=True)
+        for torch in TORCH_CHOICES:
+            if subprocess.run([python, "-m", "pip", "install", "-q", torch, *CLIENT_PACKAGES]).returncode == 0:
+                break
+        else:
+            sys.exit("could not install torch and transformers into " + venv)
     return python
 
 
@@ -218,8 +225,12 @@ def write_report(rows: list[dict], out_file: str) -> None:
     lines += [
         "",
         "Notes:",
-        "- llama is exported sharded (`--max-shard-size` 100 kB: `model-0000N-of-0000M.safetensors` and",
-        "  `model.safetensors.index.json`); both clients read the index.",
+        "- The client venv: torch's CPU wheel (192 MB) and transformers from pip (about 30 s to install). PyPI's",
+        "  default torch (2.14.1+cu130 here) pulls 15 nvidia-* packages and triton (a 5.6 GB venv, measured), and",
+        "  `import torch` fails without them (libcudnn.so.9): hence a script with its own venv, not a test requirement.",
+        "- llama-sharded is exported sharded (`--max-shard-size` 100 kB: `model-0000N-of-0000M.safetensors` and",
+        "  `model.safetensors.index.json`). PaddleNLP 2.8.1's conversion of a sharded index fails inside PaddleNLP",
+        "  (\"The state dictionary of the model you are trying to load is corrupted\"): transformers verifies it.",
         "- PaddleNLP 2.8.1 `from_pretrained(..., convert_from_torch=True)` covers LlamaForCausalLM, GPT-2's names",
         "  (into GPTForCausalLM) and BloomForCausalLM; it has no Qwen2 class and no Llama 3.1 rope_scaling.",
         "- Baichuan's class is remote code (trust_remote_code; not shipped in transformers, not loadable offline).",
