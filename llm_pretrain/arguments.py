@@ -77,6 +77,11 @@ class Arguments:
     logging_steps: int = _key(500, "Log metrics every N optimizer steps.", minimum=1)
     save_steps: int = _key(500, "Save a checkpoint every N optimizer steps (0: never).", minimum=0)
     save_total_limit: Optional[int] = _key(None, "Keep only the newest N checkpoints.", minimum=1)
+    last_save_in_hf: bool = _key(
+        False, "After the final checkpoint, also export it as a Hugging Face model directory "
+        "(output_dir/checkpoint-N-hf: config.json + safetensors, llm_pretrain/hf_export.py; as torchtitan's "
+        "checkpoint.last_save_in_hf). Needs save_steps > 0 and a family with a Hugging Face class."
+    )
     disable_tqdm: Optional[bool] = _key(None, "No progress bar (default: a bar when stderr is a terminal).")
     exit_interval: Optional[int] = _key(
         None, "Save a checkpoint and stop after every N-th step; rerun the same command to resume "
@@ -425,6 +430,9 @@ def validate_arguments(args: Arguments) -> None:
         raise UsageError(
             f"min_learning_rate: {args.min_learning_rate} is larger than learning_rate {args.learning_rate}"
         )
+    if args.last_save_in_hf and args.do_train and not args.save_steps:
+        raise UsageError("last_save_in_hf: exports the final checkpoint, but save_steps 0 writes none; "
+                         "set save_steps > 0")
     if args.bf16 and args.fp16:
         raise UsageError("bf16 and fp16: choose one of them")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):

@@ -20,6 +20,7 @@ import numpy as np
 
 from llm_pretrain.errors import UsageError
 from models.config import ModelConfig
+from models.dtypes import bfloat16_bits_to_float32
 from models.paddlenlp_interop import export_table, from_paddlenlp_state, paddlenlp_config, to_paddlenlp_state
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -150,8 +151,28 @@ def _load_safetensors(file: str) -> dict:
         raise UsageError(f"{file}: reading safetensors needs the safetensors package")
     try:
         return load_file(file)
-    except Exception as e:  # e.g. bfloat16, which numpy cannot hold
-        raise UsageError(f"{file} could not be read with numpy: {e}")
+    except Exception as e:  # e.g. bfloat16, which numpy cannot hold: widened to float32 (exactly)
+        try:
+            return _load_safetensors_widening_bfloat16(file)
+        except Exception:
+            raise UsageError(f"{file} could not be read with numpy: {e}")
+
+
+def _load_safetensors_widening_bfloat16(file: str) -> dict:
+    """A safetensors file whose BF16 tensors become float32 (numpy has no bfloat16), read one tensor at a time."""
+    numpy_types = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16, "I64": np.int64,
+                   "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        state = {}
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            f.seek(8 + length + begin)
+            array = np.frombuffer(f.read(end - begin), dtype=numpy_types[entry["dtype"]]).reshape(entry["shape"])
+            state[name] = bfloat16_bits_to_float32(array) if entry["dtype"] == "BF16" else array.copy()
+    return state
 
 
 def _check_out_dir(out_dir: str, overwrite: bool) -> None:

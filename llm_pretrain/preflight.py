@@ -214,6 +214,9 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     if args.skip_nan_inf_steps and layout.pipeline_parallel_degree > 1:
         raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
                          "applies the optimizer step before the loss and gradient norm can be checked)")
+    if args.last_save_in_hf:  # the family must have a Hugging Face class that can express the model
+        from llm_pretrain.hf_export import check_exportable
+        check_exportable(config)
     if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
         raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
     if device != "gpu":

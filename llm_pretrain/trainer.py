@@ -467,6 +467,10 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
+    if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
+        # After every collective (other ranks need not wait): the final checkpoint, saved in the loop.
+        from llm_pretrain.hf_export import export_final_checkpoint
+        metrics.say(export_final_checkpoint(args.output_dir, step))
     return metrics.finish(**({"replica_check": replicas} if replicas else {}))
 
 

@@ -93,14 +93,14 @@ def _heads(config: ModelConfig) -> tuple[int, int, int]:
 def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray:
     """Our tensors -> theirs. Fused parts are along the last (output) axis of [in, out] / [out] tensors."""
     heads, kv_heads, d = _heads(config)
+    if join.endswith("_transpose"):
+        return _join(join[: -len("_transpose")], parts, config).T
     if join == "same":
         return parts[0]
     if join == "transpose":
         return parts[0].T
     if join == "concat":
         return np.concatenate(parts, axis=-1)
-    if join == "concat_transpose":
-        return np.concatenate(parts, axis=-1).T
     prefix = parts[0].shape[:-1]
     if join == "per_head":  # [..., h*d] x 3 -> [..., h, 3, d]
         q, k, v = (p.reshape(prefix + (heads, d)) for p in parts)
@@ -116,12 +116,13 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
 def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> list[np.ndarray]:
     """Theirs -> our tensors; `sizes` are the last-axis sizes of our parts (the inverse of _join)."""
     heads, kv_heads, d = _heads(config)
+    if join.endswith("_transpose"):
+        return _split(join[: -len("_transpose")], x.T, sizes, config)
     if join == "same":
         return [x]
     if join == "transpose":
         return [x.T]
-    if join in ("concat", "concat_transpose"):
-        x = x.T if join == "concat_transpose" else x
+    if join == "concat":
         return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
     prefix = x.shape[:-1]
     if join == "per_head":
@@ -229,7 +230,7 @@ def from_paddlenlp_state(config: ModelConfig, raw: dict, state: dict, source: st
         if rule.theirs not in theirs:
             raise UsageError(f"{source}: no tensor {rule.theirs!r}, which a {raw.get('model_type', 'llama')} model "
                              f"with this config.json needs")
-        sizes = [size(o) for o in rule.ours] if rule.join in ("concat", "concat_transpose") else []
+        sizes = [size(o) for o in rule.ours] if rule.join.startswith("concat") else []
         ours.update(zip(rule.ours, _split(rule.join, theirs[rule.theirs], sizes, config)))
     ours = fuse(config, ours)
     for name in [n for n in ours if n not in expected]:

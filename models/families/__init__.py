@@ -8,6 +8,7 @@ Everything that makes a family lives in models/families/<name>.py, which defines
     architectures       its registry entries: hub names with published sizes, tiny CPU presets
     model_types, read_config   which config.json files it reads, and how (models/registry.py)
     paddlenlp           the PaddleNLP/HF class: parameter-name tables, config.json, what it can express
+    hugging_face        the Hugging Face transformers class for export (names, config.json), or None
     reference_cases     the reference implementation the tests compare against
 
 A new dense family is one file here plus its name in FAMILY_MODULES; the registry, the weight
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-from models.families.base import Family, PaddleNLPClass, ReferenceCase
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase
 
 FAMILY_MODULES = ("llama", "baichuan", "qwen", "qwen2", "gpt3", "bloom")
 
@@ -48,5 +49,6 @@ def reference_cases() -> dict[str, ReferenceCase]:
     return {name: case for family in FAMILIES.values() for name, case in family.reference_cases.items()}
 
 
-__all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "PaddleNLPClass", "ReferenceCase", "family_for_model_type",
+__all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "HuggingFaceClass", "PaddleNLPClass", "ReferenceCase",
+           "family_for_model_type",
            "get_family", "reference_cases", "supported_model_types"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import ModelConfig
-from models.families.base import Family, ReferenceCase, reference_sizes, tiny_sizes
+from models.families.base import Family, HuggingFaceClass, ReferenceCase, reference_sizes, tiny_sizes
 from models.families.llama import LLAMA_CLASS, llama_style_table
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_WEIGHTS, R, _attn, _mlp
 
@@ -78,6 +78,33 @@ def hf_baichuan_table() -> list:
     ]
 
 
+def hf_baichuan_config(c) -> dict:
+    """config.json of Baichuan's own Hugging Face code (trust_remote_code; the model repositories' files).
+
+    The 13B models (ALiBi) give only model_max_length, the 7B ones (rotary) also max_position_embeddings:
+    that is how their code and read_config above tell them apart. "norm_head" is not a key of theirs
+    (Baichuan2's code always has its NormHead); it is kept for the way back."""
+    return dict(
+        architectures=["BaichuanForCausalLM"], model_type="baichuan",
+        auto_map={"AutoConfig": "configuration_baichuan.BaichuanConfig",
+                  "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads, hidden_act="silu",
+        model_max_length=c.max_position_embeddings,
+        **({} if c.position_embedding == "alibi" else {"max_position_embeddings": c.max_position_embeddings}),
+        initializer_range=c.initializer_range, rms_norm_eps=c.norm_eps, use_cache=True, tie_word_embeddings=False,
+        **({"norm_head": True} if c.norm_head else {}),
+    )
+
+
+def hf_check(c):
+    if c.num_key_value_heads != c.num_attention_heads:
+        return "grouped-query attention (Baichuan's W_pack holds q, k and v of equal width)"
+    if c.position_embedding == "rope" and (c.rope_theta != 10000.0 or c.rope_scaling):
+        return f"rope_theta {c.rope_theta} / rope_scaling (Baichuan's rotary code fixes the base at 10000)"
+    return None
+
+
 def import_table(raw: dict, config, names=()) -> list:
     # A "baichuan" config.json over weights in PaddleNLP's LLaMA names is PaddleNLP's own conversion.
     if any(n.startswith("llama.") for n in names):
@@ -100,5 +127,12 @@ FAMILY = Family(
     architectures=ARCHITECTURES, tiny="baichuan-tiny", model_types=("baichuan",), read_config=read_config,
     # Export: PaddleNLP's LlamaForCausalLM; import of model_type "baichuan": Hugging Face's W_pack layout
     paddlenlp=dataclasses.replace(LLAMA_CLASS, import_table=import_table),
+    # Export: Baichuan's own layout (W_pack); a NormHead is written normalized, as to PaddleNLP
+    hugging_face=HuggingFaceClass(
+        class_name="BaichuanForCausalLM", model_type="baichuan",
+        requires=dict(norm_type="rmsnorm", hidden_act="silu", position_embedding=("rope", "alibi"),
+                      linear_bias=False, qkv_bias=False, embedding_layernorm=False, tie_word_embeddings=False),
+        table=lambda config: hf_baichuan_table(), config_json=hf_baichuan_config, check=hf_check, remote_code=True,
+    ),
     reference_cases=REFERENCE_CASES, export_case=("baichuan13b_alibi", dict(norm_head=True)),  # ALiBi + NormHead
 )

@@ -31,6 +31,29 @@ class PaddleNLPClass:
 
 
 @dataclass(frozen=True)
+class HuggingFaceClass:
+    """The Hugging Face transformers class that computes what the family does (llm_pretrain/hf_export.py).
+
+    table(config): our canonical names -> Hugging Face's (models/paddlenlp_interop.Rule list; PyTorch
+    [out, in] matrices: "_transpose" joins). Import reads the same table back (the family's
+    paddlenlp.import_table recognizes Hugging Face's names).
+    config_json(config): config.json as transformers writes it, without torch_dtype and the token ids
+    (the exporter adds them).
+    requires / check: as PaddleNLPClass: what the class can express.
+    remote_code: the class is not in transformers but in the model repository's own code
+    (trust_remote_code; config.json "auto_map" names it).
+    """
+
+    class_name: str
+    model_type: str
+    requires: dict
+    table: Callable
+    config_json: Callable
+    check: Callable[[ModelConfig], Optional[str]] = lambda config: None
+    remote_code: bool = False
+
+
+@dataclass(frozen=True)
 class ReferenceCase:
     """A tiny model of the reference implementation the tests compare against (tests/test_reference_parity.py).
 
@@ -61,6 +84,7 @@ class Family:
     model_types: tuple              # config.json model_type values read as this family
     read_config: Callable           # (raw config.json, sizes in our names, source) -> sizes (may set "family")
     paddlenlp: PaddleNLPClass
+    hugging_face: Optional[HuggingFaceClass] = None  # None: no Hugging Face class (export refuses the family)
     reference_cases: dict = field(default_factory=dict)  # case name -> ReferenceCase
     export_case: tuple = ()         # (reference case, changes to its config) for the export tests
     required_keys: tuple = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -9,8 +9,8 @@ BloomConfig default and bloom-560m's config.json; seq_length 2048: bloomz-560m's
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
-    tiny_sizes, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, no_grouped_query, \
+    reference_sizes, tiny_sizes, unsupported
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
     weight_and_bias
 
@@ -62,6 +62,49 @@ def bloom_table() -> list:
     ]
 
 
+def hf_bloom_table(prefix: str = "transformer.") -> list:
+    """Hugging Face BloomForCausalLM: PaddleNLP's names under "transformer.", PyTorch's [out, in] matrices
+    (query_key_value per head [heads, 3, head_dim] along the output axis, as PaddleNLP's), tied head.
+    (bigscience's published files were saved from BloomModel: the same names without "transformer.".)"""
+    p = prefix + "h.{i}."
+
+    def linear(theirs: str, ours: str) -> list:
+        return [R(f"{theirs}.weight", f"{ours}.weight", "transpose"), R(f"{theirs}.bias", f"{ours}.bias")]
+
+    return [
+        R(prefix + "word_embeddings.weight", "embeddings.word_embeddings.weight"),
+        *weight_and_bias(prefix + "word_embeddings_layernorm", "embeddings.word_embeddings_layernorm"),
+        *weight_and_bias(p + "input_layernorm", INPUT_NORM),
+        R(p + "self_attention.query_key_value.weight", QKV_WEIGHTS, "per_head_transpose"),
+        R(p + "self_attention.query_key_value.bias", QKV_BIASES, "per_head"),
+        *linear(p + "self_attention.dense", _attn("o_proj")),
+        *weight_and_bias(p + "post_attention_layernorm", POST_ATTENTION_NORM),
+        *linear(p + "mlp.dense_h_to_4h", _mlp("up_proj")),
+        *linear(p + "mlp.dense_4h_to_h", _mlp("down_proj")),
+        *weight_and_bias(prefix + "ln_f", "norm"),
+    ]
+
+
+def import_table(raw: dict, config, names=()) -> list:
+    if any(n.startswith("transformer.") for n in names):  # Hugging Face's BloomForCausalLM
+        return hf_bloom_table()
+    if "word_embeddings.weight" in names:  # Hugging Face's, saved from BloomModel (bigscience/bloom*)
+        return hf_bloom_table("")
+    return bloom_table()
+
+
+def hf_config_json(c) -> dict:
+    """config.json of transformers' BloomForCausalLM (BloomConfig.to_dict's keys)."""
+    return dict(
+        architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, layer_norm_epsilon=c.norm_eps,
+        initializer_range=c.initializer_range, use_cache=True, apply_residual_connection_post_layernorm=False,
+        hidden_dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob, pretraining_tp=1,
+        slow_but_exact=False, tie_word_embeddings=True,
+        seq_length=c.max_position_embeddings,  # not read by transformers (ALiBi); bloomz's key, kept for the way back
+    )
+
+
 def config_json(c) -> dict:
     return dict(
         architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -88,8 +131,13 @@ FAMILY = Family(
         class_name="BloomForCausalLM", model_type="bloom",
         requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="alibi", linear_bias=True,
                       tie_word_embeddings=True, embedding_layernorm=True),
-        export_table=lambda config: bloom_table(), import_table=lambda raw, config, names=(): bloom_table(),
-        config_json=config_json, check=check,
+        export_table=lambda config: bloom_table(), import_table=import_table, config_json=config_json, check=check,
+    ),
+    hugging_face=HuggingFaceClass(
+        class_name="BloomForCausalLM", model_type="bloom",
+        requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="alibi", linear_bias=True,
+                      tie_word_embeddings=True, embedding_layernorm=True, norm_head=False),
+        table=lambda config: hf_bloom_table(), config_json=hf_config_json, check=check,
     ),
     reference_cases={"bloom": ReferenceCase(
         "BloomForCausalLM", "BloomConfig",

@@ -19,8 +19,8 @@ only the weights URL of gpt2-medium-en, no config).
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, no_grouped_query, reference_sizes, \
-    tiny_sizes, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, no_grouped_query, \
+    reference_sizes, tiny_sizes, unsupported
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp, \
     weight_and_bias
 
@@ -148,6 +148,30 @@ def config_json(c) -> dict:
     )
 
 
+def hf_gpt2_config(c) -> dict:
+    """config.json of transformers' GPT2LMHeadModel (GPT2Config.to_dict's keys): GPT-3 is GPT-2's layout."""
+    return dict(
+        architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
+        n_ctx=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads, n_inner=c.intermediate_size, activation_function="gelu_new",
+        resid_pdrop=c.hidden_dropout_prob, embd_pdrop=c.hidden_dropout_prob,
+        attn_pdrop=c.attention_probs_dropout_prob, layer_norm_epsilon=c.norm_eps,
+        initializer_range=c.initializer_range, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False, use_cache=True, tie_word_embeddings=True,
+    )
+
+
+# GPT-2's layout holds a GPT-3 of this family exactly: pre-norm LayerNorm, learned positions, tanh GELU
+# ("gelu_new"), biases everywhere, a tied head, any n_inner. It cannot hold grouped-query attention, an
+# untied head, or rotary / ALiBi positions (GPT-NeoX-style models): those are refused.
+HF_GPT2_CLASS = HuggingFaceClass(
+    class_name="GPT2LMHeadModel", model_type="gpt2",
+    requires=dict(norm_type="layernorm", hidden_act="gelu_tanh", position_embedding="learned", linear_bias=True,
+                  tie_word_embeddings=True, embedding_layernorm=False, norm_head=False),
+    table=lambda c: hf_gpt2_table("transformer."), config_json=hf_gpt2_config, check=no_grouped_query,
+)
+
+
 def _reference_kwargs(**extra):
     return dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -165,6 +189,7 @@ FAMILY = Family(
         import_table=import_table,
         config_json=config_json, check=no_grouped_query,
     ),
+    hugging_face=HF_GPT2_CLASS,
     reference_cases={
         "gpt3": ReferenceCase("GPTForCausalLM", "GPTConfig", _reference_kwargs(),
                               _config(**reference_sizes(inner=256))),

@@ -27,7 +27,8 @@ Where each preset was checked (verbatim copies of the published files;
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
+    unsupported
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu")
@@ -204,6 +205,30 @@ LLAMA_CLASS = PaddleNLPClass(
 )
 
 
+# ----------------------------------------------------------------------------- Hugging Face (export)
+def hf_llama_config(c, architecture="LlamaForCausalLM", model_type="llama") -> dict:
+    """config.json of transformers' LlamaForCausalLM (LlamaConfig.to_dict's keys, Llama 3.1's rope_scaling)."""
+    return dict(
+        architectures=[architecture], model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        hidden_act="silu", max_position_embeddings=c.max_position_embeddings, initializer_range=c.initializer_range,
+        rms_norm_eps=c.norm_eps, pretraining_tp=1, use_cache=True, rope_theta=c.rope_theta,
+        rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, attention_bias=False,
+        attention_dropout=c.attention_probs_dropout_prob, mlp_bias=False, tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
+HF_LLAMA_REQUIRES = dict(norm_type="rmsnorm", hidden_act="silu", position_embedding="rope", linear_bias=False,
+                         qkv_bias=False, embedding_layernorm=False, norm_head=False)
+
+HF_LLAMA_CLASS = HuggingFaceClass(
+    class_name="LlamaForCausalLM", model_type="llama", requires=HF_LLAMA_REQUIRES,
+    table=lambda c: llama_style_table("model.", head=not c.tie_word_embeddings, transpose=True),
+    config_json=hf_llama_config,
+)
+
+
 def _reference_kwargs(hidden=64, heads=4, kv_heads=2, **extra):
     return dict(vocab_size=256, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64, **extra)
@@ -232,5 +257,6 @@ REFERENCE_CASES = {
 FAMILY = Family(
     name="llama", switches=SWITCHES, scaled_output_init=True,  # LlamaPretrainedModel._init_weights
     architectures=ARCHITECTURES, tiny="llama-tiny", model_types=("llama",), read_config=read_config,
-    paddlenlp=LLAMA_CLASS, reference_cases=REFERENCE_CASES, export_case=("llama_gqa", {}),
+    paddlenlp=LLAMA_CLASS, hugging_face=HF_LLAMA_CLASS, reference_cases=REFERENCE_CASES,
+    export_case=("llama_gqa", {}),
 )

@@ -44,8 +44,10 @@ when tied); import also reads Hugging Face's model.safetensors ("model." names, 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
-from models.families.llama import is_hugging_face, llama_style_table, read_rope_scaling
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
+    unsupported
+from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, llama_style_table, \
+    read_rope_scaling
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True)
 SMALL_VOCAB, LARGE_VOCAB = 151936, 152064
@@ -120,6 +122,21 @@ def config_json(c) -> dict:
     )
 
 
+def hf_qwen2_config(c) -> dict:
+    """config.json of transformers' Qwen2ForCausalLM (Qwen2Config.to_dict's keys)."""
+    config = hf_llama_config(c, "Qwen2ForCausalLM", "qwen2")
+    for key in ("head_dim", "pretraining_tp", "attention_bias", "mlp_bias"):  # not Qwen2Config keys
+        del config[key]
+    return {**config, "use_sliding_window": False, "sliding_window": c.max_position_embeddings,
+            "max_window_layers": c.num_hidden_layers}
+
+
+HF_QWEN2_CLASS = HuggingFaceClass(
+    class_name="Qwen2ForCausalLM", model_type="qwen2", requires={**HF_LLAMA_REQUIRES, "qkv_bias": True},
+    table=lambda c: llama_style_table("model.", qkv_bias=True, head=not c.tie_word_embeddings, transpose=True),
+    config_json=hf_qwen2_config,
+)
+
 FAMILY = Family(
     name="qwen2", switches=SWITCHES,
     scaled_output_init=True,  # Qwen2PretrainedModel._init_weights scales o_proj and down_proj (PaddleNLP 3)
@@ -131,6 +148,7 @@ FAMILY = Family(
         export_table=lambda config: llama_style_table("qwen2.", qkv_bias=True, head=not config.tie_word_embeddings),
         import_table=import_table, config_json=config_json,
     ),
+    hugging_face=HF_QWEN2_CLASS,
     reference_cases={
         # PaddleNLP 2.8.1's LlamaForCausalLM with q/k/v biases (what Qwen2 is), GQA 4:2, its head set to the
         # embedding (tied; PaddleNLP 2.8.1's LLaMA cannot tie its [hidden, vocab] head itself)

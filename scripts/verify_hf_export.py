@@ -1,0 +1,261 @@
+"""Verify the Hugging Face export with loaders no one here wrote; writes benchmarks/hf_export_verification.md.
+
+    python scripts/verify_hf_export.py [--venv .cache/hf-client-venv] [--out benchmarks/hf_export_verification.md]
+
+For every exported family's tiny preset (random weights, every parameter non-trivial): train-state
+checkpoint written by llm_pretrain.checkpoint -> llm_pretrain.hf_export -> loaded by
+
+  * Hugging Face transformers with torch on CPU (the reference client), in its own venv (created
+    here with pip: torch's CPU wheel where pip finds one, else the default torch, and transformers;
+    they are not in the test requirements: the default torch wheel pulls 5.6 GB of CUDA packages
+    that `import torch` cannot do without), through scripts/hf_client_logits.py;
+  * PaddleNLP 2.8.1's own Hugging Face conversion, `from_pretrained(dir, convert_from_torch=True)`
+    (paddlenlp/transformers/model_utils.py: reads model.safetensors or the sharded index with its own
+    deserializer, renames and transposes by the class's _get_name_mappings), for the classes 2.8.1
+    has a mapping for: LlamaForCausalLM, GPTForCausalLM (from GPT-2's names), BloomForCausalLM.
+
+The client's fp32 logits on fixed token ids are compared with our model's; the bar is 1e-4.
+Baichuan's class is remote code (not in transformers, not loadable offline): its W_pack rows are
+split into q/k/v (what modeling_baichuan.py does with unflatten(-1, (3, hidden))) and the rotary
+variant (Baichuan-7B / Baichuan2-7B) is run by transformers' LlamaForCausalLM, the ALiBi variant
+(Baichuan-13B / Baichuan2-13B) by PaddleNLP 2.8.1's LlamaForCausalLM with alibi=True.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-4
+BATCH, SEQ = 2, 24
+CLIENT_PACKAGES = ("transformers", "safetensors", "numpy")
+# torch's CPU wheel first (192 MB; this machine's pip finds it): the default torch on PyPI pulls 15 nvidia-*
+# CUDA packages and triton (a 5.6 GB venv, measured), and without them `import torch` fails (libcudnn.so.9).
+TORCH_CHOICES = ("torch==2.13.0+cpu", "torch")
+
+# (case, preset, changes to its config, how transformers loads it, PaddleNLP 2.8.1 class or None, shard bytes)
+CASES = [
+    ("llama", "llama-tiny", {}, "auto", "LlamaForCausalLM", None),
+    ("llama-sharded", "llama-tiny", {}, "auto", None, 100_000),  # model-0000N-of-0000M + index
+    ("llama3.1", "llama3-tiny", {}, "auto", None, None),  # rope_scaling: PaddleNLP 2.8.1 has none
+    ("qwen2", "qwen2-tiny", {}, "auto", None, None),      # PaddleNLP 2.8.1 has no Qwen2 class
+    ("gpt3", "gpt3-tiny", {}, "auto", "GPTForCausalLM", None),
+    ("bloom", "bloom-tiny", {}, "auto", "BloomForCausalLM", None),
+    ("baichuan2-7b-style", "baichuan-tiny", {"position_embedding": "rope"}, "llama_from_w_pack", None, None),
+    ("baichuan2-13b-style", "baichuan-tiny", {}, None, "LlamaForCausalLM", None),  # ALiBi: PaddleNLP only
+]
+
+
+def ensure_client_venv(venv: str) -> str:
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.isfile(python):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    probe = subprocess.run([python, "-c", "import torch, transformers, safetensors"], capture_output=True)
+    if probe.returncode != 0:
+        for torch in TORCH_CHOICES:
+            if subprocess.run([python, "-m", "pip", "install", "-q", torch, *CLIENT_PACKAGES]).returncode == 0:
+                break
+        else:
+            sys.exit("could not install torch and transformers into " + venv)
+    return python
+
+
+def randomize(model, seed: int) -> None:
+    """Every parameter random (norm weights around 1, biases around 0) so that every tensor matters."""
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    with paddle.no_grad():
+        for name, param in model.named_parameters():
+            shape = list(param.shape)
+            if len(shape) == 1:
+                value = (1.0 if "norm" in name else 0.0) + 0.1 * rng.standard_normal(shape)
+            elif "embeddings" in name:
+                value = 0.25 * rng.standard_normal(shape)
+            else:
+                value = rng.standard_normal(shape) / np.sqrt(shape[0])
+            param.set_value(value.astype("float32"))
+
+
+def make_checkpoint(work: str, name: str, config, seed: int):
+    """A checkpoint-1 of random weights written by the trainer's checkpointer; (path, model)."""
+    import paddle
+
+    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.layout import Layout
+    from models.decoder import CausalLM
+
+    paddle.seed(seed)
+    model = CausalLM(config)
+    randomize(model, seed)
+    model.eval()
+    optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
+    state = {"global_step": 1, "consumed_samples": 8, "layout": {}, "model_config": config.architecture_dict(),
+             "args": {"model_name_or_path": name}}
+    return ckpt.save_checkpoint(os.path.join(work, name, "output"), 1, model, optimizer, state, Layout(), None), model
+
+
+def w_pack_split_as_hf_llama(export_dir: str, out_dir: str) -> None:
+    """Baichuan's W_pack rows -> q/k/v in Hugging Face Llama names, config LlamaForCausalLM with alibi
+    (PaddleNLP's switch for Baichuan-13B); the head is already normalized by the export."""
+    from safetensors.numpy import load_file, save_file
+
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
+    weights = load_file(os.path.join(export_dir, "model.safetensors"))
+    for name in [n for n in weights if n.endswith("self_attn.W_pack.weight")]:
+        q, k, v = np.split(weights.pop(name), 3, axis=0)
+        prefix = name[: -len("W_pack.weight")]
+        weights.update({prefix + "q_proj.weight": q, prefix + "k_proj.weight": k, prefix + "v_proj.weight": v})
+    os.makedirs(out_dir)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    llama = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "rms_norm_eps")}
+    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", alibi=True,
+                 max_position_embeddings=config["model_max_length"], num_key_value_heads=config["num_attention_heads"])
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(llama, f)
+
+
+def paddlenlp_logits(class_name: str, model_dir: str, work: str, input_ids: np.ndarray) -> tuple[np.ndarray, str]:
+    """PaddleNLP 2.8.1's from_pretrained(convert_from_torch=True) on a copy (it writes model_state.pdparams
+    next to the safetensors it converts)."""
+    import paddle
+    import paddlenlp
+    import paddlenlp.transformers as pdt
+
+    copy = os.path.join(work, "paddlenlp_copy")
+    shutil.copytree(model_dir, copy)
+    model = getattr(pdt, class_name).from_pretrained(copy, convert_from_torch=True, dtype="float32")
+    model.eval()
+    with paddle.no_grad():
+        out = model(input_ids=paddle.to_tensor(input_ids), return_dict=True)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits.numpy(), f"paddlenlp {paddlenlp.__version__} ({type(model).__name__}, convert_from_torch)"
+
+
+def run(venv: str, out_file: str) -> list[dict]:
+    import paddle
+
+    from llm_pretrain.hf_export import export_hf
+    from models.registry import ARCHITECTURES
+
+    python = ensure_client_venv(venv)
+    work = tempfile.mkdtemp(prefix="verify_hf_")
+    rng = np.random.default_rng(3)
+    rows, jobs = [], []
+    for seed, (case, preset, changes, how, paddlenlp_class, shard_bytes) in enumerate(CASES, start=11):
+        config = ARCHITECTURES[preset].replace(**changes)
+        path, model = make_checkpoint(work, case, config, seed)
+        export_dir = os.path.join(work, case, "hf")
+        result = export_hf(path, export_dir, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
+        input_ids = rng.integers(0, config.vocab_size, size=(BATCH, SEQ)).astype("int64")
+        with paddle.no_grad():
+            ours = model(paddle.to_tensor(input_ids)).numpy()
+        np.save(os.path.join(work, case, "input_ids.npy"), input_ids)
+        np.save(os.path.join(work, case, "ours.npy"), ours)
+        shards = [f for f in result["files"] if f.endswith(".safetensors")]
+        base = {"case": case, "preset": preset + (f" {changes}" if changes else ""), "exported": result["class"],
+                "files": f"{len(shards)} safetensors" + (" + index" if len(shards) > 1 else "")}
+        if how:
+            jobs.append({"name": case, "model_dir": export_dir, "how": how,
+                         "input_ids": os.path.join(work, case, "input_ids.npy"),
+                         "logits_out": os.path.join(work, case, "transformers.npy")})
+            rows.append({**base, "client": "transformers", "_ours": ours, "_theirs": jobs[-1]["logits_out"],
+                         "_how": how})
+        if paddlenlp_class:
+            source = export_dir
+            if result["class"] == "BaichuanForCausalLM":
+                source = os.path.join(work, case, "w_pack_split")
+                w_pack_split_as_hf_llama(export_dir, source)
+            logits, client = paddlenlp_logits(paddlenlp_class, source, os.path.join(work, case), input_ids)
+            rows.append({**base, "client": client, "_ours": ours, "_logits": logits})
+
+    with open(os.path.join(work, "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    done = subprocess.run([python, os.path.join(REPO, "scripts", "hf_client_logits.py"),
+                           os.path.join(work, "jobs.json")], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the transformers client failed:\n{done.stderr[-4000:]}")
+    loaded = {r["name"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
+    for row in rows:
+        if row["client"] == "transformers":
+            info = loaded[row["case"]]
+            row["_logits"] = np.load(row["_theirs"])
+            via = " after splitting W_pack" if row["_how"] == "llama_from_w_pack" else ""
+            row["client"] = f"transformers {info['transformers']}, torch {info['torch']} ({info['class']}{via})"
+        row["max_abs_diff"] = float(np.abs(row.pop("_logits") - row["_ours"]).max())
+        row["logit_std"] = float(row.pop("_ours").std())
+        row["ok"] = row["max_abs_diff"] <= TOLERANCE
+        for key in [k for k in row if k.startswith("_")]:
+            del row[key]
+    write_report(rows, out_file)
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def write_report(rows: list[dict], out_file: str) -> None:
+    import paddle
+
+    lines = [
+        "# Hugging Face export: verified by loaders written elsewhere",
+        "",
+        "Written by `python scripts/verify_hf_export.py` (do not edit by hand). Each tiny preset gets random",
+        "weights, is saved by the trainer's checkpointer, exported by `llm_pretrain/hf_export.py`, loaded by the",
+        f"client and run on {BATCH} x {SEQ} fixed token ids in fp32; the bar is max |logit difference| <= {TOLERANCE}.",
+        f"Our side: paddlepaddle {paddle.__version__} (CPU). transformers and torch (CPU wheel) run in their own venv.",
+        "",
+        "| case | preset | exported as | files | client (class loaded) | max abs logit diff | logit std | within 1e-4 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['preset']} | {r['exported']} | {r['files']} | {r['client']} | "
+                     f"{r['max_abs_diff']:.2e} | {r['logit_std']:.2f} | {'yes' if r['ok'] else 'NO'} |")
+    lines += [
+        "",
+        "Notes:",
+        "- The client venv: torch's CPU wheel (192 MB) and transformers from pip (about 30 s to install). PyPI's",
+        "  default torch (2.14.1+cu130 here) pulls 15 nvidia-* packages and triton (a 5.6 GB venv, measured), and",
+        "  `import torch` fails without them (libcudnn.so.9): hence a script with its own venv, not a test requirement.",
+        "- llama-sharded is exported sharded (`--max-shard-size` 100 kB: `model-0000N-of-0000M.safetensors` and",
+        "  `model.safetensors.index.json`). PaddleNLP 2.8.1's conversion of a sharded index fails inside PaddleNLP",
+        "  (\"The state dictionary of the model you are trying to load is corrupted\"): transformers verifies it.",
+        "- PaddleNLP 2.8.1 `from_pretrained(..., convert_from_torch=True)` covers LlamaForCausalLM, GPT-2's names",
+        "  (into GPTForCausalLM) and BloomForCausalLM; it has no Qwen2 class and no Llama 3.1 rope_scaling.",
+        "- Baichuan's class is remote code (trust_remote_code; not shipped in transformers, not loadable offline).",
+        "  Its W_pack rows are q, k, v (modeling_baichuan.py: `proj.unflatten(-1, (3, hidden_size))`); split so,",
+        "  the rotary variant runs in transformers' LlamaForCausalLM and the ALiBi variant in PaddleNLP 2.8.1's",
+        "  LlamaForCausalLM(alibi=True). The NormHead is written normalized (Baichuan2's code normalizes again:",
+        "  no change), so neither client needs it.",
+        "- GPT-3 is written as GPT-2's layout (GPT2LMHeadModel). The shapes allow it for this family as defined",
+        "  (pre-norm LayerNorm, learned positions, tanh GELU, biases, tied head, any n_inner); they would not for",
+        "  grouped-query attention, an untied head or rotary positions (GPT-NeoX-style), which export refuses.",
+    ]
+    with open(out_file, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv", default=os.path.join(REPO, ".cache", "hf-client-venv"))
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "hf_export_verification.md"))
+    args = parser.parse_args(argv)
+    rows = run(args.venv, args.out)
+    for r in rows:
+        print(f"{r['case']:22s} {r['client']:70s} {r['max_abs_diff']:.2e} {'ok' if r['ok'] else 'FAIL'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
