@@ -6,13 +6,9 @@ The same as the console command `llm-export-hf`; see llm_pretrain/hf_export.py f
 written per family. Bad input is one line `error: ...` with exit code 2.
 """
 
-import os
 import sys
 
-# Run as a script: make the repository root importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from llm_pretrain.hf_export import main  # noqa: E402
+from llm_pretrain.hf_export import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

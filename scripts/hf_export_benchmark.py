@@ -28,7 +28,6 @@ import threading
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
 
 SECTION = "## Hugging Face export"
 RANKS = 4
@@ -107,7 +106,6 @@ def synthesize_checkpoint(model_name: str, dtype: str, path: str) -> dict:
 
 CHILD = """
 import json, sys, time
-sys.path.insert(0, {repo!r})
 from llm_pretrain.hf_export import export_hf, open_checkpoint
 import llm_pretrain.dist_checkpoint, models.paddlenlp_interop  # imports (Paddle) before the clock starts
 baseline = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")][0]
@@ -136,7 +134,7 @@ def _status_kib(pid: int) -> dict:
 def measure_export(checkpoint: str, out: str) -> dict:
     code = CHILD.format(repo=REPO_ROOT, checkpoint=checkpoint, out=out)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True, env={**os.environ, "PYTHONPATH": REPO_ROOT})  # this checkout's package
     peaks = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
 
     def sample():

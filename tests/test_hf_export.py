@@ -26,7 +26,7 @@ from llm_pretrain.hf_export import export_hf, main
 from llm_pretrain.layout import Layout
 from models.decoder import CausalLM
 from models.families import FAMILIES
-from models.paddlenlp_interop import import_from_paddlenlp
+from llm_pretrain.interchange import import_from_paddlenlp
 from models.registry import ARCHITECTURES, resolve_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
