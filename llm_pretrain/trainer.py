@@ -461,6 +461,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     loss_value, stop = float(host[0]), bool(host[3])
     if nonfinite:
         optimizer.clear_grad()
+        precision.skip_step()  # the one-process scaler already unscaled: close its step
         return StepResult(loss_value, None, ", ".join(nonfinite), stop, optimizer_stepped=False)
     grad_norm = math.sqrt(float(host[4])) if grad_squares is not None and not clip_grad_norm else None
     stepped = precision.step(optimizer)
