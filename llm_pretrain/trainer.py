@@ -202,7 +202,7 @@ def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: st
     except Exception as error:  # noqa: BLE001 -- recorded, never silent
         return {"error": f"{type(error).__name__}: {error}"}
     if device == "gpu":
-        total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
+        total = paddle.device.cuda.get_device_properties().total_memory / 2**20  # this rank's GPU (current)
         result["device_memory_mb"] = total
         result["fits"] = result["peak_mem_reserved_mb"] <= total
     keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
@@ -274,10 +274,42 @@ def layout_summary(layout: Layout) -> dict:
         "sharding_degree", "sharding_stage", "virtual_pp_degree")}
 
 
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    paddle.seed(seed)
+def distributed_seeds(seed: int, layout: Layout) -> tuple[int, int, int]:
+    """(global, local, random) seeds of this rank, as paddlenlp/trainer/trainer_utils.py
+    _get_distributed_seeds (lines 64-145; no sep group here): the global seed is the same within a
+    tensor-parallel group and differs across data-parallel, pipeline and sharding ranks (dropout on
+    activations that tensor-parallel ranks replicate must match; data replicas should not share
+    masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline stage.
+    One process: (seed, seed + 1, seed)."""
+    mp, pp, dp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.data_parallel_degree
+    offset = (layout.pipeline_parallel_rank * mp + layout.data_parallel_rank * mp * pp
+              + layout.sharding_rank * mp * pp * dp)
+    return seed + offset, seed + layout.world_size + layout.tensor_parallel_rank + offset, \
+        seed + 100 * layout.pipeline_parallel_rank
+
+
+_TRACKER_SEEDS: dict[str, int] = {}  # the tracker states set_seed added in this process (tests run several trainings)
+
+
+def set_seed(seed: int, layout: Layout | None = None) -> None:
+    """paddlenlp/trainer/trainer_utils.py set_seed (lines 148-160): the tracker's "global_seed" and
+    "local_seed" states, paddle's default generator from the global seed, python and numpy from the
+    random seed. The weights do not depend on it (models/weights.py seeds its own generator)."""
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+    global_seed, local_seed, random_seed = distributed_seeds(seed, layout or Layout())
+    tracker = get_rng_state_tracker()
+    for name, old in _TRACKER_SEEDS.items():  # an earlier training in this process: replace its states
+        tracker.states_.pop(name, None)
+        tracker.seeds_.discard(old)
+    _TRACKER_SEEDS.clear()
+    for name, value in (("global_seed", global_seed), ("local_seed", local_seed)):
+        if name not in tracker.states_ and value not in tracker.seeds_:  # as trainer_utils.py:152-156
+            tracker.add(name, value)
+            _TRACKER_SEEDS[name] = value
+    paddle.seed(global_seed)
+    random.seed(random_seed)
+    np.random.seed(random_seed)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -321,9 +353,9 @@ class BatchPrefetcher:
     """Reads the next step's samples on a background thread while this step computes.
 
     Only the host work (memory-mapped reads, stacking) runs on the thread; the copy to the
-    device stays on the main thread (asynchronous from pinned memory on GPU, see to_device).
-    The step's own host sync (agree_on_step) would otherwise keep a read issued after the step
-    from overlapping the device's work."""
+    device stays on the main thread, as a plain copy (see to_device). The step's own host sync
+    (agree_on_step) would otherwise keep a read issued after the step from overlapping the
+    device's work."""
 
     def __init__(self, plan: BatchPlan, dataset, vocab_size: int, device: str):
         from concurrent.futures import ThreadPoolExecutor
@@ -349,17 +381,22 @@ class BatchPrefetcher:
 
 
 def to_device(array: np.ndarray, device: str):
-    """A host array as a tensor on the run's device. On GPU through pinned (page-locked) host memory
-    and an asynchronous copy, so that the copy of the next batch overlaps the running step
-    (Tensor.cuda(blocking=False), paddle/base/dygraph/tensor_patch_methods.py)."""
-    if device != "gpu":
-        return paddle.to_tensor(array)
-    return paddle.to_tensor(array, place=paddle.CUDAPinnedPlace()).cuda(blocking=False)
+    """A host array as a tensor on the run's device (the current place), copied synchronously.
+
+    No pinned staging with an asynchronous copy: Tensor.cuda(blocking=False) issues the copy through
+    Tensor._copy_to on the destination's device context, i.e. on the compute stream
+    (paddle/base/dygraph/tensor_patch_methods.py:1161-1191), so it cannot overlap the step's kernels,
+    only spare the host a wait; and the temporary pinned tensor went back to Paddle's pinned
+    allocator when this function returned, with the copy possibly still reading it. The token ids of
+    a step are a few hundred KB (micro-batch x sequence x 8 bytes): the synchronous copy costs
+    microseconds, and the host reads they come from already run ahead on BatchPrefetcher's thread."""
+    del device  # the current place: CPU, or this rank's GPU (select_device)
+    return paddle.to_tensor(array)
 
 
 def device_name(device: str) -> str:
     """The accelerator's name for reports (the peak-TFLOPs lookup uses it): "NVIDIA A100-SXM4-80GB", "cpu"."""
-    return paddle.device.cuda.get_device_name(0) if device == "gpu" else "cpu"
+    return paddle.device.cuda.get_device_name() if device == "gpu" else "cpu"  # the current device, this rank's
 
 
 # ----------------------------------------------------------------------------- steps
@@ -580,7 +617,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     if layout.is_main:
         for message in argument_warnings + gpu_only_warnings(args, device) + model_notes:
             warn(message)
-    set_seed(args.seed)
+    set_seed(args.seed, layout)  # per rank, as PaddleNLP
 
     # 3. Model, optimizer, data.
     reset_peak_memory(device)  # the peak reported is this run's (tests train several runs in one process)
