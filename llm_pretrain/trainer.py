@@ -689,6 +689,7 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
+    gpu = device == "gpu"  # GPU kernels are not deterministic by construction: resynchronize, never fail
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     step = start_step
     prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
@@ -742,12 +743,13 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             metrics.say(f"stopping after step {step} (exit_interval); run the same command again to resume")
             break
         if args.check_replicas_interval and step % args.check_replicas_interval == 0 and step < args.max_steps:
-            replicas = check_replicas(unwrapped_model, optimizer, layout, step)
+            replicas = check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu)
             replica_checks += 1
 
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
-        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step), "checks": replica_checks + 1}
+        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu),
+                    "checks": replica_checks + 1}
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))

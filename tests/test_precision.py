@@ -94,6 +94,20 @@ def test_master_grads_train_like_plain_gradients(overflow_runs, stage):
         assert _max_weight_diff(master["weights"], plain["weights"]) < TOL
 
 
+def test_differing_replicas_fail_on_cpu_and_are_resynchronized_on_gpu(overflow_runs):
+    """llm_pretrain/replica_check.py: a relative difference of 2**-20 on rank 1's copy of a norm weight."""
+    r0, r1 = overflow_runs[0]["replica_resync"], overflow_runs[1]["replica_resync"]
+    for r in (r0, r1):
+        assert r["before"]["identical"] and r["before"]["replica_groups"] > 0
+        # Strict (deterministic by construction): the run fails, naming the tensor and the ranks.
+        assert "layers.0.input_layernorm.weight" in r["strict"] and "rank(s) [1] differ from rank 0" in r["strict"]
+        (entry,) = r["resynchronized"]["resynchronized"]  # only that box differed
+        assert entry["tensor"].startswith("layers.0.input_layernorm.weight@") and entry["source_rank"] == 0
+        assert 0 < entry["relative_difference"] <= 2**-19 and not r["resynchronized"]["identical"]
+        assert r["after"]["identical"]  # bitwise equal again, checked by the strict check
+    assert r0["norm"] == r1["norm"]  # rank 1 took rank 0's copy
+
+
 # ----------------------------------------------------------------------------- scaler kind, refusals
 def _layout(**degrees) -> Layout:
     layout = Layout(**degrees)
