@@ -351,9 +351,10 @@ def compare_paths(plain_config, fused_config, dtype: str, seed: int = 0) -> dict
     import paddle
 
     from models.decoder import CausalLM
+    from models.weights import init_weights
 
-    paddle.seed(seed)
     plain = CausalLM(plain_config)
+    init_weights(plain, plain_config, seed)
     fused = CausalLM(fused_config)
     fused.set_state_dict(plain.state_dict())
     tokens = np.random.RandomState(seed).randint(0, plain_config.vocab_size,
