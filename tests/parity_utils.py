@@ -25,11 +25,11 @@ DEVICE = device_under_test()
 
 def base_arguments(corpus: dict, work_dir: Path, **overrides) -> dict:
     """parity.base_arguments on the device under test (a short run of a tiny model)."""
-    return parity.base_arguments(corpus, work_dir, DEVICE, **overrides)
+    return parity.base_arguments(corpus, work_dir, **{"device": DEVICE, **overrides})
 
 
 def real_size_arguments(corpus: dict, work_dir: Path, **overrides) -> dict:
-    return parity.real_size_arguments(corpus, work_dir, DEVICE, **overrides)
+    return parity.real_size_arguments(corpus, work_dir, **{"device": DEVICE, **overrides})
 
 
 def run_single(runs: list[list[str]], work_dir: Path, name: str, timeout: int = 600) -> None:

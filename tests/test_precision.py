@@ -321,16 +321,19 @@ def _cpu_grad_scaler(**options):
     return scaler
 
 
+def _linear_training():
+    """(layer, model, AdamW, LR schedule, float32 precision) of a one-layer regression."""
+    paddle.seed(0)
+    layer = paddle.nn.Linear(4, 4)
+    optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
+    return layer, _LossModel(layer), optimizer, paddle.optimizer.lr.StepDecay(0.1, step_size=100), _RecordingPrecision()
+
+
 def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow():
     from llm_pretrain.trainer import global_grad_norm, train_step
 
     def run(scaled: bool, inject: bool):
-        paddle.seed(0)
-        layer = paddle.nn.Linear(4, 4)
-        model = _LossModel(layer)
-        optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
-        schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
-        precision = _RecordingPrecision()
+        layer, model, optimizer, schedule, precision = _linear_training()
         if scaled:
             precision.use_scaler(_cpu_grad_scaler(), Layout())
         hook = layer.weight.register_hook(lambda g: g * float("inf")) if inject else None
@@ -357,12 +360,7 @@ def test_one_process_fp16_skipped_step_leaves_the_scaler_usable():
     been called" unless the skipped step ended with update(), paddle/amp/grad_scaler.py:368-371)."""
     from llm_pretrain.trainer import train_step
 
-    paddle.seed(0)
-    layer = paddle.nn.Linear(4, 4)
-    model = _LossModel(layer)
-    optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
-    schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
-    precision = _RecordingPrecision()
+    layer, model, optimizer, schedule, precision = _linear_training()
     precision.use_scaler(_cpu_grad_scaler(decr_every_n_nan_or_inf=1), Layout())
     bad = [(paddle.full([2, 4], float("inf")), paddle.ones([2, 4]))]
     good = [(paddle.ones([2, 4]), paddle.ones([2, 4]))]

@@ -74,9 +74,9 @@ def full_weights(model, unwrapped, stage: int) -> dict:
             for name, p in unwrapped.canonical_named_parameters()}
 
 
-def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, inject: bool = True) -> dict:
-    rank = dist.get_rank()
-    layout = Layout(world_size=2, rank=rank, sharding_degree=2, sharding_stage=stage,
+def build(hcg, stage: int, master_grad: bool = False):
+    """(layout, wrapped model, optimizer, schedule, unwrapped model, parameters) of sharding stage `stage`."""
+    layout = Layout(world_size=2, rank=dist.get_rank(), sharding_degree=2, sharding_stage=stage,
                     sharding_rank=hcg.get_sharding_parallel_rank())
     paddle.seed(5)
     model = CausalLM(CONFIG)
@@ -88,6 +88,12 @@ def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, injec
     unwrapped = model
     parameters = [p for _, p in unwrapped.canonical_named_parameters()]
     model, optimizer = wrap_for_training(model, optimizer, layout, accumulation_steps=2)
+    return layout, model, optimizer, schedule, unwrapped, parameters
+
+
+def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, inject: bool = True) -> dict:
+    rank = dist.get_rank()
+    layout, model, optimizer, schedule, unwrapped, parameters = build(hcg, stage, master_grad)
     precision = Precision(SimpleNamespace(**{**vars(ARGS), "fp16": False}), "cpu")  # float32 autocast
     if scaler_mode == "wrapped":
         precision.use_scaler(cpu_grad_scaler(), layout)
@@ -128,16 +134,7 @@ def run_replica_case(hcg) -> dict:
     from llm_pretrain.replica_check import check_replicas
 
     rank = dist.get_rank()
-    layout = Layout(world_size=2, rank=rank, sharding_degree=2, sharding_stage=1,
-                    sharding_rank=hcg.get_sharding_parallel_rank())
-    paddle.seed(5)
-    model = CausalLM(CONFIG)
-    init_weights(model, CONFIG, seed=5)
-    schedule = build_schedule(ARGS)
-    optimizer = build_optimizer(ARGS, model, schedule)
-    unwrapped = model
-    parameters = [p for _, p in unwrapped.canonical_named_parameters()]
-    model, optimizer = wrap_for_training(model, optimizer, layout, accumulation_steps=2)
+    layout, model, optimizer, schedule, unwrapped, parameters = build(hcg, 1)
     precision = Precision(SimpleNamespace(**{**vars(ARGS), "fp16": False}), "cpu")
     train_step(model, optimizer, schedule, precision, batches(0, layout.data_replica_rank), parameters,
                record_grad_norm(optimizer))
