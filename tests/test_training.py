@@ -182,3 +182,15 @@ def test_batches_reach_the_device_as_plain_copies(embedded_corpus, tmp_path):
                 assert np.array_equal(x.numpy(), ex.numpy()) and np.array_equal(y.numpy(), ey.numpy())
     finally:
         prefetcher.close()
+
+
+def test_a_logged_step_reads_its_values_together():
+    """metrics.reduce_for_log: the loss, the mean of the step norms (device tensors or floats) and the
+    peak memory come back from one concatenated read (one process: nothing to reduce)."""
+    from llm_pretrain.layout import Layout
+    from llm_pretrain.metrics import reduce_for_log
+
+    norms = [paddle.to_tensor(3.0), 5.0]
+    loss, norm, memory = reduce_for_log(2.5, norms, {"peak_mem_allocated_mb": 7.0, "peak_rss_mb": 9.0}, Layout())
+    assert (loss, norm, memory) == (2.5, 4.0, {"peak_mem_allocated_mb": 7.0, "peak_rss_mb": 9.0})
+    assert reduce_for_log(1.0, [None, 2.0], {"peak_mem_allocated_mb": 1.0}, Layout())[1] is None
