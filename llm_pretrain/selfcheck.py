@@ -32,7 +32,7 @@ import numpy as np
 
 from llm_pretrain.parity import (
     LAYOUTS, SAVE_STEP, TOLERANCE, argv, final_weights, run_launch, run_record, run_single, summary_records,
-    train_records, write_json,
+    train_records,
 )
 
 # Argument keys of a production run on GPU, as PaddleNLP's llama pretraining configs set them
@@ -208,7 +208,8 @@ def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus
         if row.layout == "single" or row.kind == "kernels":
             continue
         out = row_output(work_dir, row.name)
-        key = LAYOUTS[row.layout].launch_key()
+        # The overflow row launches alone: a failure there must not take the other rows of its degrees with it.
+        key = (*LAYOUTS[row.layout].launch_key(), row.kind == "overflow")
         if row.kind == "parity":
             runs = [argv(args_file, out, **row.options, exit_interval=SAVE_STEP), argv(args_file, out, **row.options)]
         elif row.kind == "overflow":
@@ -244,7 +245,7 @@ def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus
             if row.kind == "kernels":
                 measured = kernel_table(device)
             elif row.kind == "overflow":
-                launch = launches[LAYOUTS[row.layout].launch_key()]
+                launch = launches[(*LAYOUTS[row.layout].launch_key(), True)]
                 measured = judge_overflow(launch.results(), str(row_output(work_dir, row.name)))
             elif row.kind in ("memory", "speed"):
                 measured = judge_perf(row.kind, row_output(work_dir, f"perf:{row.layout}"))
