@@ -106,8 +106,7 @@ def test_in_process_gpu_tests_get_the_launched_environment(monkeypatch):
     cuBLAS reads NVIDIA_TF32_OVERRIDE when it initializes)."""
     import launch_utils
 
-    for key in parity.GPU_PROCESS_ENV:
-        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in parity.GPU_PROCESS_ENV})
     monkeypatch.setenv(launch_utils.TEST_DEVICE_ENV, "cpu")
     launch_utils.use_test_device_in_this_process()
     assert "NVIDIA_TF32_OVERRIDE" not in os.environ
@@ -142,3 +141,30 @@ def test_kernel_comparison_sees_a_different_path():
     assert max(same.values()) == 0.0
     other = selfcheck.compare_paths(selfcheck.kernel_config(), selfcheck.kernel_config(norm_eps=0.5), "float32")
     assert other["logits"] > selfcheck.KERNEL_RELATIVE_BOUND["bfloat16"]
+
+
+def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
+    """run_rows with the launches recorded instead of run: every process is started for device gpu,
+    the layout runs stop after SAVE_STEP and resume, the production options reach the command lines,
+    and the fp16 run carries the injection (the device read at import time sent all of this to CPU)."""
+    launched, single = [], []
+    monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.append(
+        (nproc, device, runs)))
+    monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.append((device, runs)))
+    monkeypatch.setattr(selfcheck, "kernel_table", lambda device: {"device": device, "passed": True, "bound": "-"})
+    results = selfcheck.run_rows(selfcheck.plan_rows("gpu"), tmp_path / "args.json", tmp_path, "gpu", gpus=4,
+                                 say=lambda line: None)
+    assert {device for _, device, _ in launched} == {"gpu"} and [d for d, _ in single] == ["gpu"]
+    assert {r["name"]: r for r in results}["kernels"]["device"] == "gpu"
+    runs = [run for _, _, group in launched for run in group]
+    command = next(r for r in runs if isinstance(r, list) and "bf16-o2/tp2sd2_stage2" in " ".join(r))
+    text = " ".join(command)
+    for key in ("--bf16 true", "--fp16_opt_level O2", "--amp_master_grad true", "--use_flash_attention true",
+                "--use_fused_rope true", "--use_fused_rms_norm true", "--sharding stage2", "--tensor_parallel_degree 2",
+                f"--exit_interval {parity.SAVE_STEP}"):
+        assert key in text, key
+    (overflow,) = [r for r in runs if isinstance(r, dict)]
+    assert overflow["inject_overflow"] == {"rank": 1, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
+    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; 4 of 4 processes),
+    # and the overflow row alone.
+    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 4, 4, 4, 4]
