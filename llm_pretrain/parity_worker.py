@@ -8,8 +8,10 @@ runs.json is a list of runs, each an argument list for llm_pretrain/run_pretrain
 {"argv": [...], "inject_overflow": {"rank": 1, "step": 2}}: that rank alone gets an infinite
 gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow.
 Every run of one launch must have the same parallel layout (fleet is initialized once).
-Under llm_pretrain.parity.launch each rank writes what it observed per run: whether each step's
-optimizer step ran and the loss scale after it (keyed by output_dir).
+Under llm_pretrain.parity.launch each rank writes what it observed in the runs with an injection:
+whether each step's optimizer step ran and the loss scale after it (keyed by output_dir). Only
+those runs import the trainer before run_pretrain does: the others keep run_pretrain's order
+(its CPU defaults are set before Paddle loads, llm_pretrain/cpu_threads.py).
 """
 
 import json
@@ -54,12 +56,15 @@ def main(runs_file: str) -> int:
     for run in runs:
         run = run if isinstance(run, dict) else {"argv": run}
         argv = [str(a) for a in run["argv"]]
-        observed = observations.setdefault(argv[argv.index("--output_dir") + 1] if "--output_dir" in argv else "", {})
-        restore = observe_steps(run.get("inject_overflow"), observed)
+        restore = None
+        if run.get("inject_overflow"):
+            observed = observations.setdefault(argv[argv.index("--output_dir") + 1], {})
+            restore = observe_steps(run["inject_overflow"], observed)
         try:
             code = run_pretrain(argv)
         finally:
-            restore()
+            if restore:
+                restore()
         if code:
             return code
         # fleet.distributed_optimizer keeps the run's optimizer (and through it every weight, gradient
