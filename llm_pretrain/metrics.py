@@ -164,6 +164,32 @@ def format_summary(summary: dict) -> str:
     )
 
 
+def reduce_for_log(loss: float, norms: list, memory: dict[str, float], layout) -> tuple[float, float | None, dict]:
+    """A logged step's values with one host read: the loss averaged over the data replicas (data-parallel
+    and sharding groups), the mean of the step norms (device tensors from fleet's clip, or floats), the
+    peak memory's maximum over every rank. The all-reduces are queued on the device and read together
+    (four separate reads before: loss, norms, allocated, reserved)."""
+    values = {"loss": paddle.to_tensor([loss], dtype="float64"),  # float64: the logged loss as exact as before
+              "memory": paddle.to_tensor(list(memory.values()), dtype="float64")}
+    if None not in norms:
+        values["norms"] = paddle.stack([n.reshape([]).astype("float64") if isinstance(n, paddle.Tensor)
+                                        else paddle.to_tensor(float(n), dtype="float64") for n in norms]).mean()
+    if layout.distributed:
+        import paddle.distributed as dist
+        from paddle.distributed import fleet
+
+        hcg = fleet.get_hybrid_communicate_group()
+        for degree, group in ((layout.data_parallel_degree, hcg.get_data_parallel_group()),
+                              (layout.sharding_degree, hcg.get_sharding_parallel_group())):
+            if degree > 1:
+                dist.all_reduce(values["loss"], group=group)
+        values["loss"] = values["loss"] / layout.data_replicas
+        dist.all_reduce(values["memory"], op=dist.ReduceOp.MAX)
+    host = paddle.concat([v.reshape([-1]) for v in values.values()]).numpy()
+    grad_norm = float(host[-1]) if "norms" in values else None
+    return float(host[0]), grad_norm, dict(zip(memory, map(float, host[1:1 + len(memory)])))
+
+
 def scalar(value) -> float:
     """A number, or a one-element tensor read to the host (fleet's pipeline returns losses of shape [1])."""
     return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
@@ -197,8 +223,6 @@ class MetricsLogger:
 
     def step(self, step: int, loss: float, grad_norm: float | None, learning_rate: float, step_time: float,
              consumed_samples: int) -> None:
-        from llm_pretrain.distributed import all_reduce_max, all_reduce_mean_over_replicas
-
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._time += step_time
@@ -207,18 +231,19 @@ class MetricsLogger:
             return
         steps = len(self._losses)
         tokens_per_card_per_sec = self.global_tokens_per_step * steps / self.layout.world_size / self._time
+        loss, grad_norm, memory = reduce_for_log(sum(self._losses) / steps, self._norms,
+                                                 peak_memory_mb(self.device), self.layout)
         record = {
             "event": "train", "step": step,
-            "loss": all_reduce_mean_over_replicas(sum(self._losses) / steps, self.layout),
+            "loss": loss,
             "learning_rate": learning_rate,
-            # Norms may be device tensors (fleet's clip computes them in the step): read them here, once.
-            "grad_norm": None if None in self._norms else sum(scalar(n) for n in self._norms) / steps,
+            "grad_norm": grad_norm,
             "tokens_per_card_per_sec": tokens_per_card_per_sec,
             "step_time_s": self._time / steps,
             "global_tokens_per_step": self.global_tokens_per_step,
             "tflops_per_card": self.flops_per_token * tokens_per_card_per_sec / 1e12,
             "consumed_samples": consumed_samples,
-            **{key: all_reduce_max(value, self.layout) for key, value in peak_memory_mb(self.device).items()},
+            **memory,
         }
         self.records.append(dict(record))
         self.log.write(record)

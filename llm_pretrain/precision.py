@@ -4,7 +4,7 @@
                         paddle.amp.auto_cast with PaddleNLP's op lists
     O2                  half-precision weights, float32 master weights (paddle.amp.decorate)
     amp_master_grad     float32 gradients kept beside the half weights (fleet's
-                        mix_precision_utils), or refused where that is unsafe
+                        mix_precision_utils, one process too), or refused where that is unsafe
     fp16 loss scaling   one GradScaler whose overflow check is shared by every rank:
                         fleet.distributed_scaler (dp/tp/pp/stage 1) or GroupShardedScaler
                         (stages 2/3); the optimizer step and the LR schedule are skipped
@@ -99,7 +99,8 @@ def keep_master_grads(model, optimizer, dtype: str):
     """float32 gradients in param.main_grad, before fleet's wrappers (returns the optimizer to wrap).
 
     As paddlenlp/trainer/trainer.py _wrap_model under pipeline, tensor parallelism and sharding
-    stage 1/2: fleet's mix_precision_utils hooks accumulate each gradient into main_grad, and an
+    stage 1/2, and for one process (trainer.py:1763-1766, world_size == 1): fleet's
+    mix_precision_utils hooks accumulate each gradient into main_grad, and an
     optimizer steps on main_grad; fleet's hybrid optimizer, its clip, its gradient all-reduce, the
     sequence-parallel hooks and the stage-2 gradient storage all read main_grad when it exists.
     """
@@ -131,18 +132,23 @@ class Precision:
             return model, optimizer
         if self.level == "O2":
             # paddlenlp/trainer/trainer.py _wrap_amp_model / _wrap_model: decorate without
-            # master_grad; master gradients come from mix_precision_utils below.
+            # master_grad; master gradients come from mix_precision_utils below, in one process too.
+            # decorate's own master_grad would not do: its backward-final hook turns every .grad into
+            # float32 (paddle/amp/auto_cast.py:677-703, 743), so the next micro-batch's bfloat16
+            # gradient cannot be accumulated into it ("type of data (bfloat16) does not match (float32)").
             model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=self.dtype,
-                                                   master_weight=True,
-                                                   master_grad=self.master_grad and not layout.distributed)
-        if self.master_grad and layout.distributed:
-            optimizer = keep_master_grads(model, optimizer, self.dtype)
+                                                   master_weight=True, master_grad=False)
+        if self.master_grad:
+            optimizer = keep_master_grads(model, optimizer, self.dtype)  # trainer.py:1763-1766 for one process
         if self.dtype == "float16":
             scaler = paddle.amp.GradScaler(init_loss_scaling=self.scale_loss)
-            if self.master_grad and layout.distributed:
+            if self.master_grad:
                 from paddle.distributed.fleet.utils import mix_precision_utils
 
-                mix_precision_utils.MixPrecisionScaler(scaler)  # paddlenlp/trainer/trainer.py:417 (patches scaler)
+                # paddlenlp/trainer/trainer.py:417 (patches the scaler to unscale main_grad). PaddleNLP's
+                # one-process branch (trainer.py:442) leaves it out, but there too the gradients live in
+                # main_grad (param.grad stays empty), which an unpatched unscale_ would never see.
+                mix_precision_utils.MixPrecisionScaler(scaler)
             self.use_scaler(scaler, layout)
         return model, optimizer
 
@@ -170,6 +176,17 @@ class Precision:
             return False
         self.scaler.unscale_(optimizer)
         return True
+
+    def skip_step(self) -> None:
+        """The trainer dropped this step (a non-finite loss) after `unscale` ran: end the scaler's step
+        as its update() would after an overflow. unscale_ marks the optimizer UNSCALED until update()
+        resets it (paddle/amp/grad_scaler.py:368-371, 887-892); without this the next step's unscale_
+        raises "unscale_() has already been called". The dynamic scale counts the step as an overflow
+        step when the gradients were not finite, as GradScaler.step + update would."""
+        if self.scaler is not None and self.scaler_kind == "local":
+            # What GradScaler.step records before update() (grad_scaler.py:849-855), read once on this rare path.
+            self.scaler._cache_found_inf = bool(self.scaler._found_inf)
+            self.scaler.update()
 
     def backward(self, loss) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

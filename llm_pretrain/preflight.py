@@ -296,7 +296,7 @@ def device_name(device: str) -> str:
         return "cpu"
     import paddle
 
-    return paddle.device.cuda.get_device_name(0)
+    return paddle.device.cuda.get_device_name()  # the current device, this rank's
 
 
 def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: str) -> dict:
@@ -311,7 +311,7 @@ def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: st
     if device == "gpu":
         import paddle
 
-        total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
+        total = paddle.device.cuda.get_device_properties().total_memory / 2**20  # this rank's GPU (current)
         result["device_memory_mb"] = total
         result["fits"] = result["peak_mem_reserved_mb"] <= total
     keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",

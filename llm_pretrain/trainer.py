@@ -46,10 +46,42 @@ from models.decoder import CausalLM
 from models.weights import init_weights, load_weights_file
 
 
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    paddle.seed(seed)
+def distributed_seeds(seed: int, layout: Layout) -> tuple[int, int, int]:
+    """(global, local, random) seeds of this rank, as paddlenlp/trainer/trainer_utils.py
+    _get_distributed_seeds (lines 64-145; no sep group here): the global seed is the same within a
+    tensor-parallel group and differs across data-parallel, pipeline and sharding ranks (dropout on
+    activations that tensor-parallel ranks replicate must match; data replicas should not share
+    masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline stage.
+    One process: (seed, seed + 1, seed)."""
+    mp, pp, dp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.data_parallel_degree
+    offset = (layout.pipeline_parallel_rank * mp + layout.data_parallel_rank * mp * pp
+              + layout.sharding_rank * mp * pp * dp)
+    return seed + offset, seed + layout.world_size + layout.tensor_parallel_rank + offset, \
+        seed + 100 * layout.pipeline_parallel_rank
+
+
+_TRACKER_SEEDS: dict[str, int] = {}  # the tracker states set_seed added in this process (tests run several trainings)
+
+
+def set_seed(seed: int, layout: Layout | None = None) -> None:
+    """paddlenlp/trainer/trainer_utils.py set_seed (lines 148-160): the tracker's "global_seed" and
+    "local_seed" states, paddle's default generator from the global seed, python and numpy from the
+    random seed. The weights do not depend on it (models/weights.py seeds its own generator)."""
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+    global_seed, local_seed, random_seed = distributed_seeds(seed, layout or Layout())
+    tracker = get_rng_state_tracker()
+    for name, old in _TRACKER_SEEDS.items():  # an earlier training in this process: replace its states
+        tracker.states_.pop(name, None)
+        tracker.seeds_.discard(old)
+    _TRACKER_SEEDS.clear()
+    for name, value in (("global_seed", global_seed), ("local_seed", local_seed)):
+        if name not in tracker.states_ and value not in tracker.seeds_:  # as trainer_utils.py:152-156
+            tracker.add(name, value)
+            _TRACKER_SEEDS[name] = value
+    paddle.seed(global_seed)
+    random.seed(random_seed)
+    np.random.seed(random_seed)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -93,9 +125,9 @@ class BatchPrefetcher:
     """Reads the next step's samples on a background thread while this step computes.
 
     Only the host work (memory-mapped reads, stacking) runs on the thread; the copy to the
-    device stays on the main thread (asynchronous from pinned memory on GPU, see to_device).
-    The step's own host sync (agree_on_step) would otherwise keep a read issued after the step
-    from overlapping the device's work."""
+    device stays on the main thread, as a plain copy (see to_device). The step's own host sync
+    (agree_on_step) would otherwise keep a read issued after the step from overlapping the
+    device's work."""
 
     def __init__(self, plan: BatchPlan, dataset, vocab_size: int, device: str):
         from concurrent.futures import ThreadPoolExecutor
@@ -121,12 +153,17 @@ class BatchPrefetcher:
 
 
 def to_device(array: np.ndarray, device: str):
-    """A host array as a tensor on the run's device. On GPU through pinned (page-locked) host memory
-    and an asynchronous copy, so that the copy of the next batch overlaps the running step
-    (Tensor.cuda(blocking=False), paddle/base/dygraph/tensor_patch_methods.py)."""
-    if device != "gpu":
-        return paddle.to_tensor(array)
-    return paddle.to_tensor(array, place=paddle.CUDAPinnedPlace()).cuda(blocking=False)
+    """A host array as a tensor on the run's device (the current place), copied synchronously.
+
+    No pinned staging with an asynchronous copy: Tensor.cuda(blocking=False) issues the copy through
+    Tensor._copy_to on the destination's device context, i.e. on the compute stream
+    (paddle/base/dygraph/tensor_patch_methods.py:1161-1191), so it cannot overlap the step's kernels,
+    only spare the host a wait; and the temporary pinned tensor went back to Paddle's pinned
+    allocator when this function returned, with the copy possibly still reading it. The token ids of
+    a step are a few hundred KB (micro-batch x sequence x 8 bytes): the synchronous copy costs
+    microseconds, and the host reads they come from already run ahead on BatchPrefetcher's thread."""
+    del device  # the current place: CPU, or this rank's GPU (select_device)
+    return paddle.to_tensor(array)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -228,6 +265,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     loss_value, stop = float(host[0]), bool(host[3])
     if nonfinite:
         optimizer.clear_grad()
+        precision.skip_step()  # the one-process scaler already unscaled: close its step
         return StepResult(loss_value, None, ", ".join(nonfinite), stop, optimizer_stepped=False)
     grad_norm = math.sqrt(float(host[4])) if grad_squares is not None and not clip_grad_norm else None
     stepped = precision.step(optimizer)
@@ -331,7 +369,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     if layout.is_main:
         for message in plan.warnings:
             warn(message)
-    set_seed(args.seed)
+    set_seed(args.seed, layout)  # per rank, as PaddleNLP
 
     # 3. Model, optimizer, data.
     reset_peak_memory(device)  # the peak reported is this run's (tests train several runs in one process)
@@ -405,6 +443,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
+    gpu = device == "gpu"  # GPU kernels are not deterministic by construction: resynchronize, never fail
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     step = start_step
     prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
@@ -458,12 +497,13 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             metrics.say(f"stopping after step {step} (exit_interval); run the same command again to resume")
             break
         if args.check_replicas_interval and step % args.check_replicas_interval == 0 and step < args.max_steps:
-            replicas = check_replicas(unwrapped_model, optimizer, layout, step)
+            replicas = check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu)
             replica_checks += 1
 
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
-        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step), "checks": replica_checks + 1}
+        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu),
+                    "checks": replica_checks + 1}
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))

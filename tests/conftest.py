@@ -11,6 +11,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.g
 
 import pytest
 
+# In-process tests on GPU run with the environment launched ones get (no TF32, deterministic kernels).
+sys.path.insert(1, os.path.join(REPO_ROOT, "tests"))
+from launch_utils import use_test_device_in_this_process  # noqa: E402
+
+use_test_device_in_this_process()
+
 
 @pytest.fixture(scope="session")
 def embedded_corpus(tmp_path_factory):

@@ -94,6 +94,20 @@ def test_master_grads_train_like_plain_gradients(overflow_runs, stage):
         assert _max_weight_diff(master["weights"], plain["weights"]) < TOL
 
 
+def test_differing_replicas_fail_on_cpu_and_are_resynchronized_on_gpu(overflow_runs):
+    """llm_pretrain/replica_check.py: a relative difference of 2**-20 on rank 1's copy of a norm weight."""
+    r0, r1 = overflow_runs[0]["replica_resync"], overflow_runs[1]["replica_resync"]
+    for r in (r0, r1):
+        assert r["before"]["identical"] and r["before"]["replica_groups"] > 0
+        # Strict (deterministic by construction): the run fails, naming the tensor and the ranks.
+        assert "layers.0.input_layernorm.weight" in r["strict"] and "rank(s) [1] differ from rank 0" in r["strict"]
+        (entry,) = r["resynchronized"]["resynchronized"]  # only that box differed
+        assert entry["tensor"].startswith("layers.0.input_layernorm.weight@") and entry["source_rank"] == 0
+        assert 0 < entry["relative_difference"] <= 2**-19 and not r["resynchronized"]["identical"]
+        assert r["after"]["identical"]  # bitwise equal again, checked by the strict check
+    assert r0["norm"] == r1["norm"]  # rank 1 took rank 0's copy
+
+
 # ----------------------------------------------------------------------------- scaler kind, refusals
 def _layout(**degrees) -> Layout:
     layout = Layout(**degrees)
@@ -180,7 +194,7 @@ def test_autocast_uses_paddlenlps_op_lists(level, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, level, master_grad, degrees", [
-    ("fp16", "O2", True, {}),                              # one process: decorate keeps the float32 grads
+    ("fp16", "O2", True, {}),                              # one process: fleet's main_grad hooks too
     ("fp16", "O2", True, {"tensor_parallel_degree": 2}),   # distributed: fleet's main_grad hooks instead
     ("bf16", "O2", False, {"sharding_degree": 2, "sharding_stage": 2}),
     ("bf16", "O1", True, {}),                              # O1: nothing decorated, no master grads
@@ -210,14 +224,15 @@ def test_prepare_builds_paddlenlps_amp_objects(dtype, level, master_grad, degree
     if level == "O1":
         assert "decorate" not in calls and "master_grads" not in calls and optimizer == "opt"
     else:
+        # decorate's own master_grad is never used (it breaks gradient accumulation, see below).
         assert {k: calls["decorate"][k] for k in ("level", "dtype", "master_weight", "master_grad")} == {
-            "level": "O2", "dtype": half, "master_weight": True, "master_grad": master_grad and not layout.distributed}
-        fleet_master_grads = master_grad and layout.distributed
+            "level": "O2", "dtype": half, "master_weight": True, "master_grad": False}
+        fleet_master_grads = master_grad
         assert calls.get("master_grads") == (("O2-opt", half) if fleet_master_grads else None)
         assert optimizer == ("mg-opt" if fleet_master_grads else "O2-opt")
     if dtype == "fp16":
         assert calls["scaler"] == {"init_loss_scaling": 32768.0}
-        assert ("mp_scaler" in calls) == (master_grad and layout.distributed)
+        assert ("mp_scaler" in calls) == master_grad
         assert ("distributed_scaler" in calls) == layout.distributed
         assert precision.scaler is not None and precision.scaler_kind == loss_scaler_kind(layout)
     else:
@@ -306,16 +321,19 @@ def _cpu_grad_scaler(**options):
     return scaler
 
 
+def _linear_training():
+    """(layer, model, AdamW, LR schedule, float32 precision) of a one-layer regression."""
+    paddle.seed(0)
+    layer = paddle.nn.Linear(4, 4)
+    optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
+    return layer, _LossModel(layer), optimizer, paddle.optimizer.lr.StepDecay(0.1, step_size=100), _RecordingPrecision()
+
+
 def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow():
     from llm_pretrain.trainer import global_grad_norm, train_step
 
     def run(scaled: bool, inject: bool):
-        paddle.seed(0)
-        layer = paddle.nn.Linear(4, 4)
-        model = _LossModel(layer)
-        optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
-        schedule = paddle.optimizer.lr.StepDecay(0.1, step_size=100)
-        precision = _RecordingPrecision()
+        layer, model, optimizer, schedule, precision = _linear_training()
         if scaled:
             precision.use_scaler(_cpu_grad_scaler(), Layout())
         hook = layer.weight.register_hook(lambda g: g * float("inf")) if inject else None
@@ -334,6 +352,97 @@ def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow
     assert not overflow.optimizer_stepped and schedule.last_epoch == 0
     assert np.array_equal(after, before)
     assert global_grad_norm([]).shape == []
+
+
+def test_one_process_fp16_skipped_step_leaves_the_scaler_usable():
+    """skip_nan_inf_steps with fp16 in one process: a non-finite loss drops the step after the
+    scaler's unscale_ ran; the next step must unscale again (Paddle raises "unscale_() has already
+    been called" unless the skipped step ended with update(), paddle/amp/grad_scaler.py:368-371)."""
+    from llm_pretrain.trainer import train_step
+
+    layer, model, optimizer, schedule, precision = _linear_training()
+    precision.use_scaler(_cpu_grad_scaler(decr_every_n_nan_or_inf=1), Layout())
+    bad = [(paddle.full([2, 4], float("inf")), paddle.ones([2, 4]))]
+    good = [(paddle.ones([2, 4]), paddle.ones([2, 4]))]
+    before = layer.weight.numpy().copy()
+    skipped = train_step(model, optimizer, schedule, precision, bad, layer.parameters())
+    assert skipped.nonfinite == "loss" and not skipped.optimizer_stepped
+    assert np.array_equal(layer.weight.numpy(), before) and schedule.last_epoch == 0
+    assert precision.scaler._scale.numpy().reshape(-1)[0] == 512.0  # the overflow step halved the scale, as GradScaler.update does
+    for _ in range(2):  # and the following steps train normally
+        result = train_step(model, optimizer, schedule, precision, good, layer.parameters())
+        assert result.nonfinite is None and result.optimizer_stepped
+    assert schedule.last_epoch == 2 and not np.array_equal(layer.weight.numpy(), before)
+
+
+class _ReportGpuPlace:
+    def is_gpu_place(self):
+        return True
+
+    def is_xpu_place(self):
+        return False
+
+    def is_custom_place(self):
+        return False
+
+
+class _TracerOnGpu:
+    """The real dygraph tracer, except that its expected place says GPU: paddle.amp.decorate and
+    auto_cast then cast and hook as on a GPU (paddle/amp/auto_cast.py:955-963), while every kernel
+    still runs on the CPU (whose bfloat16 matmul and add kernels exist)."""
+
+    def __init__(self, tracer):
+        object.__setattr__(self, "_tracer", tracer)
+
+    def __getattr__(self, name):
+        return _ReportGpuPlace() if name == "_expected_place" else getattr(self._tracer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._tracer, name, value)
+
+
+def test_one_process_o2_master_grad_accumulates_micro_batches(monkeypatch):
+    """One process, bf16 O2, amp_master_grad and 2 micro-batches. With paddle.amp.decorate's own
+    master_grad, the second backward fails: its final hook made .grad float32 after the first one
+    (paddle/amp/auto_cast.py:677-703), and the bfloat16 gradient cannot be added to it. As PaddleNLP
+    for one process (trainer.py:1763-1766), fleet's MixPrecisionLayer keeps float32 main_grad instead."""
+    auto_cast = importlib.import_module("paddle.amp.auto_cast")
+    real_tracer = auto_cast._dygraph_tracer
+    monkeypatch.setattr(auto_cast, "_dygraph_tracer", lambda: _TracerOnGpu(real_tracer()))
+    monkeypatch.setattr(auto_cast, "_is_gpu_bfloat16_supported", lambda: True)
+
+    def gradients(micro_batches: int, master_grad: bool):
+        paddle.seed(0)
+        layer = paddle.nn.Linear(8, 8)
+        optimizer = paddle.optimizer.AdamW(0.1, parameters=layer.parameters())
+        precision = Precision(SimpleNamespace(bf16=True, fp16=False, fp16_opt_level="O2",
+                                              amp_master_grad=master_grad, scale_loss=1.0), "gpu")
+        layer, optimizer = precision.prepare(layer, optimizer, Layout())
+        assert layer.weight.dtype == paddle.bfloat16  # O2: half-precision weights
+        x = paddle.to_tensor(np.random.RandomState(0).randn(4, 8).astype("float32")).astype("bfloat16")
+        for chunk in paddle.split(x, micro_batches):
+            with precision.autocast():
+                loss = layer(chunk).astype("float32").square().mean()
+            precision.backward(loss / micro_batches)
+        return {name: (p.main_grad if master_grad else p.grad) for name, p in layer.named_parameters()}
+
+    accumulated, whole = gradients(2, master_grad=True), gradients(1, master_grad=True)
+    for name, grad in accumulated.items():
+        assert grad.dtype == paddle.float32, name  # float32 gradients beside bfloat16 weights
+        # The same gradient as one micro-batch of everything, to bfloat16's precision of the products.
+        np.testing.assert_allclose(grad.numpy(), whole[name].numpy(), rtol=2e-2, atol=2e-2)
+    # Paddle's own master_grad hook: the failure this replaces.
+    paddle.seed(0)
+    layer = paddle.nn.Linear(8, 8)
+    layer = paddle.amp.decorate(models=layer, level="O2", dtype="bfloat16", master_grad=True)
+    for _ in range(2):
+        with paddle.amp.auto_cast(True, level="O2", dtype="bfloat16"):
+            loss = layer(paddle.ones([2, 8]).astype("bfloat16")).astype("float32").mean()
+        if _ == 1:
+            with pytest.raises(ValueError, match="does not match"):
+                loss.backward()
+        else:
+            loss.backward()
 
 
 def test_fp16_loss_scale_and_counters_come_back_on_resume(tmp_path):

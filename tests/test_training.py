@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import paddle
 import pytest
 
 from parity_utils import RUN_PRETRAIN, argv, base_arguments, final_weights, run_single, train_records, write_json
@@ -129,3 +130,90 @@ def test_global_batches_read_the_same_samples_at_any_data_parallel_degree(replic
         micro_batches = plans[-1].micro_batches(dataset, first, vocab_size=64)
         assert [b[0].numpy()[:, 0].tolist() for b in micro_batches] == \
             [expected[-micro * accumulation:][i * micro:(i + 1) * micro] for i in range(accumulation)]
+
+
+# ----------------------------------------------------------------------------- per-rank seeds, batches
+@pytest.mark.parametrize("degrees", [
+    {"tensor_parallel_degree": 2, "data_parallel_degree": 2},
+    {"pipeline_parallel_degree": 2, "sharding_degree": 2, "tensor_parallel_degree": 2},
+])
+def test_seeds_per_rank_are_paddlenlps(degrees, monkeypatch):
+    """trainer.distributed_seeds gives every rank the seeds of paddlenlp/trainer/trainer_utils.py
+    _get_distributed_seeds (called here with a topology of the same ranks): the global (dropout on
+    replicated activations) seed shared inside a tensor-parallel group only, the local seed per rank."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    import paddle.distributed
+    from paddlenlp.trainer import trainer_utils
+
+    from llm_pretrain.layout import Layout
+    from llm_pretrain.trainer import distributed_seeds
+
+    layout = Layout(**degrees)
+    sizes = [getattr(layout, k) for k in ("sharding_degree", "data_parallel_degree", "pipeline_parallel_degree",
+                                          "tensor_parallel_degree")]
+    layout.world_size = world = int(np.prod(sizes))
+    monkeypatch.setattr(paddle.distributed, "get_world_size", lambda *a: world)
+    seen = {}
+    for sd, dp, pp, tp in product(*map(range, sizes)):
+        layout.sharding_rank, layout.data_parallel_rank = sd, dp
+        layout.pipeline_parallel_rank, layout.tensor_parallel_rank = pp, tp
+        info = lambda rank, size: SimpleNamespace(rank=rank, size=size)  # noqa: E731
+        topo = SimpleNamespace(dp_info=info(dp, sizes[1]), pp_info=info(pp, sizes[2]), mp_info=info(tp, sizes[3]),
+                               sep_info=info(0, 1), sharding_info=info(sd, sizes[0]))
+        ours = distributed_seeds(1234, layout)
+        assert ours == tuple(trainer_utils._get_distributed_seeds(1234, topo)), (sd, dp, pp, tp)
+        seen[sd, dp, pp, tp] = ours
+    assert len({s[1] for s in seen.values()}) == world  # local seeds: one per rank
+    for (sd, dp, pp, tp), (global_seed, _, _) in seen.items():  # global: shared by tensor-parallel peers only
+        assert all((g == global_seed) == ((s, d, p) == (sd, dp, pp)) for (s, d, p, _), (g, _, _) in seen.items())
+    assert distributed_seeds(7, Layout()) == (7, 8, 7)  # one process: as before, paddle.seed(seed)
+
+
+def test_set_seed_can_run_again_in_one_process():
+    """Tests train several runs in one process: the tracker's states are replaced, not refused."""
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+    from llm_pretrain.trainer import set_seed
+
+    for seed in (3, 4, 3):
+        set_seed(seed)
+        tracker = get_rng_state_tracker()
+        assert {"global_seed", "local_seed"} <= set(tracker.states_)
+        first = paddle.rand([3]).numpy()
+        set_seed(seed)
+        assert np.array_equal(paddle.rand([3]).numpy(), first)
+
+
+def test_batches_reach_the_device_as_plain_copies(embedded_corpus, tmp_path):
+    """BatchPrefetcher hands out exactly the micro-batches BatchPlan reads (the next one read ahead on
+    its thread), as tensors on the current place, copied synchronously (no pinned staging)."""
+    from llm_pretrain.data import build_pretraining_datasets
+    from llm_pretrain.trainer import BatchPlan, BatchPrefetcher
+
+    train, _, _ = build_pretraining_datasets(input_dir=embedded_corpus["input_dir"], split="949,50,1", seq_length=32,
+                                             seed=1, num_samples=(64, 0, 0), data_cache=str(tmp_path / "cache"))
+    plan = BatchPlan(2, 2, 2, 1)
+    prefetcher = BatchPrefetcher(plan, train, 100000, "cpu")
+    try:
+        for first, following in ((0, 8), (8, None)):
+            got = prefetcher.get(first, following)
+            expected = plan.micro_batches(train, first, 100000)
+            assert len(got) == 2 and all(g.place.is_cpu_place() for pair in got for g in pair)
+            for (x, y), (ex, ey) in zip(got, expected):
+                assert np.array_equal(x.numpy(), ex.numpy()) and np.array_equal(y.numpy(), ey.numpy())
+    finally:
+        prefetcher.close()
+
+
+def test_a_logged_step_reads_its_values_together():
+    """metrics.reduce_for_log: the loss, the mean of the step norms (device tensors or floats) and the
+    peak memory come back from one concatenated read (one process: nothing to reduce)."""
+    from llm_pretrain.layout import Layout
+    from llm_pretrain.metrics import reduce_for_log
+
+    norms = [paddle.to_tensor(3.0), 5.0]
+    loss, norm, memory = reduce_for_log(2.5, norms, {"peak_mem_allocated_mb": 7.0, "peak_rss_mb": 9.0}, Layout())
+    assert (loss, norm, memory) == (2.5, 4.0, {"peak_mem_allocated_mb": 7.0, "peak_rss_mb": 9.0})
+    assert reduce_for_log(1.0, [None, 2.0], {"peak_mem_allocated_mb": 1.0}, Layout())[1] is None

@@ -74,9 +74,9 @@ def full_weights(model, unwrapped, stage: int) -> dict:
             for name, p in unwrapped.canonical_named_parameters()}
 
 
-def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, inject: bool = True) -> dict:
-    rank = dist.get_rank()
-    layout = Layout(world_size=2, rank=rank, sharding_degree=2, sharding_stage=stage,
+def build(hcg, stage: int, master_grad: bool = False):
+    """(layout, wrapped model, optimizer, schedule, unwrapped model, parameters) of sharding stage `stage`."""
+    layout = Layout(world_size=2, rank=dist.get_rank(), sharding_degree=2, sharding_stage=stage,
                     sharding_rank=hcg.get_sharding_parallel_rank())
     paddle.seed(5)
     model = CausalLM(CONFIG)
@@ -88,6 +88,12 @@ def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, injec
     unwrapped = model
     parameters = [p for _, p in unwrapped.canonical_named_parameters()]
     model, optimizer = wrap_for_training(model, optimizer, layout, accumulation_steps=2)
+    return layout, model, optimizer, schedule, unwrapped, parameters
+
+
+def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, inject: bool = True) -> dict:
+    rank = dist.get_rank()
+    layout, model, optimizer, schedule, unwrapped, parameters = build(hcg, stage, master_grad)
     precision = Precision(SimpleNamespace(**{**vars(ARGS), "fp16": False}), "cpu")  # float32 autocast
     if scaler_mode == "wrapped":
         precision.use_scaler(cpu_grad_scaler(), layout)
@@ -119,6 +125,34 @@ def run_case(hcg, stage: int, scaler_mode: str, master_grad: bool = False, injec
     return out
 
 
+def run_replica_case(hcg) -> dict:
+    """Stage 1 holds every parameter whole on both ranks. After one step, rank 1's copy of one norm
+    weight and of one moment get a last-bit-sized difference (what a non-deterministic GPU kernel
+    leaves): the strict check (CPU) must refuse, the resynchronizing one (GPU) must report the
+    difference and give rank 1 rank 0's copy, after which the replicas are bitwise equal again."""
+    from llm_pretrain.errors import RunError
+    from llm_pretrain.replica_check import check_replicas
+
+    rank = dist.get_rank()
+    layout, model, optimizer, schedule, unwrapped, parameters = build(hcg, 1)
+    precision = Precision(SimpleNamespace(**{**vars(ARGS), "fp16": False}), "cpu")
+    train_step(model, optimizer, schedule, precision, batches(0, layout.data_replica_rank), parameters,
+               record_grad_norm(optimizer))
+    norm = dict(unwrapped.canonical_named_parameters())["layers.0.input_layernorm.weight"]
+    out = {"before": check_replicas(unwrapped, optimizer, layout, 1)}
+    if rank == 1:
+        norm.set_value(norm.numpy() * (1 + 2**-20))
+    try:
+        check_replicas(unwrapped, optimizer, layout, 1)
+        out["strict"] = "passed"
+    except RunError as error:
+        out["strict"] = str(error)
+    out["resynchronized"] = check_replicas(unwrapped, optimizer, layout, 1, resynchronize_differences=True)
+    out["after"] = check_replicas(unwrapped, optimizer, layout, 1)
+    out["norm"] = norm.numpy().astype("float64").tolist()
+    return out
+
+
 def main():
     hcg, _, _ = init_fleet(sharding_degree=2)
     cases = {
@@ -135,6 +169,11 @@ def main():
             failures[name] = traceback.format_exc()
             print(failures[name], file=sys.stderr, flush=True)
         dist.barrier()
+    try:
+        results["replica_resync"] = run_replica_case(hcg)
+    except Exception:  # noqa: BLE001 - reported to the test
+        failures["replica_resync"] = traceback.format_exc()
+        print(failures["replica_resync"], file=sys.stderr, flush=True)
     write_result({"results": results, "failures": failures})
 
 

@@ -1,0 +1,83 @@
+"""Run several trainings one after the other in this process (the parity harness launches it once per layout).
+
+    python llm_pretrain/parity_worker.py runs.json
+    python -m paddle.distributed.launch --nproc_per_node 2 llm_pretrain/parity_worker.py runs.json
+
+runs.json is a list of runs, each an argument list for llm_pretrain/run_pretrain.py, e.g.
+[["base.json", "--tensor_parallel_degree", "2", "--output_dir", "out/tp2"], ...], or
+{"argv": [...], "inject_overflow": {"rank": 1, "step": 2}}: that rank alone gets an infinite
+gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow.
+Every run of one launch must have the same parallel layout (fleet is initialized once).
+Under llm_pretrain.parity.launch each rank writes what it observed in the runs with an injection:
+whether each step's optimizer step ran and the loss scale after it (keyed by output_dir). Only
+those runs import the trainer before run_pretrain does: the others keep run_pretrain's order
+(its CPU defaults are set before Paddle loads, llm_pretrain/cpu_threads.py).
+"""
+
+import json
+import os
+import sys
+
+
+def observe_steps(inject: dict | None, observed: dict):
+    """Wrap the trainer's train_step: record each step's outcome; inject the overflow if asked."""
+    from llm_pretrain import trainer
+
+    original = trainer.train_step
+    calls = {"n": 0}
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+    def train_step(model, optimizer, schedule, precision, micro_batches, parameters, *args, **kwargs):
+        calls["n"] += 1
+        hook = None
+        if inject and inject["rank"] == rank and inject["step"] == calls["n"]:
+            hook = parameters[0].register_hook(lambda grad: grad * float("inf"))
+        try:
+            result = original(model, optimizer, schedule, precision, micro_batches, parameters, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+        scaler = precision.scaler
+        observed.setdefault("stepped", []).append(bool(result.optimizer_stepped))
+        observed.setdefault("scale", []).append(
+            float(scaler._scale.numpy().reshape(-1)[0]) if scaler is not None else None)
+        return result
+
+    trainer.train_step = train_step
+    return lambda: setattr(trainer, "train_step", original)
+
+
+def main(runs_file: str) -> int:
+    from llm_pretrain.run_pretrain import main as run_pretrain
+
+    with open(runs_file) as f:
+        runs = json.load(f)
+    observations = {}
+    for run in runs:
+        run = run if isinstance(run, dict) else {"argv": run}
+        argv = [str(a) for a in run["argv"]]
+        restore = None
+        if run.get("inject_overflow"):
+            observed = observations.setdefault(argv[argv.index("--output_dir") + 1], {})
+            restore = observe_steps(run["inject_overflow"], observed)
+        try:
+            code = run_pretrain(argv)
+        finally:
+            if restore:
+                restore()
+        if code:
+            return code
+        # fleet.distributed_optimizer keeps the run's optimizer (and through it every weight, gradient
+        # and moment) in fleet's singleton until the next call: drop it, so that the next run's
+        # allocator peak (metrics.peak_memory_mb) is its own.
+        if "paddle.distributed.fleet" in sys.modules:
+            sys.modules["paddle.distributed.fleet"].fleet.user_defined_optimizer = None
+    if os.environ.get("LAUNCH_RESULT_DIR"):  # under llm_pretrain.parity.launch: report what was observed
+        from llm_pretrain.parity import write_result
+
+        write_result({"runs": len(runs), "observations": observations})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
