@@ -23,14 +23,14 @@ MiB = 2**20
 # ----------------------------------------------------------------------------- measured on CPU
 @pytest.fixture(scope="module")
 def measured_runs(embedded_corpus, tmp_path_factory):
-    from planner_runs import run_all
+    from llm_pretrain.planner.cpu_runs import run_all
 
     return run_all(embedded_corpus, tmp_path_factory.mktemp("planner"))
 
 
 def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
     """Predicted per-rank peak vs Paddle's host allocator peak (max over ranks) of real trainings."""
-    from planner_runs import LAUNCHES, predict
+    from llm_pretrain.planner.cpu_runs import LAUNCHES, predict
 
     names = [name for _, runs in LAUNCHES.values() for name in runs]
     assert [r["name"] for r in measured_runs] == names
@@ -46,7 +46,7 @@ def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
 
 def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
     from parity_utils import run_record
-    from planner_runs import predict
+    from llm_pretrain.planner.cpu_runs import predict
 
     for run in measured_runs:
         assert 0 < run["measured_mb"] < run["rss_mb"], run

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parity_utils import argv, run_launch, run_single, train_records, write_json
+from llm_pretrain.parity import argv, run_launch, run_single, train_records, write_json  # on CPU (their default)
 
 BASE = {
     "model_name_or_path": "llama-real", "max_seq_length": 128, "per_device_train_batch_size": 1,
