@@ -273,3 +273,36 @@ def test_import_bloom_saved_without_prefix(tmp_path):
     import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "back"))
     back = paddle.load(str(tmp_path / "back" / "model_state.pdparams"), return_numpy=True)
     assert all(np.array_equal(back[name], value) for name, value in ckpt.merge_checkpoint(path).items())
+
+
+@pytest.mark.parametrize("change, refused", [
+    (dict(num_key_value_heads=2), "grouped"),                      # GPT-2 has one k/v head per q head
+    (dict(tie_word_embeddings=False), "tie_word_embeddings=False"),  # GPT-2's head is the embedding
+    (dict(position_embedding="rope"), "position_embedding='rope'"),  # GPT-2 has learned positions only
+    (dict(position_embedding="alibi"), "position_embedding='alibi'"),
+])
+def test_export_refuses_what_gpt2_cannot_express(change, refused):
+    """A GPT-3 that GPT-2's layout cannot hold is refused before anything is written, naming what."""
+    from llm_pretrain.hf_export import check_exportable
+
+    config = ARCHITECTURES["gpt3-tiny"].replace(**change)
+    with pytest.raises(UsageError, match="GPT2LMHeadModel cannot express") as refused_error:
+        check_exportable(config)
+    assert refused in str(refused_error.value)
+    assert check_exportable(ARCHITECTURES["gpt3-tiny"]).class_name == "GPT2LMHeadModel"
+
+
+def test_last_save_in_hf_is_refused_before_any_work(embedded_corpus, tmp_path):
+    """last_save_in_hf with save_steps 0 (no final checkpoint to export) and with a family without a
+    Hugging Face class: one line, exit 2, from the preflight."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.preflight import check_startup, check_layout_and_model
+
+    base = ["configs/qwen/pretrain-qwen_tiny-dp.json", "--output_dir", str(tmp_path / "out"), "--last_save_in_hf", "true",
+            "--tokenizer_name_or_path", embedded_corpus["tokenizer"], "--input_dir", embedded_corpus["input_dir"]]
+    with pytest.raises(UsageError, match="last_save_in_hf"):
+        parse_arguments(base + ["--save_steps", "0"])
+    args, _ = parse_arguments(base + ["--save_steps", "5"])
+    layout, config, _, _ = check_layout_and_model(args, 1, "cpu")
+    with pytest.raises(UsageError, match="family 'qwen' has no Hugging Face class"):
+        check_startup(args, config, layout, "cpu")
