@@ -41,8 +41,8 @@ from llm_pretrain.flops import training_flops_per_token
 # The layout checks live in llm_pretrain/layout.py (the planner uses the same); imported here for train()
 # and for existing callers.
 from llm_pretrain.layout import (  # noqa: F401
-    Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout, predict_iterations,
-    strategy_name,
+    Layout, check_mixture_of_experts, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, plan_layout,
+    predict_iterations, strategy_name, with_moe_options,
 )
 from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
@@ -557,7 +557,9 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
     device = select_device(args)
     layout = plan_layout(args, launcher_world_size())
     config, weights_file, model_notes = build_model_config(args, layout, device)
+    config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
+    check_mixture_of_experts(args, config, layout)
     check_strategy(args, config, layout)
     check_startup(args, config, layout, device)
     check_data_inputs(args.input_dir, args.split)
@@ -683,7 +685,8 @@ def _train(args: Arguments, argument_warnings: list[str], args_file: str | None,
             if not result.optimizer_stepped:
                 metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
                             "schedule were skipped on every rank")
-            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
+            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples,
+                         router_metrics=getattr(unwrapped_model, "router_metrics", None))
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
             metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,

@@ -1,0 +1,208 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE): a router sends each token to k of E experts.
+
+    probs   = softmax(x W_router)                       [tokens, E], float32
+    top-k   = the k largest probs; ties go to the lower expert index (a stable sort: the same
+              choice in every layout, whatever the batch size the router saw)
+    weights = top-k probs, renormalized to sum 1 if norm_topk_prob (Mixtral) or not (Qwen2-MoE)
+    y       = sum_j weights_j * expert_{e_j}(x)  [+ sigmoid(x w_shared_gate) * shared_expert(x)]
+
+Every expert is the decoder's SwiGLU MLP at width moe_intermediate_size (split like the dense MLP
+under tensor parallelism: gate/up column-parallel, down row-parallel, as PaddleNLP's MixtralMLP);
+the router and the shared expert's gate are replicated.
+
+Dispatch: the (token, slot) pairs are sorted by expert (stable: token order within an expert),
+so each expert's tokens are one contiguous block. With a capacity factor each expert keeps its
+first ceil(factor x tokens x k / E) pairs and the others are dropped (contribute 0; the default,
+factor 0, is dropless like the reference implementations). Under expert parallelism
+(expert_parallel_degree ep) each rank holds the E/ep experts [rank x E/ep, (rank+1) x E/ep):
+the blocks go to their expert's rank by an all-to-all over fleet's expert group and come back by
+a second one (and the reverse pair in backward).
+
+The router statistics of every layer (`RouterStats`) make the auxiliary losses, added to the
+language-model loss by the model (`router_losses`):
+    load balancing (Switch Transformer eq. 4-6 in Hugging Face's / PaddleNLP's Mixtral form, over
+    the layers concatenated):  E x sum_e f_e x P_e, f_e = share of the top-k picks that chose e,
+    P_e = mean router probability of e, both over all layers and tokens; x router_aux_loss_coef
+    z-loss (ST-MoE, optional): mean over tokens and layers of logsumexp(router logits)^2; x router_z_loss_coef
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from models import parallel_layers as pl
+from models.config import ModelConfig
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing of one forward."""
+
+    picks: paddle.Tensor       # [E] float32: how many (token, slot) pairs chose each expert (before dropping)
+    prob_sum: paddle.Tensor    # [E] float32: router probabilities summed over tokens (carries gradient)
+    z_sum: paddle.Tensor       # []  float32: sum over tokens of logsumexp(logits)^2 (carries gradient)
+    dropped: paddle.Tensor     # []  int64: pairs over capacity
+    tokens: int
+
+
+def router_losses(config: ModelConfig, stats: list[RouterStats]):
+    """(load-balancing loss, z-loss), unscaled, over the layers' statistics (see the module docstring)."""
+    tokens = sum(s.tokens for s in stats)
+    picks = paddle.add_n([s.picks for s in stats])
+    prob_sum = paddle.add_n([s.prob_sum for s in stats])
+    balance = config.num_experts * (picks * prob_sum).sum() / (tokens * tokens)
+    z_loss = paddle.add_n([s.z_sum for s in stats]) / tokens
+    return balance, z_loss
+
+
+class RouterMetrics:
+    """What train_log.jsonl reports at a logging step, gathered over the training forwards since the last
+    report without a host sync: the load-balancing loss (mean per forward), the ratio of the most to the
+    least picked expert (the worst layer; null when an expert got no token) and the pairs dropped."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.reset()
+
+    def reset(self):
+        self.picks, self.dropped, self.balance, self.forwards = None, None, None, 0
+
+    def add(self, stats: list[RouterStats], balance):
+        picks = paddle.stack([s.picks for s in stats])  # [layers, E]
+        dropped = paddle.add_n([s.dropped for s in stats])
+        balance = balance.detach().astype("float32")
+        if self.forwards == 0:
+            self.picks, self.dropped, self.balance = picks, dropped, balance
+        else:
+            self.picks, self.dropped, self.balance = self.picks + picks, self.dropped + dropped, self.balance + balance
+        self.forwards += 1
+
+    def summary(self) -> dict:
+        if not self.forwards:
+            return {}
+        picks = self.picks.numpy()
+        least = picks.min(axis=1)
+        ratio = None if (least == 0).any() else float((picks.max(axis=1) / least).max())
+        out = {"moe_aux_loss": float(self.balance) / self.forwards, "expert_load_max_min_ratio": ratio,
+               "tokens_dropped": int(self.dropped)}
+        self.reset()
+        return out
+
+
+def expert_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
+    if config.expert_parallel_degree <= 1:
+        return 0, 1
+    group = expert_parallel_group()
+    return group.rank, group.nranks
+
+
+def expert_parallel_group():
+    """fleet's expert group (HybridCommunicateGroup.get_expert_parallel_group, fleet/base/topology.py)."""
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_expert_parallel_group()
+
+
+class MoE(nn.Layer):
+    """Router, this rank's experts, and the shared expert with its gate (Qwen2-MoE)."""
+
+    def __init__(self, config: ModelConfig, mlp_class):
+        super().__init__()
+        self.config = config
+        experts, hidden = config.num_experts, config.hidden_size
+        self.ep_rank, self.ep_degree = expert_parallel_rank_and_degree(config)
+        self.num_local_experts = experts // self.ep_degree
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.gate = pl.replicated_linear(hidden, experts, bias=False)
+        expert_config = config.replace(intermediate_size=config.expert_intermediate_size, fuse_attention_ffn=False)
+        # Keyed by the global expert index: the parameter names are the single-process model's
+        # (layers.{i}.mlp.experts.{e}.gate_proj.weight) on every rank.
+        self.experts = nn.LayerDict({str(self.first_expert + j): mlp_class(expert_config)
+                                     for j in range(self.num_local_experts)})
+        for param in self.experts.parameters():
+            param.is_expert = True  # not replicated over the expert group (llm_pretrain/distributed.py)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
+                                                          fuse_attention_ffn=False))
+            self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
+        self.last_stats: RouterStats | None = None
+        self.rows_sent = 0  # rows this rank's all-to-alls carried (tests/test_moe.py counts them)
+
+    def route(self, x):
+        """(top-k expert ids [N, k], their weights [N, k], stats) for tokens x [N, hidden]."""
+        c = self.config
+        logits = self.gate(x).astype("float32")
+        probs = F.softmax(logits, axis=-1)
+        selected = paddle.argsort(probs, axis=-1, descending=True, stable=True)[:, :c.num_experts_per_tok]
+        weights = paddle.take_along_axis(probs, selected, axis=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdim=True)
+        picks = F.one_hot(selected.flatten(), c.num_experts).sum(axis=0)
+        z_sum = (paddle.logsumexp(logits, axis=-1) ** 2).sum() if c.router_z_loss_coef else paddle.zeros([])
+        stats = RouterStats(picks=picks.detach(), prob_sum=probs.sum(axis=0), z_sum=z_sum,
+                            dropped=paddle.zeros([], dtype="int64"), tokens=x.shape[0])
+        return selected, weights.astype(x.dtype), stats
+
+    def forward(self, hidden):
+        shape = hidden.shape
+        x = hidden.reshape([-1, shape[-1]])
+        selected, weights, stats = self.route(x)
+        k = self.config.num_experts_per_tok
+        flat = selected.flatten()  # pair p = token p // k, slot p % k
+        order = paddle.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
+        counts = np.bincount(flat.numpy(), minlength=self.config.num_experts)
+        kept = self._capacity_keep(counts)
+        if kept is not None:
+            keep_mask = np.concatenate([np.arange(n) < m for n, m in zip(counts, kept)])
+            stats.dropped = paddle.to_tensor(int((~keep_mask).sum()), dtype="int64")
+            order = paddle.masked_select(order, paddle.to_tensor(keep_mask))
+            counts = kept
+        expert_in = paddle.gather(x, order // k)
+        expert_out, idle_zero = self.run_experts(expert_in, counts)
+        pair_out = paddle.scatter(paddle.zeros([flat.shape[0], shape[-1]], dtype=x.dtype), order, expert_out)
+        out = (pair_out.reshape([-1, k, shape[-1]]) * weights.unsqueeze(-1)).sum(axis=1)
+        if self.config.shared_expert_intermediate_size:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if idle_zero is not None:
+            out = out + idle_zero.astype(out.dtype)
+        self.last_stats = stats
+        return out.reshape(shape)
+
+    def _capacity_keep(self, counts):
+        """Pairs each expert keeps under the capacity factor (None: dropless)."""
+        factor = self.config.moe_capacity_factor
+        if not factor:
+            return None
+        pairs = int(counts.sum())
+        capacity = math.ceil(factor * pairs / self.config.num_experts)
+        return np.minimum(counts, capacity)
+
+    def run_experts(self, expert_in, counts):
+        """Each expert on its block of rows (rows sorted by expert; counts[e] rows for expert e) ->
+        (their outputs in the same order, a zero that depends on every idle expert's parameters)."""
+        if self.ep_degree == 1:
+            return self._local_experts(expert_in, [int(n) for n in counts])
+        from models.expert_parallel import dispatch_and_combine
+
+        return dispatch_and_combine(self, expert_in, np.asarray(counts, dtype="int64"))
+
+    def _local_experts(self, rows, counts: list[int]):
+        """This rank's experts on consecutive blocks of `rows` (counts: one block per local expert)."""
+        outputs, idle, start = [], [], 0
+        for j, n in enumerate(counts):
+            expert = self.experts[str(self.first_expert + j)]
+            if n:
+                outputs.append(expert(rows[start:start + n]))
+            else:
+                # An idle expert still gets a gradient (zeros), so every layout updates the same
+                # parameters (AdamW decays weights and moments on a zero gradient, not on a missing one).
+                idle += [(p * 0).sum() for p in expert.parameters()]
+            start += n
+        out = paddle.concat(outputs) if outputs else rows * 0
+        return out, (paddle.add_n(idle) if idle else None)
