@@ -56,11 +56,12 @@ Patches (line numbers: Paddle 3.3.1 sources under paddle/distributed/):
    leaves it unimplemented ("ProcessGroupGLOO does not support all_to_all with sync_op flag",
    phi/core/distributed/collective/process_group.h:175, reached from
    communication/stream/all_to_all.py:43-47,70-74,275-279); filled in with one all_gather of every rank's
-   inputs, each rank keeping the chunks addressed to it (world-size times the traffic).
+   inputs, each rank keeping the chunks addressed to it (world-size times the traffic). Uneven splits
+   (alltoall_single's in/out_split_sizes: the MoE dispatch) are padded to the largest chunk first.
 
 Not covered (not used by the toolkit): fp16 collectives over gloo (fp16
 all_reduce returns inf), mp_async_allreduce /
-InnerOverlapLinear, ParallelMultiLabelCrossEntropy, unequal all_to_all splits, offload in group sharding.
+InnerOverlapLinear, ParallelMultiLabelCrossEntropy, offload in group sharding.
 Stage-1 `split_param` (DygraphShardingOptimizerV2) runs after patch 10 but
 diverges from a single process from the second step on, for a reason that is
 not CPU-specific: `clear_grad()` calls `clear_gradient(set_to_zero=True)`,
@@ -217,10 +218,35 @@ def _all_to_all_tensor(pg, out, x, out_sizes=(), in_sizes=()):
     # all_to_all of one tensor, split equally along axis 0 (stream/all_to_all.py:43,47,275,279)
     ranks = pg.size()
     if len(set(out_sizes) | set(in_sizes)) > 1:
-        raise NotImplementedError("cpu_compat: all_to_all over gloo needs one equal-sized chunk per rank")
+        return _all_to_all_uneven(pg, out, x, list(out_sizes), list(in_sizes))
     parts = [paddle.empty_like(part) for part in paddle.split(out, ranks, axis=0)]
     task = _all_to_all(pg, parts, list(paddle.split(x, ranks, axis=0)))
     paddle.assign(paddle.concat(parts, axis=0), output=out)
+    return task
+
+
+@paddle.no_grad()
+def _all_to_all_uneven(pg, out, x, out_sizes, in_sizes):
+    # Uneven splits along axis 0 (MoE dispatch, alltoall_single's in/out_split_sizes): every chunk is
+    # padded to the largest chunk any rank sends (one all_gather of the sizes), exchanged as equal
+    # chunks, and the padding dropped.
+    ranks = pg.size()
+    sizes = paddle.to_tensor([max(in_sizes + out_sizes)], dtype="int64")
+    every = paddle.empty([ranks], dtype="int64")
+    pg.all_gather(every, sizes, True).wait()
+    rows = max(int(every.max()), 1)
+    tail = list(x.shape[1:])
+    padded_in = paddle.zeros([ranks * rows] + tail, dtype=x.dtype)
+    start = 0
+    for r, n in enumerate(in_sizes):
+        if n:
+            padded_in[r * rows:r * rows + n] = x[start:start + n]
+        start += n
+    padded_out = paddle.empty([ranks * rows] + tail, dtype=x.dtype)
+    task = _all_to_all_tensor(pg, padded_out, padded_in)
+    kept = [padded_out[r * rows:r * rows + n] for r, n in enumerate(out_sizes) if n]
+    if kept:
+        paddle.assign(paddle.concat(kept), output=out)
     return task
 
 

@@ -208,11 +208,12 @@ def _sharding_optimizer(optimizer):
     return None, None
 
 
-def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None) -> bool:
+def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None, expert: bool = False) -> bool:
     """Whether this rank writes a tensor that several ranks hold identically: replicas are spread
-    over the ranks by a hash of the name, so that every rank writes a similar share."""
+    over the ranks by a hash of the name, so that every rank writes a similar share. An expert under
+    expert parallelism is held by one data-parallel rank only (models/moe.py): that rank writes it."""
     spread = zlib.crc32(name.encode())
-    if layout.data_parallel_rank != spread % layout.data_parallel_degree:
+    if not expert and layout.data_parallel_rank != spread % layout.data_parallel_degree:
         return False
     if tp_replicated and layout.tensor_parallel_rank != spread % layout.tensor_parallel_degree:
         return False
@@ -298,7 +299,7 @@ def save_state(directory: str, model, optimizer, layout) -> list[str]:
             if t.is_scalar_state and h.stage3_slice:
                 owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
             replicated = h.tp_replicated or t.is_scalar_state
-        if h.is_tied_copy or not _writes(h.name, layout, replicated, owner):
+        if h.is_tied_copy or not _writes(h.name, layout, replicated, owner, getattr(h.param, "expert_parallel", False)):
             continue
         to_write.append((t.name, t.tensor, t.global_shape, t.pieces))
 

@@ -140,7 +140,49 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level=level,
                                                      group=hcg.get_sharding_parallel_group(), dp_group=dp_group)
         return model, optimizer
-    return fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
+    model, optimizer = fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
+    use_expert_parallel_clip(optimizer, model)
+    return model, optimizer
+
+
+class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
+    """ClipGradByGlobalNorm (paddle/nn/clip.py _dygraph_clip: g x clip / max(norm, clip)) whose norm counts
+    every expert once: the replicated weights' squares are the same on every rank, the experts' (each
+    held by one rank of the expert group, models/moe.py) are summed over the group. Fleet's data-parallel
+    mode leaves the plain clip in place (hybrid_parallel_optimizer.py:307,353), which would see this
+    rank's experts only and clip each rank differently. `last_norm`: the norm of the last step."""
+
+    def __init__(self, clip_norm: float, group):
+        super().__init__(clip_norm)
+        self.expert_group = group
+        self.last_norm = None
+
+    @paddle.no_grad()
+    def _dygraph_clip(self, params_grads):
+        squares = {True: paddle.zeros([], dtype="float32"), False: paddle.zeros([], dtype="float32")}
+        for param, grad in params_grads:
+            if grad is not None and getattr(param, "need_clip", True):
+                squares[getattr(param, "expert_parallel", False)] += paddle.sum(paddle.square(grad.astype("float32")))
+        dist.all_reduce(squares[True], group=self.expert_group)
+        self.last_norm = paddle.sqrt(squares[False] + squares[True])
+        scale = self.clip_norm / paddle.maximum(self.last_norm, paddle.full([], self.clip_norm, dtype="float32"))
+        return [(p, g if g is None or not getattr(p, "need_clip", True) else g * scale.astype(g.dtype))
+                for p, g in params_grads]
+
+
+def use_expert_parallel_clip(optimizer, model) -> None:
+    """Under expert parallelism, the global-norm clip of the optimizer counts every expert (see above)."""
+    if not any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        return
+    from models.moe import expert_parallel_group
+
+    inner = optimizer
+    while inner is not None:  # the optimizer that owns the clip (fleet's wrapper forwards attribute reads to it)
+        clip = inner.__dict__.get("_grad_clip")
+        if type(clip) is paddle.nn.ClipGradByGlobalNorm:
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_parallel_group())
+            return
+        inner = inner.__dict__.get("_inner_opt")
 
 
 def all_reduce_mean_over_replicas(value: float, layout: Layout) -> float:
@@ -176,6 +218,8 @@ def record_grad_norm(optimizer):
     clip, inner = None, optimizer
     while inner is not None and clip is None:
         candidate = getattr(inner, "_grad_clip", None)
+        if isinstance(candidate, ExpertParallelGlobalNormClip):
+            return lambda: candidate.last_norm
         clip = candidate if isinstance(candidate, (HybridParallelClipGrad, GroupShardedClipGrad)) else None
         inner = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)
     if clip is None:

@@ -281,9 +281,11 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
     if experts % ep:
         raise UsageError(f"expert_parallel_degree: {ep} does not divide the model's num_experts {experts}")
-    if ep > 1 and layout.data_replicas % ep:
-        raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel x sharding ranks "
-                         f"({layout.data_replicas}): expert-parallel ranks read their own samples")
+    if ep > 1 and ep != layout.data_parallel_degree:
+        raise UsageError(f"expert_parallel_degree: {ep} must equal the data-parallel degree "
+                         f"({layout.data_parallel_degree}): the experts are split over the data-parallel ranks, "
+                         "which read their own samples (expert parallelism over sharding ranks or over a part "
+                         "of the data-parallel ranks is not supported yet)")
     if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
         raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
                          f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")
@@ -294,6 +296,6 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
                          "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
                          "use 1")
-    if ep > 1 and layout.sharding_stage == 3:
-        raise UsageError("sharding: stage3 cannot be combined with expert_parallel_degree > 1 (use stage1 or "
-                         "stage2)")
+    if ep > 1 and layout.sharding_stage:
+        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
+                         f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")

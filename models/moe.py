@@ -103,10 +103,63 @@ def expert_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
 
 
 def expert_parallel_group():
-    """fleet's expert group (HybridCommunicateGroup.get_expert_parallel_group, fleet/base/topology.py)."""
+    """The ranks that split the experts among them: the data-parallel group (expert_parallel_degree
+    equals the data-parallel degree; llm_pretrain/layout.py check_mixture_of_experts). Fleet's own
+    expert group (EPHybridCommunicateGroup, fleet/base/topology.py:769) exists only with dp_degree 1
+    (topology.py:880), i.e. when the data replicas are sharding ranks."""
     from paddle.distributed import fleet
 
-    return fleet.get_hybrid_communicate_group().get_expert_parallel_group()
+    return fleet.get_hybrid_communicate_group().get_data_parallel_group()
+
+
+class AllToAll(paddle.autograd.PyLayer):
+    """Rows [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r, recv[s] rows from rank s
+    (paddle.distributed.alltoall_single with uneven splits); backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, counter):
+        ctx.send, ctx.recv, ctx.group, ctx.counter = send, recv, group, counter
+        if counter is not None:  # the dispatch: rows this rank sends out (its token-expert pairs)
+            counter["forward"] += sum(send)
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.counter is not None:  # the dispatch's backward: the gradients of those pairs coming back
+            ctx.counter["backward"] += sum(ctx.send)
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group)
+
+
+def _all_to_all(x, send, recv, group):
+    import paddle.distributed as dist
+
+    out = paddle.empty([sum(recv)] + list(x.shape[1:]), dtype=x.dtype)
+    dist.alltoall_single(out, x, in_split_sizes=send, out_split_sizes=recv, group=group)
+    return out
+
+
+def dispatch_and_combine(moe: "MoE", rows, counts: np.ndarray):
+    """Expert parallelism: rows (sorted by global expert, counts[e] each) to the ranks holding their
+    experts, through them, and back in the same order."""
+    import paddle.distributed as dist
+
+    group, ep, rank, local = moe.ep_group, moe.ep_degree, moe.ep_rank, moe.num_local_experts
+    gathered = []
+    dist.all_gather(gathered, paddle.to_tensor(counts, dtype="int64"), group=group)
+    table = np.stack([t.numpy() for t in gathered]).reshape([ep, ep, local])  # [source, destination rank, expert]
+    send = [int(n) for n in table[rank].sum(axis=1)]
+    recv = [int(n) for n in table[:, rank].sum(axis=1)]
+    received = AllToAll.apply(rows, send, recv, group, moe.rows_sent)  # by source, then local expert
+    # Regroup by local expert: the block of source s for expert j starts at s's offset + its earlier experts.
+    starts = np.concatenate([[0], np.cumsum(recv)[:-1]])
+    mine = table[:, rank]  # [source, local expert]
+    within = np.concatenate([np.zeros([ep, 1], dtype="int64"), np.cumsum(mine, axis=1)[:, :-1]], axis=1)
+    order = np.concatenate([np.arange(starts[s] + within[s, j], starts[s] + within[s, j] + mine[s, j])
+                            for j in range(local) for s in range(ep)]).astype("int64")
+    out, idle_zero = moe._local_experts(paddle.gather(received, paddle.to_tensor(order)),
+                                        [int(n) for n in mine.sum(axis=0)])
+    back = paddle.gather(out, paddle.to_tensor(np.argsort(order, kind="stable").astype("int64")))
+    return AllToAll.apply(back, recv, send, group, None), idle_zero
 
 
 class MoE(nn.Layer):
@@ -125,14 +178,24 @@ class MoE(nn.Layer):
         # (layers.{i}.mlp.experts.{e}.gate_proj.weight) on every rank.
         self.experts = nn.LayerDict({str(self.first_expert + j): mlp_class(expert_config)
                                      for j in range(self.num_local_experts)})
+        self.ep_group = expert_parallel_group() if self.ep_degree > 1 else None
         for param in self.experts.parameters():
-            param.is_expert = True  # not replicated over the expert group (llm_pretrain/distributed.py)
+            param.is_expert = True
+            if self.ep_degree > 1:
+                # Held by one rank of the group, not replicated: fleet's DataParallel neither broadcasts
+                # nor all-reduces it (paddle/distributed/parallel.py:194,484). It already gets the
+                # gradient of every rank's tokens (the all-to-all's backward), summed; the replicated
+                # weights' gradients are averaged over the data-parallel ranks, hence / ep.
+                param.no_sync = True
+                param.expert_parallel = True
+                param.register_hook(lambda grad, ep=self.ep_degree: grad / ep)
         if config.shared_expert_intermediate_size:
             self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
                                                           fuse_attention_ffn=False))
             self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
         self.last_stats: RouterStats | None = None
-        self.rows_sent = 0  # rows this rank's all-to-alls carried (tests/test_moe.py counts them)
+        # rows this rank's dispatching all-to-alls sent in forward and got back in backward (tests count them)
+        self.rows_sent = {"forward": 0, "backward": 0}
 
     def route(self, x):
         """(top-k expert ids [N, k], their weights [N, k], stats) for tokens x [N, hidden]."""
@@ -188,8 +251,6 @@ class MoE(nn.Layer):
         (their outputs in the same order, a zero that depends on every idle expert's parameters)."""
         if self.ep_degree == 1:
             return self._local_experts(expert_in, [int(n) for n in counts])
-        from models.expert_parallel import dispatch_and_combine
-
         return dispatch_and_combine(self, expert_in, np.asarray(counts, dtype="int64"))
 
     def _local_experts(self, rows, counts: list[int]):
