@@ -141,47 +141,69 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
                                                      group=hcg.get_sharding_parallel_group(), dp_group=dp_group)
         return model, optimizer
     model, optimizer = fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
-    use_expert_parallel_clip(optimizer, model)
+    use_expert_parallel_clip(optimizer, model)  # mixture of experts under expert parallelism
     return model, optimizer
 
 
 class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     """ClipGradByGlobalNorm (paddle/nn/clip.py _dygraph_clip: g x clip / max(norm, clip)) whose norm counts
-    every expert once: the replicated weights' squares are the same on every rank, the experts' (each
-    held by one rank of the expert group, models/moe.py) are summed over the group. Fleet's data-parallel
-    mode leaves the plain clip in place (hybrid_parallel_optimizer.py:307,353), which would see this
-    rank's experts only and clip each rank differently. `last_norm`: the norm of the last step."""
+    every part of every weight once: replicated weights' squares as they are (the same on every rank),
+    tensor-parallel slices' summed over the tensor-parallel group (as fleet's HybridParallelClipGrad), and
+    the experts' (each held by one rank of the expert group, models/moe.py) summed over the expert group
+    too. Fleet's clips see only this rank's experts (the plain one in data-parallel mode,
+    hybrid_parallel_optimizer.py:307,353; HybridParallelClipGrad reduces over mp/pp/sharding only), so
+    each rank would clip differently. `last_norm`: the norm of the last step."""
 
-    def __init__(self, clip_norm: float, group):
+    def __init__(self, clip_norm: float, expert_group, tensor_parallel_group=None):
         super().__init__(clip_norm)
-        self.expert_group = group
+        self.expert_group, self.tensor_parallel_group = expert_group, tensor_parallel_group
         self.last_norm = None
 
     @paddle.no_grad()
     def _dygraph_clip(self, params_grads):
-        squares = {True: paddle.zeros([], dtype="float32"), False: paddle.zeros([], dtype="float32")}
+        squares = {kind: paddle.zeros([], dtype="float32") for kind in ("replicated", "split", "expert")}
         for param, grad in params_grads:
             if grad is not None and getattr(param, "need_clip", True):
-                squares[getattr(param, "expert_parallel", False)] += paddle.sum(paddle.square(grad.astype("float32")))
-        dist.all_reduce(squares[True], group=self.expert_group)
-        self.last_norm = paddle.sqrt(squares[False] + squares[True])
+                kind = ("expert" if getattr(param, "expert_parallel", False)
+                        else "split" if getattr(param, "is_distributed", False) else "replicated")
+                squares[kind] += paddle.sum(paddle.square(grad.astype("float32")))
+        if self.tensor_parallel_group is not None:
+            dist.all_reduce(squares["split"], group=self.tensor_parallel_group)
+            dist.all_reduce(squares["expert"], group=self.tensor_parallel_group)
+        dist.all_reduce(squares["expert"], group=self.expert_group)
+        self.last_norm = paddle.sqrt(squares["replicated"] + squares["split"] + squares["expert"])
         scale = self.clip_norm / paddle.maximum(self.last_norm, paddle.full([], self.clip_norm, dtype="float32"))
         return [(p, g if g is None or not getattr(p, "need_clip", True) else g * scale.astype(g.dtype))
                 for p, g in params_grads]
 
 
 def use_expert_parallel_clip(optimizer, model) -> None:
-    """Under expert parallelism, the global-norm clip of the optimizer counts every expert (see above)."""
+    """Under expert parallelism: the global-norm clip counts every expert (see above), and fleet's hybrid
+    optimizer leaves the experts out of its data-parallel all-reduce, as its DataParallel does for
+    parameters marked no_sync (paddle/distributed/parallel.py:484; the hybrid optimizer's
+    _hybrid_sync_grad, hybrid_parallel_optimizer.py:626-638, would average different experts)."""
     if not any(getattr(p, "expert_parallel", False) for p in model.parameters()):
         return
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelClipGrad, HybridParallelOptimizer,
+    )
+
     from models.moe import expert_parallel_group
 
+    hcg = fleet.get_hybrid_communicate_group()
+    tp_group = hcg.get_model_parallel_group() if hcg.get_model_parallel_world_size() > 1 else None
     inner = optimizer
     while inner is not None:  # the optimizer that owns the clip (fleet's wrapper forwards attribute reads to it)
+        if isinstance(inner, HybridParallelOptimizer):
+            sync = inner._hybrid_sync_grad
+            inner._hybrid_sync_grad = lambda params, sync=sync: sync(
+                [p for p in params if not getattr(p, "no_sync", False)])
         clip = inner.__dict__.get("_grad_clip")
+        if isinstance(clip, HybridParallelClipGrad):
+            clip = clip._clip
         if type(clip) is paddle.nn.ClipGradByGlobalNorm:
-            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_parallel_group())
-            return
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_parallel_group(), tp_group)
         inner = inner.__dict__.get("_inner_opt")
 
 

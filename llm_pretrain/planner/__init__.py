@@ -59,13 +59,17 @@ def check_device(device: str) -> None:
 
 def validated_setup(args: Arguments, nproc: int, device: str):
     """(Setup, layout, config) after the trainer's own checks (UsageError for an invalid layout)."""
-    from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout
+    from llm_pretrain.layout import (
+        check_mixture_of_experts, check_model_fits_layout, check_strategy, plan_layout, with_moe_options,
+    )
     from llm_pretrain.trainer import build_model_config
 
     kind = device_kind(device)
     layout = plan_layout(args, nproc)
     config, _, _ = build_model_config(args, layout, kind)
+    config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
+    check_mixture_of_experts(args, config, layout)
     check_strategy(args, config, layout)
     return setup_from(args, layout, config, kind), layout, config
 
