@@ -219,3 +219,45 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
     result = run_cli(args_file, "--output_dir", tmp_path / "bad", "--model_name_or_path", config_dir)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "num_experts_per_tok 5 must be between 1 and num_experts 4" in result.stderr, result.stderr
+
+
+def test_planner_counts_experts_per_rank_and_the_all_to_all():
+    """The planner's parameter list is the model's (names, order, sizes), with E/ep experts per rank under
+    expert parallelism; the all-to-all time is 4 per MoE layer of k x tokens x hidden x (ep-1)/ep bytes."""
+    from llm_pretrain.planner.memory import Setup
+    from llm_pretrain.planner.params import parameter_list
+    from llm_pretrain.planner.speed import Cluster, step_time
+
+    for name in ("mixtral-tiny", "qwen2-moe-tiny"):
+        config = ARCHITECTURES[name]
+        listed = [(p.name, p.numel) for p in parameter_list(config, 1)]
+        assert listed == [(n, int(np.prod(p.shape))) for n, p in CausalLM(config).named_parameters()]
+        halved = parameter_list(config.replace(expert_parallel_degree=2), 1)
+        experts = {p.name.split(".experts.")[1].split(".")[0] for p in halved if ".experts." in p.name}
+        assert len(experts) == config.num_experts // 2
+    config = ARCHITECTURES["mistralai/Mixtral-8x7B-v0.1"].replace(seq_length=4096)
+    cluster = Cluster("A100-80G")
+    base = step_time(Setup(config, 1, 8, dp=8), cluster)
+    ep8 = step_time(Setup(config.replace(expert_parallel_degree=8), 1, 8, dp=8), cluster)
+    assert base["terms"]["expert-parallel all-to-all"] == 0
+    intra = cluster.links()[0]
+    expected = 8 * 32 * 4 * (4096 * 2 * 4096 * 4 * 7 / 8) / (intra * 1e9)  # fp32 activations (no AMP here)
+    assert ep8["terms"]["expert-parallel all-to-all"] == pytest.approx(expected)
+
+
+def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
+    """Mixtral-8x7B's weights, gradients and Adam moments (~16 bytes x 46.7B = 747 GB) exceed 8 x 80 GB:
+    no layout fits, so configs/ has no 8-GPU Mixtral-8x7B file; Qwen1.5-MoE-A2.7B's file is the planner's
+    first choice."""
+    from llm_pretrain.planner.search import search
+
+    assert search("mistralai/Mixtral-8x7B-v0.1", "A100-80G", 8, 4096, 512, top=1)["fitting"] == 0
+    # (the file was written by `scripts/plan.py search --model Qwen/Qwen1.5-MoE-A2.7B --device A100-80G --gpus 8
+    # --seq 4096 --global_batch_size 512 --write configs/qwen2_moe/`, 40 s: here only its estimate)
+    from launch_utils import REPO_ROOT
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner import estimate
+
+    path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-tp2sd4_stage2.json"
+    result = estimate(parse_arguments([str(path)])[0], 8, "A100-80G")
+    assert result["peak_mem_reserved_mb"] < 0.9 * 80 * 1024
