@@ -177,19 +177,30 @@ class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
                 for p, g in params_grads]
 
 
+def sync_expert_gradients(params, sync) -> None:
+    """fleet's gradient sync for the replicated weights; each expert's gradient summed over the ranks that
+    hold the same expert (the expert-data-parallel group, when ep is below the data-parallel degree)."""
+    params = list(params)
+    sync([p for p in params if not getattr(p, "no_sync", False)])
+    for param in params:
+        group = getattr(param, "expert_dp_group", None)
+        grad = getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+        if group is not None and grad is not None:
+            dist.all_reduce(grad, group=group)
+
+
 def use_expert_parallel_clip(optimizer, model) -> None:
     """Under expert parallelism: the global-norm clip counts every expert (see above), and fleet's hybrid
     optimizer leaves the experts out of its data-parallel all-reduce, as its DataParallel does for
     parameters marked no_sync (paddle/distributed/parallel.py:484; the hybrid optimizer's
     _hybrid_sync_grad, hybrid_parallel_optimizer.py:626-638, would average different experts)."""
-    if not any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+    expert_groups = [p.expert_group for p in model.parameters() if getattr(p, "expert_parallel", False)]
+    if not expert_groups:
         return
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelClipGrad, HybridParallelOptimizer,
     )
-
-    from models.moe import expert_parallel_group
 
     hcg = fleet.get_hybrid_communicate_group()
     tp_group = hcg.get_model_parallel_group() if hcg.get_model_parallel_world_size() > 1 else None
@@ -197,13 +208,12 @@ def use_expert_parallel_clip(optimizer, model) -> None:
     while inner is not None:  # the optimizer that owns the clip (fleet's wrapper forwards attribute reads to it)
         if isinstance(inner, HybridParallelOptimizer):
             sync = inner._hybrid_sync_grad
-            inner._hybrid_sync_grad = lambda params, sync=sync: sync(
-                [p for p in params if not getattr(p, "no_sync", False)])
+            inner._hybrid_sync_grad = lambda params, sync=sync: sync_expert_gradients(params, sync)
         clip = inner.__dict__.get("_grad_clip")
         if isinstance(clip, HybridParallelClipGrad):
             clip = clip._clip
         if type(clip) is paddle.nn.ClipGradByGlobalNorm:
-            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_parallel_group(), tp_group)
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0], tp_group)
         inner = inner.__dict__.get("_inner_opt")
 
 

@@ -281,11 +281,11 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
     if experts % ep:
         raise UsageError(f"expert_parallel_degree: {ep} does not divide the model's num_experts {experts}")
-    if ep > 1 and ep != layout.data_parallel_degree:
-        raise UsageError(f"expert_parallel_degree: {ep} must equal the data-parallel degree "
-                         f"({layout.data_parallel_degree}): the experts are split over the data-parallel ranks, "
-                         "which read their own samples (expert parallelism over sharding ranks or over a part "
-                         "of the data-parallel ranks is not supported yet)")
+    if ep > 1 and layout.data_parallel_degree % ep:
+        raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel degree "
+                         f"({layout.data_parallel_degree}): the experts are split over groups of data-parallel "
+                         "ranks, which read their own samples (expert parallelism over sharding ranks is not "
+                         "supported yet)")
     if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
         raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
                          f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")

@@ -98,18 +98,47 @@ class RouterMetrics:
 def expert_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
     if config.expert_parallel_degree <= 1:
         return 0, 1
-    group = expert_parallel_group()
+    group = expert_parallel_groups(config.expert_parallel_degree)[0]
     return group.rank, group.nranks
 
 
-def expert_parallel_group():
-    """The ranks that split the experts among them: the data-parallel group (expert_parallel_degree
-    equals the data-parallel degree; llm_pretrain/layout.py check_mixture_of_experts). Fleet's own
-    expert group (EPHybridCommunicateGroup, fleet/base/topology.py:769) exists only with dp_degree 1
-    (topology.py:880), i.e. when the data replicas are sharding ranks."""
+_GROUPS: dict = {}
+
+
+def expert_parallel_groups(ep: int):
+    """(expert group, expert-data-parallel group or None, index of this rank in the latter).
+
+    The data-parallel ranks [d0, d1, ...] are cut into expert groups of ep consecutive ranks; each splits
+    the experts among its ranks, so rank d holds the experts of expert rank d % ep. Ranks at the same
+    position of different expert groups hold the same experts: the expert-data-parallel group, over
+    which the experts' gradients are summed (llm_pretrain/distributed.py). With ep equal to the
+    data-parallel degree the expert group is fleet's data-parallel group. (Fleet's own expert group,
+    EPHybridCommunicateGroup in fleet/base/topology.py:769, exists only with dp_degree 1,
+    topology.py:880, i.e. with the data replicas as sharding ranks.)"""
+    if ep in _GROUPS:
+        return _GROUPS[ep]
+    import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    return fleet.get_hybrid_communicate_group().get_data_parallel_group()
+    hcg = fleet.get_hybrid_communicate_group()
+    dp_group = hcg.get_data_parallel_group()
+    if ep == dp_group.nranks:
+        _GROUPS[ep] = (dp_group, None, 0)
+        return _GROUPS[ep]
+    me = dist.get_rank()
+    found = [None, None, 0]
+    # every rank creates every group, in the same order (new_group is collective)
+    for ranks in hcg.topology().get_comm_list("data"):
+        for start in range(0, len(ranks), ep):
+            group = dist.new_group(ranks[start:start + ep])
+            if me in ranks[start:start + ep]:
+                found[0], found[2] = group, ranks.index(me) // ep
+        for position in range(ep):
+            group = dist.new_group(ranks[position::ep])
+            if me in ranks[position::ep]:
+                found[1] = group
+    _GROUPS[ep] = tuple(found)
+    return _GROUPS[ep]
 
 
 class AllToAll(paddle.autograd.PyLayer):
@@ -178,17 +207,22 @@ class MoE(nn.Layer):
         # (layers.{i}.mlp.experts.{e}.gate_proj.weight) on every rank.
         self.experts = nn.LayerDict({str(self.first_expert + j): mlp_class(expert_config)
                                      for j in range(self.num_local_experts)})
-        self.ep_group = expert_parallel_group() if self.ep_degree > 1 else None
+        self.ep_group, expert_dp_group, replica = (expert_parallel_groups(self.ep_degree) if self.ep_degree > 1
+                                                   else (None, None, 0))
+        data_replicas = self.ep_degree * (expert_dp_group.nranks if expert_dp_group else 1)
         for param in self.experts.parameters():
             param.is_expert = True
             if self.ep_degree > 1:
-                # Held by one rank of the group, not replicated: fleet's DataParallel neither broadcasts
-                # nor all-reduces it (paddle/distributed/parallel.py:194,484). It already gets the
-                # gradient of every rank's tokens (the all-to-all's backward), summed; the replicated
-                # weights' gradients are averaged over the data-parallel ranks, hence / ep.
+                # Held by one rank of the expert group, not replicated over it: fleet's DataParallel neither
+                # broadcasts nor all-reduces it (paddle/distributed/parallel.py:194,484). It gets the gradient
+                # of every token of its expert group (the all-to-all's backward), summed; summed again over
+                # the expert-data-parallel group (llm_pretrain/distributed.py) it holds every rank's, and the
+                # replicated weights' gradients are averaged over the data-parallel ranks: hence / dp.
                 param.no_sync = True
                 param.expert_parallel = True
-                param.register_hook(lambda grad, ep=self.ep_degree: grad / ep)
+                param.expert_group, param.expert_dp_group = self.ep_group, expert_dp_group
+                param.expert_replica = replica  # 0: the copy a checkpoint stores
+                param.register_hook(lambda grad, dp=data_replicas: grad / dp)
         if config.shared_expert_intermediate_size:
             self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
                                                           fuse_attention_ffn=False))

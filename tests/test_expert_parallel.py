@@ -7,7 +7,8 @@ and stops an ep2 run at step 2 for one process to resume; then it watches the me
     k x tokens (token, expert) pairs per layer in forward and their gradients in backward;
     its loss and its experts' gradients equal the whole model's on both ranks' tokens.
 A second launch trains ep2 x tp2 (4 processes: the experts split like the dense MLP over the
-tensor-parallel pair, the all-to-all between the data-parallel pair), and the first one also trains
+tensor-parallel pair, the all-to-all between the data-parallel pair), a third ep2 within dp4 (two
+expert groups; each expert's gradient summed over its two holders), and the first one also trains
 mixtral-real (expert matrices 1024 x 2816 = 2.9M elements, above 2**20; embedding and head 8.5M,
 above 2**23). Everything is compared with one process training the same global batch (8 samples: 4
 micro-batches of 2 there, 2 per rank under ep2): per-step loss and grad norm, final weights (merged
@@ -51,13 +52,17 @@ def trained(tmp_path_factory, embedded_corpus):
     plan = {"ep": 0, "runs": [argv(args_file, work / "ep2tp2", **ep2, tensor_parallel_degree=2)]}
     launch(str(WORKER), 4, [str(write_json(work / "ep2tp2.plan.json", plan))], log_dir=work / "ep2tp2.log",
            timeout=900, device=DEVICE).check()
+    # ep2 within dp4: two expert groups (ranks 0-1, 2-3), each expert on two ranks (0 and 2, or 1 and 3)
+    plan = {"ep": 0, "runs": [argv(args_file, work / "ep2dp4", expert_parallel_degree=2, gradient_accumulation_steps=1)]}
+    launch(str(WORKER), 4, [str(write_json(work / "ep2dp4.plan.json", plan))], log_dir=work / "ep2dp4.log",
+           timeout=900, device=DEVICE).check()
     return work, result.results()
 
 
 def test_ep2_trains_like_one_process(trained):
     work, _ = trained
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
-                            ("single", "ep2tp2"), ("single-real", "ep2-real")):
+                            ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real")):
         diffs = assert_same_training(work / reference, work / name, step=STEPS)
         print(f"{name}: {diffs}")
         assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]
@@ -68,6 +73,11 @@ def test_ep2_trains_like_one_process(trained):
     index = json.loads((work / "ep2" / f"checkpoint-{STEPS}" / "tensors.index.json").read_text())
     for expert, rank in ((0, 0), (3, 0), (4, 1), (7, 1)):
         slices = index["tensors"][f"layers.1.mlp.experts.{expert}.down_proj.weight"]["slices"]
+        assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
+    # within dp4, the first expert group's ranks write the experts (their copies on ranks 2 and 3 are not)
+    index = json.loads((work / "ep2dp4" / f"checkpoint-{STEPS}" / "tensors.index.json").read_text())
+    for expert, rank in ((0, 0), (4, 1)):
+        slices = index["tensors"][f"layers.0.mlp.experts.{expert}.gate_proj.weight/moment1_0"]["slices"]
         assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
     assert train_records(work / "ep2")[-1]["moe_aux_loss"] > 0.99
     assert run_record(work / "ep2tp2")["layout"]["tensor_parallel_degree"] == 2

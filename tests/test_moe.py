@@ -206,7 +206,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
         num_hidden_layers=2, vocab_size=run["model_config"]["vocab_size"]), 32)
 
     bad = {"expert_parallel_degree": (3, "expert_parallel_degree: 3 does not divide the model's num_experts 8"),
-           "expert_parallel_degree ": (2, "expert_parallel_degree: 2 must equal the data-parallel degree (1)"),
+           "expert_parallel_degree ": (2, "expert_parallel_degree: 2 must divide the data-parallel degree (1)"),
            "sequence_parallel": (True, "sequence_parallel")}
     for key, (value, message) in bad.items():
         result = run_cli(args_file, "--output_dir", tmp_path / "bad", f"--{key.strip()}", json.dumps(value))
