@@ -158,7 +158,9 @@ def runnable_moe_blocks(model) -> None:
     """PaddleNLP 2.8.1's Mixtral blocks runnable under Paddle 3.3.1 (see moe_block_forward)."""
     import types
 
-    for layer in body(model).layers:
+    if not hasattr(model, "mixtral"):
+        return
+    for layer in model.mixtral.layers:
         if hasattr(layer, "block_sparse_moe"):
             layer.block_sparse_moe.forward = types.MethodType(moe_block_forward, layer.block_sparse_moe)
 
