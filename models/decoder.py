@@ -5,7 +5,9 @@
 The families (LLaMA, Baichuan, Qwen, Qwen2, GPT-3, Bloom; each one record in
 models/families/) differ only in the switches of `ModelConfig`: RMSNorm or LayerNorm,
 rotary (Llama 3.1's scaled frequencies too) / ALiBi / learned positions, SwiGLU or
-GELU MLP, biases, a LayerNorm after the word embedding, tied or normalized output head. The blocks below are also the stages of the pipeline
+GELU MLP, biases, a LayerNorm after the word embedding, tied or normalized output head; Mixtral and
+Qwen2-MoE replace the MLP by a mixture of experts (models/moe.py), whose router losses join the loss.
+The blocks below are also the stages of the pipeline
 model (models/pipeline.py), so both paths run the same code.
 """
 
