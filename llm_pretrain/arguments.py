@@ -59,6 +59,12 @@ class Arguments:
     attention_probs_dropout_prob: Optional[float] = _key(None, "Attention dropout; default: the architecture's.", minimum=0)
     fuse_attention_qkv: Optional[bool] = _key(None, "One fused q/k/v projection; default: the architecture's.")
     fuse_attention_ffn: Optional[bool] = _key(None, "One fused gate/up projection; default: the architecture's.")
+    router_aux_loss_coef: Optional[float] = _key(
+        None, "Mixture of experts: weight of the load-balancing loss; default: the architecture's.", minimum=0)
+    router_z_loss_coef: float = _key(0.0, "Mixture of experts: weight of the ST-MoE router z-loss (0: off).", minimum=0)
+    moe_capacity_factor: float = _key(
+        0.0, "Mixture of experts: each expert takes at most ceil(factor x tokens x top-k / experts) of a "
+        "micro-batch's tokens, the rest are dropped; 0: dropless.", minimum=0)
 
     # ---- data ------------------------------------------------------------------
     input_dir: Optional[str] = _key(
@@ -151,6 +157,9 @@ class Arguments:
     distributed_timeout_minutes: Optional[float] = _key(
         None, "GPU: timeout of NCCL collectives, so that a hung rank ends the job (Megatron's "
         "--distributed-timeout-minutes; sets PADDLE_PG_TIMEOUT; default Paddle's 30 minutes).", minimum=0)
+    expert_parallel_degree: int = _key(
+        -1, "Mixture of experts: experts split over this many data-parallel/sharding ranks (fleet's expert "
+        "group); -1 means 1.")
     sep_parallel_degree: int = _key(-1, "Segment parallelism: not supported (1 or -1 only).", choices=(-1, 1))
 
     # ---- recompute -------------------------------------------------------------

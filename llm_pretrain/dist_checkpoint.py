@@ -208,11 +208,12 @@ def _sharding_optimizer(optimizer):
     return None, None
 
 
-def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None) -> bool:
+def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None, expert: bool = False) -> bool:
     """Whether this rank writes a tensor that several ranks hold identically: replicas are spread
-    over the ranks by a hash of the name, so that every rank writes a similar share."""
+    over the ranks by a hash of the name, so that every rank writes a similar share. An expert under
+    expert parallelism is held by one rank of each expert group (models/moe.py): the first group's writes it."""
     spread = zlib.crc32(name.encode())
-    if layout.data_parallel_rank != spread % layout.data_parallel_degree:
+    if not expert and layout.data_parallel_rank != spread % layout.data_parallel_degree:
         return False
     if tp_replicated and layout.tensor_parallel_rank != spread % layout.tensor_parallel_degree:
         return False
@@ -298,7 +299,10 @@ def save_state(directory: str, model, optimizer, layout) -> list[str]:
             if t.is_scalar_state and h.stage3_slice:
                 owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
             replicated = h.tp_replicated or t.is_scalar_state
-        if h.is_tied_copy or not _writes(h.name, layout, replicated, owner):
+        expert = getattr(h.param, "expert_parallel", False)
+        if expert and h.param.expert_replica:  # a copy of an expert another expert group's rank writes
+            continue
+        if h.is_tied_copy or not _writes(h.name, layout, replicated, owner, expert):
             continue
         to_write.append((t.name, t.tensor, t.global_shape, t.pieces))
 

@@ -122,7 +122,81 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level=level,
                                                      group=hcg.get_sharding_parallel_group(), dp_group=dp_group)
         return model, optimizer
-    return fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
+    model, optimizer = fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
+    use_expert_parallel_clip(optimizer, model)  # mixture of experts under expert parallelism
+    return model, optimizer
+
+
+class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
+    """ClipGradByGlobalNorm (paddle/nn/clip.py _dygraph_clip: g x clip / max(norm, clip)) whose norm counts
+    every part of every weight once: replicated weights' squares as they are (the same on every rank),
+    tensor-parallel slices' summed over the tensor-parallel group (as fleet's HybridParallelClipGrad), and
+    the experts' (each held by one rank of the expert group, models/moe.py) summed over the expert group
+    too. Fleet's clips see only this rank's experts (the plain one in data-parallel mode,
+    hybrid_parallel_optimizer.py:307,353; HybridParallelClipGrad reduces over mp/pp/sharding only), so
+    each rank would clip differently. `last_norm`: the norm of the last step."""
+
+    def __init__(self, clip_norm: float, expert_group, tensor_parallel_group=None):
+        super().__init__(clip_norm)
+        self.expert_group, self.tensor_parallel_group = expert_group, tensor_parallel_group
+        self.last_norm = None
+
+    @paddle.no_grad()
+    def _dygraph_clip(self, params_grads):
+        squares = {kind: paddle.zeros([], dtype="float32") for kind in ("replicated", "split", "expert")}
+        for param, grad in params_grads:
+            if grad is not None and getattr(param, "need_clip", True):
+                kind = ("expert" if getattr(param, "expert_parallel", False)
+                        else "split" if getattr(param, "is_distributed", False) else "replicated")
+                squares[kind] += paddle.sum(paddle.square(grad.astype("float32")))
+        if self.tensor_parallel_group is not None:
+            dist.all_reduce(squares["split"], group=self.tensor_parallel_group)
+            dist.all_reduce(squares["expert"], group=self.tensor_parallel_group)
+        dist.all_reduce(squares["expert"], group=self.expert_group)
+        self.last_norm = paddle.sqrt(squares["replicated"] + squares["split"] + squares["expert"])
+        scale = self.clip_norm / paddle.maximum(self.last_norm, paddle.full([], self.clip_norm, dtype="float32"))
+        return [(p, g if g is None or not getattr(p, "need_clip", True) else g * scale.astype(g.dtype))
+                for p, g in params_grads]
+
+
+def sync_expert_gradients(params, sync) -> None:
+    """fleet's gradient sync for the replicated weights; each expert's gradient summed over the ranks that
+    hold the same expert (the expert-data-parallel group, when ep is below the data-parallel degree)."""
+    params = list(params)
+    sync([p for p in params if not getattr(p, "no_sync", False)])
+    for param in params:
+        group = getattr(param, "expert_dp_group", None)
+        grad = getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+        if group is not None and grad is not None:
+            dist.all_reduce(grad, group=group)
+
+
+def use_expert_parallel_clip(optimizer, model) -> None:
+    """Under expert parallelism: the global-norm clip counts every expert (see above), and fleet's hybrid
+    optimizer leaves the experts out of its data-parallel all-reduce, as its DataParallel does for
+    parameters marked no_sync (paddle/distributed/parallel.py:484; the hybrid optimizer's
+    _hybrid_sync_grad, hybrid_parallel_optimizer.py:626-638, would average different experts)."""
+    expert_groups = [p.expert_group for p in model.parameters() if getattr(p, "expert_parallel", False)]
+    if not expert_groups:
+        return
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelClipGrad, HybridParallelOptimizer,
+    )
+
+    hcg = fleet.get_hybrid_communicate_group()
+    tp_group = hcg.get_model_parallel_group() if hcg.get_model_parallel_world_size() > 1 else None
+    inner = optimizer
+    while inner is not None:  # the optimizer that owns the clip (fleet's wrapper forwards attribute reads to it)
+        if isinstance(inner, HybridParallelOptimizer):
+            sync = inner._hybrid_sync_grad
+            inner._hybrid_sync_grad = lambda params, sync=sync: sync_expert_gradients(params, sync)
+        clip = inner.__dict__.get("_grad_clip")
+        if isinstance(clip, HybridParallelClipGrad):
+            clip = clip._clip
+        if type(clip) is paddle.nn.ClipGradByGlobalNorm:
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0], tp_group)
+        inner = inner.__dict__.get("_inner_opt")
 
 
 def all_reduce_mean_over_replicas(value: float, layout: Layout) -> float:
@@ -158,6 +232,8 @@ def record_grad_norm(optimizer):
     clip, inner = None, optimizer
     while inner is not None and clip is None:
         candidate = getattr(inner, "_grad_clip", None)
+        if isinstance(candidate, ExpertParallelGlobalNormClip):
+            return lambda: candidate.last_norm
         clip = candidate if isinstance(candidate, (HybridParallelClipGrad, GroupShardedClipGrad)) else None
         inner = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)
     if clip is None:

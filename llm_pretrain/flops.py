@@ -67,6 +67,16 @@ def mlp_matrices(config: ModelConfig) -> int:
     return 3 if config.uses_swiglu else 2
 
 
+def activated_mlp_width(config: ModelConfig) -> int:
+    """The MLP width a token passes through. Mixture of experts: its k experts and the shared one
+    (the router's h x E product is O(h E), negligible as the norms): Mixtral-8x7B 2 x 14336,
+    Qwen1.5-MoE-A2.7B 4 x 1408 + 5632. Model FLOPs thus count the activated parameters, as the
+    "A2.7B" / "12.9B active" figures of the model cards."""
+    if config.is_moe:
+        return config.num_experts_per_tok * config.expert_intermediate_size + config.shared_expert_intermediate_size
+    return config.intermediate_size
+
+
 def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False) -> dict[str, float]:
     """Forward FLOPs of one decoder layer per token, by part (see the module docstring)."""
     h, d = config.hidden_size, config.head_dim
@@ -78,7 +88,7 @@ def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_a
     return {
         "projections": 2 * (2 * h * q_width + 2 * h * kv_width),
         "core_attention": core_attention,
-        "mlp": 2 * mlp_matrices(config) * h * config.intermediate_size,
+        "mlp": 2 * mlp_matrices(config) * h * activated_mlp_width(config),
     }
 
 

@@ -275,3 +275,50 @@ def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_deg
 def predict_iterations(args: Arguments) -> int:
     """Batches of the test split, as PaddleNLP's llm/run_pretrain.py: test_iters = eval_iters * 10."""
     return 10 * args.eval_iters
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+def with_moe_options(args: Arguments, config: ModelConfig) -> ModelConfig:
+    """The run's mixture-of-experts options in the model config (models/moe.py)."""
+    if not config.is_moe:
+        return config
+    changes = dict(router_z_loss_coef=args.router_z_loss_coef, moe_capacity_factor=args.moe_capacity_factor,
+                   expert_parallel_degree=_degree(args.expert_parallel_degree))
+    if args.router_aux_loss_coef is not None:
+        changes["router_aux_loss_coef"] = args.router_aux_loss_coef
+    return config.replace(**changes)
+
+
+def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+    """Expert counts, top-k and expert parallelism against the model and the layout."""
+    ep = _degree(args.expert_parallel_degree)
+    if ep < 1:
+        raise UsageError(f"expert_parallel_degree: {args.expert_parallel_degree} must be -1 or a positive integer")
+    if not config.is_moe:
+        if ep > 1:
+            raise UsageError(f"expert_parallel_degree: {ep} needs a mixture-of-experts model ({config.family} has "
+                             "no experts; mixtral and qwen2_moe have)")
+        return
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    if not 1 <= top_k <= experts:
+        raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    if experts % ep:
+        raise UsageError(f"expert_parallel_degree: {ep} does not divide the model's num_experts {experts}")
+    if ep > 1 and layout.data_parallel_degree % ep:
+        raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel degree "
+                         f"({layout.data_parallel_degree}): the experts are split over groups of data-parallel "
+                         "ranks, which read their own samples (expert parallelism over sharding ranks is not "
+                         "supported yet)")
+    if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
+        raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
+                         f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")
+    if args.sequence_parallel:
+        raise UsageError("sequence_parallel: not supported with a mixture-of-experts model (the router needs "
+                         "whole tokens; its expert blocks have uneven lengths); set sequence_parallel false")
+    if layout.pipeline_parallel_degree > 1:
+        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
+                         "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
+                         "use 1")
+    if ep > 1 and layout.sharding_stage:
+        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
+                         f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")

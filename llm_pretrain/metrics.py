@@ -222,7 +222,11 @@ class MetricsLogger:
             self.progress.write(line)
 
     def step(self, step: int, loss: float, grad_norm: float | None, learning_rate: float, step_time: float,
-             consumed_samples: int) -> None:
+             consumed_samples: int, router_metrics=None) -> None:
+        """router_metrics: a mixture-of-experts model's models.moe.RouterMetrics (read and reset at logging
+        steps: its aux loss averaged over the data replicas, expert load ratio and drops of this rank's tokens)."""
+        from llm_pretrain.distributed import all_reduce_mean_over_replicas
+
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._time += step_time
@@ -245,6 +249,11 @@ class MetricsLogger:
             "consumed_samples": consumed_samples,
             **memory,
         }
+        if router_metrics is not None:
+            moe = router_metrics.summary()
+            if "moe_aux_loss" in moe:
+                moe["moe_aux_loss"] = all_reduce_mean_over_replicas(moe["moe_aux_loss"], self.layout)
+            record.update(moe)
         self.records.append(dict(record))
         self.log.write(record)
         self.say(format_train_line(self.records[-1], self.max_steps))

@@ -35,7 +35,9 @@ from llm_pretrain.cpu_threads import apply_cpu_defaults, import_paddle, paddle_b
 from llm_pretrain.data import check_data_inputs, parse_split
 from llm_pretrain.data.integrity import check_data_integrity
 from llm_pretrain.errors import UsageError
-from llm_pretrain.layout import Layout, check_model_fits_layout, check_strategy, plan_layout
+from llm_pretrain.layout import (
+    Layout, check_mixture_of_experts, check_model_fits_layout, check_strategy, plan_layout, with_moe_options,
+)
 from llm_pretrain.planner import estimate_setup, setup_from
 from models.config import ModelConfig
 from models.registry import resolve_model
@@ -121,7 +123,9 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     """The layout on world_size processes and the model it trains, both checked (the planner runs this too)."""
     layout = plan_layout(args, world_size)
     config, weights_file, notes = build_model_config(args, layout, device)
+    config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
+    check_mixture_of_experts(args, config, layout)
     check_strategy(args, config, layout)
     return layout, config, weights_file, notes
 

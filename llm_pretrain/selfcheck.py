@@ -346,7 +346,7 @@ def judge_perf(kind: str, output: Path) -> dict:
 # ----------------------------------------------------------------------------- the kernel table
 def kernel_config(**flags):
     """A small LLaMA (one layer, head_dim 64 as flash attention wants) with the given kernel flags."""
-    from models.config import make_config
+    from models.registry import make_config
 
     return make_config("llama", vocab_size=512, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=256, seq_length=128,

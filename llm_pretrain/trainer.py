@@ -476,7 +476,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             if not result.optimizer_stepped:
                 metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
                             "schedule were skipped on every rank")
-            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
+            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples,
+                         router_metrics=getattr(unwrapped_model, "router_metrics", None))
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
             metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,

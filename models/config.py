@@ -44,6 +44,14 @@ class ModelConfig:
     fuse_attention_qkv: bool = False  # one q/k/v projection instead of three
     fuse_attention_ffn: bool = False  # one gate/up projection instead of two
 
+    # mixture of experts (models/moe.py; Mixtral, Qwen2-MoE); num_experts 0: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: Optional[int] = None  # each expert's width; None: intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-active expert behind a sigmoid gate
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum 1 (Mixtral yes, Qwen2-MoE no)
+    router_aux_loss_coef: float = 0.001  # load-balancing loss (Switch Transformer / HF Mixtral form)
+
     # ---- runtime (set from the run's arguments; not part of config.json) -----
     seq_length: int = 1024
     tensor_parallel_degree: int = 1
@@ -57,6 +65,9 @@ class ModelConfig:
     use_fused_rope: bool = False
     use_fused_swiglu: bool = False  # Paddle's swiglu kernel (GPU; PaddleNLP's LLaMA MLP uses it whenever present)
     use_fast_layer_norm: bool = False  # PaddleNLP's fast_ln custom op for LayerNorm (GPU)
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: coef x mean over tokens of logsumexp(logits)^2
+    moe_capacity_factor: float = 0.0  # > 0: each expert takes at most ceil(factor x tokens x k / E); 0: dropless
+    expert_parallel_degree: int = 1  # experts split over fleet's expert group (each rank: E / ep of them)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -65,6 +76,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def uses_swiglu(self) -> bool:
@@ -80,5 +99,5 @@ class ModelConfig:
 RUNTIME_KEYS = (
     "seq_length", "tensor_parallel_degree", "sequence_parallel", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
-    "use_fused_swiglu", "use_fast_layer_norm",
+    "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
 )

@@ -5,7 +5,9 @@
 The families (LLaMA, Baichuan, Qwen, Qwen2, GPT-3, Bloom; each one record in
 models/families/) differ only in the switches of `ModelConfig`: RMSNorm or LayerNorm,
 rotary (Llama 3.1's scaled frequencies too) / ALiBi / learned positions, SwiGLU or
-GELU MLP, biases, a LayerNorm after the word embedding, tied or normalized output head. The blocks below are also the stages of the pipeline
+GELU MLP, biases, a LayerNorm after the word embedding, tied or normalized output head; Mixtral and
+Qwen2-MoE replace the MLP by a mixture of experts (models/moe.py), whose router losses join the loss.
+The blocks below are also the stages of the pipeline
 model (models/pipeline.py), so both paths run the same code.
 """
 
@@ -19,6 +21,7 @@ import paddle.nn.functional as F
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
+from models.moe import MoE, RouterMetrics, router_losses
 from models.rope import llama3_scaled_inv_freq
 
 
@@ -297,7 +300,7 @@ class DecoderLayer(nn.Layer):
         self.self_attn = Attention(config)
         self.self_attn.layer_index = layer_index  # for no_recompute_layers under "core_attn"
         self.post_attention_layernorm = pl.norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config, MLP) if config.is_moe else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def attention_block(self, hidden):
@@ -376,9 +379,11 @@ class CausalLM(nn.Layer):
         self.norm = pl.norm(config, config.hidden_size)
         tied = self.embeddings.word_embeddings.weight if config.tie_word_embeddings else None
         self.lm_head = LMHead(config, tied)
+        self.router_metrics = RouterMetrics(config) if config.is_moe else None
 
     def forward(self, input_ids, labels=None):
         hidden = self.embeddings(input_ids)
+        router_stats = []
         for layer in self.layers:
             if layer._recompute("full"):
                 from paddle.distributed.fleet.utils import recompute
@@ -386,10 +391,18 @@ class CausalLM(nn.Layer):
                 hidden = recompute(layer, hidden, use_reentrant=False)
             else:
                 hidden = layer(hidden)
+            if self.config.is_moe:
+                router_stats.append(layer.mlp.last_stats)
         logits = self.lm_head(self.norm(hidden))
         if labels is None:
             return logits
-        return causal_lm_loss(self.config, logits, labels)
+        loss = causal_lm_loss(self.config, logits, labels)
+        if router_stats:  # mixture of experts: the router's auxiliary losses join the loss (models/moe.py)
+            balance, z_loss = router_losses(self.config, router_stats)
+            loss = loss + self.config.router_aux_loss_coef * balance + self.config.router_z_loss_coef * z_loss
+            if self.training:
+                self.router_metrics.add(router_stats, balance)
+        return loss
 
     def canonical_named_parameters(self):
         """(name in the single-process model, parameter) for every parameter this rank holds."""

@@ -53,6 +53,10 @@ def parameter_count(config: ModelConfig) -> int:
     mlp = (3 if config.uses_swiglu else 2) * h * inner
     if config.linear_bias:
         mlp += (2 * inner if config.uses_swiglu else inner) + h
+    if config.is_moe:  # router + experts (+ the shared expert and its gate); models/moe.py
+        mlp = h * config.num_experts + config.num_experts * 3 * h * config.expert_intermediate_size
+        if config.shared_expert_intermediate_size:
+            mlp += 3 * h * config.shared_expert_intermediate_size + h
     total = config.num_hidden_layers * (2 * norm + attention + mlp) + norm + vocab * h
     if config.position_embedding == "learned":
         total += config.max_position_embeddings * h

@@ -110,17 +110,42 @@ def paddlenlp_worker(spec_path: str) -> None:
     """PaddleNLP's Trainer + LlamaForCausalLM on our samples from our initial weights; per-step times, losses."""
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    import numpy as np
     import paddle
-    from paddlenlp.trainer import Trainer, TrainerCallback, TrainingArguments
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
 
-    from llm_pretrain.data import build_pretraining_datasets
     from models.decoder import CausalLM
     from models.paddlenlp_interop import to_paddlenlp_state
     from models.weights import init_weights
 
-    steps, batch, seq, sizes = spec["steps"], spec["batch"], spec["seq"], spec["model"]
+    seq, sizes = spec["seq"], spec["model"]
+    # The plain fp32 eager path: every switch that could make it compute something else, spelled out.
+    config = LlamaConfig(**sizes, max_position_embeddings=seq, seq_length=seq, rms_norm_eps=1e-6, use_cache=False,
+                         use_flash_attention=False, use_fused_rms_norm=False, use_fused_rope=False,
+                         fuse_attention_qkv=False, fuse_attention_ffn=False, tensor_parallel_output=False,
+                         use_recompute=False, sequence_parallel=False, tie_word_embeddings=False, dtype="float32")
+    model = LlamaForCausalLM(config)
+    # Our trainer's initial weights (models/weights.py, same seed) in PaddleNLP's names: both runs then
+    # log the same losses, which shows that they compute the same thing.
+    ours_config = make_config("llama", **sizes, max_position_embeddings=seq, seq_length=seq, norm_eps=1e-6)
+    ours = CausalLM(ours_config)
+    init_weights(ours, ours_config, SEED)
+    state = to_paddlenlp_state(ours_config, {k: v.numpy() for k, v in ours.state_dict().items()})
+    missing, unexpected = model.set_state_dict({k: paddle.to_tensor(v) for k, v in state.items()})
+    assert not missing and not unexpected, (missing, unexpected)
+    del ours
+    train_with_paddlenlp_trainer(model, spec)
+
+
+def train_with_paddlenlp_trainer(model, spec: dict) -> None:
+    """PaddleNLP's Trainer on `model` with our samples in our order (spec: steps, batch, seq, input_dir,
+    data_cache, output_dir); writes output_dir/steps.json: per-step begin/end times, losses."""
+    import numpy as np
+    import paddle
+    from paddlenlp.trainer import Trainer, TrainerCallback, TrainingArguments
+
+    from llm_pretrain.data import build_pretraining_datasets
+
+    steps, batch, seq = spec["steps"], spec["batch"], spec["seq"]
     # What our trainer reads: the same dataset (split, seed, index cache); step k gets samples k*batch...
     train, _, _ = build_pretraining_datasets(spec["input_dir"], "949,50,1", seq, SEED, (steps * batch, 0, 0),
                                              data_cache=spec["data_cache"])
@@ -150,21 +175,6 @@ def paddlenlp_worker(spec_path: str) -> None:
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    # The plain fp32 eager path: every switch that could make it compute something else, spelled out.
-    config = LlamaConfig(**sizes, max_position_embeddings=seq, seq_length=seq, rms_norm_eps=1e-6, use_cache=False,
-                         use_flash_attention=False, use_fused_rms_norm=False, use_fused_rope=False,
-                         fuse_attention_qkv=False, fuse_attention_ffn=False, tensor_parallel_output=False,
-                         use_recompute=False, sequence_parallel=False, tie_word_embeddings=False, dtype="float32")
-    model = LlamaForCausalLM(config)
-    # Our trainer's initial weights (models/weights.py, same seed) in PaddleNLP's names: both runs then
-    # log the same losses, which shows that they compute the same thing.
-    ours_config = make_config("llama", **sizes, max_position_embeddings=seq, seq_length=seq, norm_eps=1e-6)
-    ours = CausalLM(ours_config)
-    init_weights(ours, ours_config, SEED)
-    state = to_paddlenlp_state(ours_config, {k: v.numpy() for k, v in ours.state_dict().items()})
-    missing, unexpected = model.set_state_dict({k: paddle.to_tensor(v) for k, v in state.items()})
-    assert not missing and not unexpected, (missing, unexpected)
-    del ours
     args = TrainingArguments(output_dir=spec["output_dir"], max_steps=steps, per_device_train_batch_size=batch,
                              gradient_accumulation_steps=1, lr_scheduler_type="constant", warmup_steps=0,
                              logging_steps=1, save_strategy="no", evaluation_strategy="no", do_train=True,

@@ -315,14 +315,19 @@ def test_scripts_bad_input_is_one_line_exit_2(script, args, message, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
 
 
-@pytest.mark.parametrize("case", ["qwen2", "llama3"])
+HF_CLASSES = {"llama.": "LlamaForCausalLM", "qwen2.": "Qwen2ForCausalLM", "mixtral.": "MixtralForCausalLM",
+              "qwen2_moe.": "Qwen2MoeForCausalLM"}
+
+
+@pytest.mark.parametrize("case", ["qwen2", "llama3", "mixtral", "qwen2_moe"])
 def test_import_hugging_face_safetensors(case, tmp_path):
-    """Hugging Face's Qwen2 / Llama 3 checkpoints (model.safetensors: "model." names, PyTorch's [out, in]
-    matrices, no lm_head when tied) import to the model the reference computes."""
+    """Hugging Face's Qwen2 / Llama 3 / Mixtral / Qwen2-MoE checkpoints (model.safetensors: "model." names,
+    PyTorch's [out, in] matrices (routers and the shared expert's gate too), no lm_head when tied) import
+    to the model the reference computes."""
     from safetensors.numpy import save_file
 
     reference, raw, config = build_paddlenlp_model(case, seed=29)
-    prefix = "qwen2." if RECORD_CASES[case].qkv_bias else "llama."
+    prefix = next(iter(reference_state(case, reference))).split(".")[0] + "."
     hf = {}
     for name, value in reference_state(case, reference).items():
         value = value.numpy()
@@ -330,7 +335,7 @@ def test_import_hugging_face_safetensors(case, tmp_path):
         hf[hf_name] = np.ascontiguousarray(value.T if value.ndim == 2 and "embed_tokens" not in name else value)
     (tmp_path / "hf").mkdir()
     save_file(hf, str(tmp_path / "hf" / "model.safetensors"))
-    hf_config = {**raw, "architectures": ["Qwen2ForCausalLM" if prefix == "qwen2." else "LlamaForCausalLM"],
+    hf_config = {**raw, "architectures": [HF_CLASSES[prefix]],
                  "tie_word_embeddings": config.tie_word_embeddings}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
     import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "ours"))

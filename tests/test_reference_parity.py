@@ -10,6 +10,12 @@ Loss conventions: PaddleNLP's LLaMA/Qwen/Bloom criteria, like ours, take labels 
 with the logits (no shift inside the model) and skip -100; PaddleNLP's GPT skips its
 config.ignore_index, 0 by default, so the GPT cases set ignore_index=-100.
 
+Mixture of experts: PaddleNLP 2.8.1's MixtralForCausalLM with output_router_logits, so that its loss
+includes the load-balancing loss (router_aux_loss_coef 0.02, large enough to matter at 1e-5). It has
+no Qwen2-MoE class; Qwen2-MoE is checked against MixtralForCausalLM given, in this file, what
+Qwen2-MoE adds: q/k/v biases, a shared expert behind a sigmoid gate and top-k weights that are not
+renormalized (the block's forward written after Hugging Face's Qwen2MoeSparseMoeBlock).
+
 PaddleNLP 2.8.1 has no class with Baichuan2's NormHead (its Baichuan checkpoints run as
 LlamaForCausalLM, without head normalization), so `norm_head` is checked against
 PaddleNLP's LLaMA(alibi) body with a head we L2-normalize in numpy.
@@ -51,8 +57,12 @@ def build_paddlenlp_model(case: str, seed: int = 0):
     config = getattr(paddlenlp_transformers, record.config_class)(**record.kwargs)
     paddle.seed(seed)
     model = getattr(paddlenlp_transformers, record.class_name)(config)
+    runnable_moe_blocks(model)
     if record.qkv_bias:
         give_qkv_biases(model)
+    runnable_moe_blocks(model)
+    if record.config.shared_expert_intermediate_size:
+        make_qwen2_moe(model, record.config.shared_expert_intermediate_size)
     if record.rope_scaling:
         scale_rotary_tables(model, record.rope_scaling)
     randomize(model, seed)
@@ -63,10 +73,111 @@ def build_paddlenlp_model(case: str, seed: int = 0):
     return model, reference_config_json(case, config.to_dict()), record.config
 
 
+def body(model):
+    """The decoder stack of a PaddleNLP causal LM (LlamaForCausalLM.llama, MixtralForCausalLM.mixtral)."""
+    return model.mixtral if hasattr(model, "mixtral") else model.llama
+
+
+# The reference's parameter-name prefix -> the family's, for the references given q/k/v biases
+QWEN_PREFIXES = {"llama.": "qwen2.", "mixtral.": "qwen2_moe."}
+# Mixtral's expert matrices -> Qwen2-MoE's (and ours)
+EXPERT_NAMES = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def to_qwen_names(name: str) -> str:
+    for theirs, ours in QWEN_PREFIXES.items():
+        if name.startswith(theirs):
+            name = ours + name[len(theirs):]
+            if ours == "qwen2_moe.":
+                name = name.replace("block_sparse_moe.", "mlp.")
+                for mixtral, qwen in EXPERT_NAMES:
+                    name = name.replace(mixtral, qwen) if ".experts." in name else name
+    return name
+
+
+def from_qwen_names(name: str) -> str:
+    for theirs, ours in QWEN_PREFIXES.items():
+        if name.startswith(ours):
+            name = theirs + name[len(ours):]
+            if theirs == "mixtral.":
+                name = name.replace(".mlp.", ".block_sparse_moe.")
+                for mixtral, qwen in EXPERT_NAMES:
+                    name = name.replace(qwen, mixtral) if ".experts." in name else name
+    return name
+
+
+class SharedExpert(paddle.nn.Layer):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP (HF Qwen2MoeMLP)."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = paddle.nn.Linear(hidden, inner, bias_attr=False)
+        self.up_proj = paddle.nn.Linear(hidden, inner, bias_attr=False)
+        self.down_proj = paddle.nn.Linear(inner, hidden, bias_attr=False)
+
+    def forward(self, x):
+        return self.down_proj(paddle.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def moe_block_forward(block, hidden_states):
+    """PaddleNLP 2.8.1's MixtralSparseMoeBlock.forward (mixtral/modeling.py), line for line but for one
+    shape: under Paddle 3.3.1 `routing_weights[top_x, idx]` has shape [n] (it had [n, 1]) and the
+    original fails to broadcast it; here it is unsqueezed. For Qwen2-MoE (block.qwen2_moe, as Hugging
+    Face's Qwen2MoeSparseMoeBlock) the top-k weights are not renormalized and the gated shared expert
+    is added."""
+    F = paddle.nn.functional
+    batch_size, seq_len, hidden_dim = hidden_states.shape
+    hidden_states = hidden_states.reshape([-1, hidden_dim])
+    router_logits = block.gate(hidden_states)
+    with paddle.amp.auto_cast(False):
+        routing_weights = F.softmax(router_logits.astype("float32"), axis=1)
+    routing_weights, selected_experts = paddle.topk(routing_weights, block.top_k, axis=-1)
+    if not getattr(block, "qwen2_moe", False):
+        routing_weights /= routing_weights.sum(axis=-1, keepdim=True)
+    routing_weights = routing_weights.astype(hidden_states.dtype)
+    final_hidden_states = paddle.zeros([batch_size * seq_len, hidden_dim], dtype=hidden_states.dtype)
+    expert_mask = F.one_hot(selected_experts, num_classes=block.num_experts).transpose([2, 1, 0])
+    for expert_id in range(block.num_experts):
+        expert_layer = block.experts[expert_id]
+        idx, top_x = paddle.where(expert_mask[expert_id])
+        if top_x.shape[0] == 0:
+            continue
+        current_state = paddle.gather(hidden_states, top_x.squeeze())
+        current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx].reshape([-1, 1])
+        top_x = top_x.squeeze()
+        if top_x.shape == []:
+            top_x = paddle.to_tensor([top_x.item()])
+        final_hidden_states.index_add_(top_x, 0, current_hidden_states.astype(hidden_states.dtype))
+    if getattr(block, "qwen2_moe", False):
+        final_hidden_states = final_hidden_states + (F.sigmoid(block.shared_expert_gate(hidden_states))
+                                                     * block.shared_expert(hidden_states))
+    return final_hidden_states.reshape([batch_size, seq_len, hidden_dim]), router_logits
+
+
+def runnable_moe_blocks(model) -> None:
+    """PaddleNLP 2.8.1's Mixtral blocks runnable under Paddle 3.3.1 (see moe_block_forward)."""
+    import types
+
+    if not hasattr(model, "mixtral"):
+        return
+    for layer in model.mixtral.layers:
+        if hasattr(layer, "block_sparse_moe"):
+            layer.block_sparse_moe.forward = types.MethodType(moe_block_forward, layer.block_sparse_moe)
+
+
+def make_qwen2_moe(model, shared_width: int) -> None:
+    """PaddleNLP's Mixtral blocks with Qwen2-MoE's shared expert, its gate and unnormalized top-k weights."""
+    for layer in model.mixtral.layers:
+        block = layer.block_sparse_moe
+        block.shared_expert = SharedExpert(block.hidden_dim, shared_width)
+        block.shared_expert_gate = paddle.nn.Linear(block.hidden_dim, 1, bias_attr=False)
+        block.qwen2_moe = True
+
+
 def give_qkv_biases(model) -> None:
-    """PaddleNLP's LLaMA attention with biases on q/k/v: Qwen2's attention (HF's Qwen2Attention is
-    LlamaAttention with bias=True on q_proj, k_proj, v_proj)."""
-    for layer in model.llama.layers:
+    """PaddleNLP's LLaMA (or Mixtral) attention with biases on q/k/v: Qwen2's attention (HF's
+    Qwen2Attention is LlamaAttention with bias=True on q_proj, k_proj, v_proj)."""
+    for layer in body(model).layers:
         attention = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(attention, name)
@@ -116,7 +227,7 @@ def reference_state(case: str, model) -> dict:
     state = model.state_dict()
     if RECORD_CASES[case].qkv_bias:
         tied = RECORD_CASES[case].config.tie_word_embeddings
-        state = {name.replace("llama.", "qwen2.", 1): value for name, value in state.items()
+        state = {to_qwen_names(name): value for name, value in state.items()
                  if not (tied and name == "lm_head.weight")}
     return state
 
@@ -127,15 +238,20 @@ def load_reference(case: str, directory: str):
     record = RECORD_CASES[case]
     if not record.qkv_bias:
         model = paddlenlp_transformers.AutoModelForCausalLM.from_pretrained(directory)
+        runnable_moe_blocks(model)
         model.eval()
         return model
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
-    assert raw["model_type"] == "qwen2" and raw["architectures"] == ["Qwen2ForCausalLM"]
+    assert (raw["model_type"], raw["architectures"]) in (("qwen2", ["Qwen2ForCausalLM"]),
+                                                         ("qwen2_moe", ["Qwen2MoeForCausalLM"]))
     model = getattr(paddlenlp_transformers, record.class_name)(
         getattr(paddlenlp_transformers, record.config_class)(**record.kwargs))
     give_qkv_biases(model)
-    state = {name.replace("qwen2.", "llama.", 1): value
+    runnable_moe_blocks(model)
+    if record.config.shared_expert_intermediate_size:
+        make_qwen2_moe(model, record.config.shared_expert_intermediate_size)
+    state = {from_qwen_names(name): value
              for name, value in paddle.load(os.path.join(directory, "model_state.pdparams")).items()}
     if raw["tie_word_embeddings"]:
         assert "lm_head.weight" not in state
@@ -265,7 +381,8 @@ def test_initial_weights_are_drawn_like_paddlenlp(case):
     paddle.seed(0)
     reference = getattr(paddlenlp_transformers, class_name)(getattr(paddlenlp_transformers, config_name)(**kwargs))
     # the reference's matrices in our names (its own class's layout: no q/k/v biases, untied head)
-    plain = config.replace(qkv_bias=False, tie_word_embeddings=False) if RECORD_CASES[case].qkv_bias else config
+    plain = (config.replace(qkv_bias=False, tie_word_embeddings=False, shared_expert_intermediate_size=0)
+             if RECORD_CASES[case].qkv_bias else config)
     theirs = from_paddlenlp_state(plain, reference.config.to_dict(), reference.state_dict())
     model = CausalLM(config)
     init_weights(model, config, seed=0)

@@ -24,8 +24,9 @@ BASE = {
 
 # launch name -> (processes, {run name: overrides}); a launch's runs share fleet's degrees.
 LAUNCHES = {
-    "single": (1, {"single": {}}),
-    "dp2": (2, {"dp2": {}}),
+    "single": (1, {"single": {}, "mixtral-real": {"model_name_or_path": "mixtral-real"}}),
+    # expert parallelism runs on the data-parallel ranks: the same fleet layout as dp2
+    "dp2": (2, {"dp2": {}, "mixtral-real ep2": {"model_name_or_path": "mixtral-real", "expert_parallel_degree": 2}}),
     "tp2": (2, {
         "tp2": {"tensor_parallel_degree": 2},
         "tp2 + SP": {"tensor_parallel_degree": 2, "sequence_parallel": True},

@@ -186,7 +186,18 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         gqa_saved = tokens * a * 2 * kv_size if gqa else 0.0  # repeat_interleave keeps k and v
         core_inputs = tokens * a * (q_size + 2 * kv_size)  # what recompute(core_attention, q, k, v) keeps
     out = tokens * a * q_size  # o_proj input
-    if c.uses_swiglu:
+    if c.is_moe:
+        # models/moe.py: router logits and probabilities (float32, [tokens, E]); the k rows per token gathered
+        # for the experts (and received by the all-to-all under expert parallelism), each expert's SwiGLU
+        # on its rows, the rows' outputs scattered back and weighted; the shared expert on every token.
+        pairs = tokens * c.num_experts_per_tok
+        f_expert = c.expert_intermediate_size // tp
+        router = tokens * 4 * 2 * c.num_experts
+        rows = pairs * a * h * (3 if c.expert_parallel_degree > 1 else 2)
+        mlp = router + rows + pairs * a * 4 * f_expert + pairs * 4 * 2
+        if c.shared_expert_intermediate_size:
+            mlp += tokens * a * (4 * c.shared_expert_intermediate_size // tp + 2 * h)
+    elif c.uses_swiglu:
         mlp = tokens * a * 4 * f  # gate, up, silu(gate) (kept by silu and the product), silu * up
     else:
         mlp = tokens * a * 2 * f  # up (kept by gelu), gelu(up)

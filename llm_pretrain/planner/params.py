@@ -63,6 +63,9 @@ def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
             params += _linear(p + "self_attn.v_proj", h, kv_size, qkv_bias, tp, kv_split, i)
         params += _linear(p + "self_attn.o_proj", q_size, h, config.linear_bias, tp, "row", i)
         params += _norm(p + "post_attention_layernorm", config, i, "layer")
+        if config.is_moe:
+            params += moe_parameters(p + "mlp.", config, tp, i)
+            continue
         if config.uses_swiglu:
             if config.fuse_attention_ffn:
                 params += _linear(p + "mlp.gate_up_proj", h, 2 * f, config.linear_bias, tp, "column", i)
@@ -76,6 +79,25 @@ def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
     if not config.tie_word_embeddings:
         params.append(Param("lm_head.weight", h * v, h * v // tp, None, "head"))
     return params
+
+
+def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> list[Param]:
+    """models/moe.py MoE on expert-parallel rank 0: the router, this rank's E/ep experts (SwiGLU, split like
+    the dense MLP under tensor parallelism), the shared expert and its gate."""
+    h, f = config.hidden_size, config.expert_intermediate_size
+    out = _linear(prefix + "gate", h, config.num_experts, False, tp, None, layer)
+
+    def swiglu(name, width):
+        return (_linear(f"{name}.gate_proj", h, width, False, tp, "column", layer)
+                + _linear(f"{name}.up_proj", h, width, False, tp, "column", layer)
+                + _linear(f"{name}.down_proj", width, h, False, tp, "row", layer))
+
+    for e in range(config.num_experts // max(1, config.expert_parallel_degree)):
+        out += swiglu(f"{prefix}experts.{e}", f)
+    if config.shared_expert_intermediate_size:
+        out += swiglu(f"{prefix}shared_expert", config.shared_expert_intermediate_size)
+        out += _linear(prefix + "shared_expert_gate", h, 1, False, tp, None, layer)
+    return out
 
 
 def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int) -> list[int]:

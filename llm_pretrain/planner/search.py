@@ -46,7 +46,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
     """Arguments dicts of every combination (validity is checked by `search`)."""
     from models.registry import resolve_model
 
-    layers = resolve_model(model)[0].num_hidden_layers
+    config = resolve_model(model)[0]
+    layers = config.num_hidden_layers
     base = base_arguments(model, seq, device)
     for tp in _divisors(gpus):
         if tp > gpus_per_node and not allow_inter_node_tp:
@@ -62,7 +63,7 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                     degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
                     for sd in ([1] if stage == 0 else degrees):
                         dp = rest // sd
-                        for sp in ([False] if tp == 1 else [True]):
+                        for sp in ([False] if tp == 1 or config.is_moe else [True]):  # MoE: no SP (layout.py)
                             for recompute in RECOMPUTE_CHOICES:
                                 micro = 1
                                 while micro <= max_micro_batch:
@@ -78,6 +79,9 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                                         if stage:
                                             args.update(sharding=f"stage{stage}", sharding_parallel_degree=sd)
                                         yield args
+                                        if config.is_moe and not stage and dp > 1 and config.num_experts % dp == 0:
+                                            # the experts split over the data-parallel ranks (models/moe.py)
+                                            yield dict(args, expert_parallel_degree=dp)
                                     micro *= 2
 
 
@@ -99,7 +103,8 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
         result = estimate_setup(setup, device, options)
         if capacity is not None and result["peak_mem_reserved_mb"] > capacity * (1 - headroom):
             continue
-        result["strategy"] = layout.strategy
+        result["strategy"] = layout.strategy + (f"ep{values['expert_parallel_degree']}"
+                                                if values.get("expert_parallel_degree", 1) > 1 else "")
         result["arguments"] = values
         fitting.append(result)
     # Fastest first; among equally fast layouts the one with the most memory left.

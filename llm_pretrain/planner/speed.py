@@ -115,12 +115,21 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     p2p_bytes = tokens_mb * c.hidden_size * act_bytes / (tp if c.sequence_parallel else 1)
     pp_mb = 2 * p2p_bytes / (pp_link * 1e9) if pp > 1 else 0.0
 
-    micro = compute_mb + tp_mb + pp_mb
+    # Expert parallelism: per MoE layer the dispatch and the combine all-to-alls forward and their two
+    # backward ones, each moving the k rows of every token of which (ep - 1)/ep leave the rank
+    # (models/moe.py); the expert-parallel ranks are data-parallel ranks, in one node when they fit.
+    ep = c.expert_parallel_degree if c.is_moe else 1
+    ep_link = intra if tp * ep <= node else inter
+    a2a_bytes = tokens_mb * c.num_experts_per_tok * c.hidden_size * act_bytes * (ep - 1) / ep
+    ep_mb = layers_per_stage * 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
+
+    micro = compute_mb + tp_mb + pp_mb + ep_mb
     pipeline = m * micro
     bubble = (pp - 1) / vpp * micro if pp > 1 else 0.0
 
     # Gradient traffic of the rank holding the most parameters (the first stage).
-    params = sum(q.numel for q in stage_parameters(c, tp, pp, vpp, 0))
+    # (Under expert parallelism the experts' gradients are not all-reduced: each is on one rank.)
+    params = sum(q.numel for q in stage_parameters(c, tp, pp, vpp, 0) if ep == 1 or ".experts." not in q.name)
     grad_bytes = params * (4 if (p.master_grad or not p.half or p.level == "O1") else 2)
     replicas_link = intra if tp * pp * dp * sd <= node else inter
     data = _ring("all_reduce", dp, grad_bytes, replicas_link)
@@ -143,6 +152,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "compute": m * compute_mb,
         "tensor-parallel communication": m * tp_mb,
         "pipeline send/recv": m * pp_mb,
+        "expert-parallel all-to-all": m * ep_mb,
         "pipeline bubble": bubble,
         "data-parallel/sharding communication (exposed)": exposed,
     }
@@ -161,6 +171,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
 def bottleneck(terms: dict[str, float]) -> str:
     names = {"compute": "compute", "tensor-parallel communication": "TP communication",
              "pipeline send/recv": "pipeline send/recv", "pipeline bubble": "bubble",
+             "expert-parallel all-to-all": "expert all-to-all",
              "data-parallel/sharding communication (exposed)": "DP communication"}
     non_compute = {k: v for k, v in terms.items() if k != "compute"}
     worst = max(non_compute, key=non_compute.get)

@@ -1,0 +1,303 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE): a router sends each token to k of E experts.
+
+    probs   = softmax(x W_router)                       [tokens, E], float32
+    top-k   = the k largest probs; ties go to the lower expert index (a stable sort: the same
+              choice in every layout, whatever the batch size the router saw)
+    weights = top-k probs, renormalized to sum 1 if norm_topk_prob (Mixtral) or not (Qwen2-MoE)
+    y       = sum_j weights_j * expert_{e_j}(x)  [+ sigmoid(x w_shared_gate) * shared_expert(x)]
+
+Every expert is the decoder's SwiGLU MLP at width moe_intermediate_size (split like the dense MLP
+under tensor parallelism: gate/up column-parallel, down row-parallel, as PaddleNLP's MixtralMLP);
+the router and the shared expert's gate are replicated.
+
+Dispatch: the (token, slot) pairs are sorted by expert (stable: token order within an expert),
+so each expert's tokens are one contiguous block. With a capacity factor each expert keeps its
+first ceil(factor x tokens x k / E) pairs and the others are dropped (contribute 0; the default,
+factor 0, is dropless like the reference implementations). Under expert parallelism
+(expert_parallel_degree ep) each rank holds the E/ep experts [rank x E/ep, (rank+1) x E/ep):
+the blocks go to their expert's rank by an all-to-all over fleet's expert group and come back by
+a second one (and the reverse pair in backward).
+
+The router statistics of every layer (`RouterStats`) make the auxiliary losses, added to the
+language-model loss by the model (`router_losses`):
+    load balancing (Switch Transformer eq. 4-6 in Hugging Face's / PaddleNLP's Mixtral form, over
+    the layers concatenated):  E x sum_e f_e x P_e, f_e = share of the top-k picks that chose e,
+    P_e = mean router probability of e, both over all layers and tokens; x router_aux_loss_coef
+    z-loss (ST-MoE, optional): mean over tokens and layers of logsumexp(router logits)^2; x router_z_loss_coef
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from models import parallel_layers as pl
+from models.config import ModelConfig
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing of one forward."""
+
+    picks: paddle.Tensor       # [E] float32: how many (token, slot) pairs chose each expert (before dropping)
+    prob_sum: paddle.Tensor    # [E] float32: router probabilities summed over tokens (carries gradient)
+    z_sum: paddle.Tensor       # []  float32: sum over tokens of logsumexp(logits)^2 (carries gradient)
+    dropped: paddle.Tensor     # []  int64: pairs over capacity
+    tokens: int
+
+
+def router_losses(config: ModelConfig, stats: list[RouterStats]):
+    """(load-balancing loss, z-loss), unscaled, over the layers' statistics (see the module docstring)."""
+    tokens = sum(s.tokens for s in stats)
+    picks = paddle.add_n([s.picks for s in stats])
+    prob_sum = paddle.add_n([s.prob_sum for s in stats])
+    balance = config.num_experts * (picks * prob_sum).sum() / (tokens * tokens)
+    z_loss = paddle.add_n([s.z_sum for s in stats]) / tokens
+    return balance, z_loss
+
+
+class RouterMetrics:
+    """What train_log.jsonl reports at a logging step, gathered over the training forwards since the last
+    report without a host sync: the load-balancing loss (mean per forward), the ratio of the most to the
+    least picked expert (the worst layer; null when an expert got no token) and the pairs dropped."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.reset()
+
+    def reset(self):
+        self.picks, self.dropped, self.balance, self.forwards = None, None, None, 0
+
+    def add(self, stats: list[RouterStats], balance):
+        picks = paddle.stack([s.picks for s in stats])  # [layers, E]
+        dropped = paddle.add_n([s.dropped for s in stats])
+        balance = balance.detach().astype("float32")
+        if self.forwards == 0:
+            self.picks, self.dropped, self.balance = picks, dropped, balance
+        else:
+            self.picks, self.dropped, self.balance = self.picks + picks, self.dropped + dropped, self.balance + balance
+        self.forwards += 1
+
+    def summary(self) -> dict:
+        if not self.forwards:
+            return {}
+        picks = self.picks.numpy()
+        least = picks.min(axis=1)
+        ratio = None if (least == 0).any() else float((picks.max(axis=1) / least).max())
+        out = {"moe_aux_loss": float(self.balance) / self.forwards, "expert_load_max_min_ratio": ratio,
+               "tokens_dropped": int(self.dropped)}
+        self.reset()
+        return out
+
+
+def expert_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
+    if config.expert_parallel_degree <= 1:
+        return 0, 1
+    group = expert_parallel_groups(config.expert_parallel_degree)[0]
+    return group.rank, group.nranks
+
+
+_GROUPS: dict = {}
+
+
+def expert_parallel_groups(ep: int):
+    """(expert group, expert-data-parallel group or None, index of this rank in the latter).
+
+    The data-parallel ranks [d0, d1, ...] are cut into expert groups of ep consecutive ranks; each splits
+    the experts among its ranks, so rank d holds the experts of expert rank d % ep. Ranks at the same
+    position of different expert groups hold the same experts: the expert-data-parallel group, over
+    which the experts' gradients are summed (llm_pretrain/distributed.py). With ep equal to the
+    data-parallel degree the expert group is fleet's data-parallel group. (Fleet's own expert group,
+    EPHybridCommunicateGroup in fleet/base/topology.py:769, exists only with dp_degree 1,
+    topology.py:880, i.e. with the data replicas as sharding ranks.)"""
+    if ep in _GROUPS:
+        return _GROUPS[ep]
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    dp_group = hcg.get_data_parallel_group()
+    if ep == dp_group.nranks:
+        _GROUPS[ep] = (dp_group, None, 0)
+        return _GROUPS[ep]
+    me = dist.get_rank()
+    found = [None, None, 0]
+    # every rank creates every group, in the same order (new_group is collective)
+    for ranks in hcg.topology().get_comm_list("data"):
+        for start in range(0, len(ranks), ep):
+            group = dist.new_group(ranks[start:start + ep])
+            if me in ranks[start:start + ep]:
+                found[0], found[2] = group, ranks.index(me) // ep
+        for position in range(ep):
+            group = dist.new_group(ranks[position::ep])
+            if me in ranks[position::ep]:
+                found[1] = group
+    _GROUPS[ep] = tuple(found)
+    return _GROUPS[ep]
+
+
+class AllToAll(paddle.autograd.PyLayer):
+    """Rows [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r, recv[s] rows from rank s
+    (paddle.distributed.alltoall_single with uneven splits); backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, counter):
+        ctx.send, ctx.recv, ctx.group, ctx.counter = send, recv, group, counter
+        if counter is not None:  # the dispatch: rows this rank sends out (its token-expert pairs)
+            counter["forward"] += sum(send)
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.counter is not None:  # the dispatch's backward: the gradients of those pairs coming back
+            ctx.counter["backward"] += sum(ctx.send)
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group)
+
+
+def _all_to_all(x, send, recv, group):
+    import paddle.distributed as dist
+
+    out = paddle.empty([sum(recv)] + list(x.shape[1:]), dtype=x.dtype)
+    dist.alltoall_single(out, x, in_split_sizes=send, out_split_sizes=recv, group=group)
+    return out
+
+
+def dispatch_and_combine(moe: "MoE", rows, counts: np.ndarray):
+    """Expert parallelism: rows (sorted by global expert, counts[e] each) to the ranks holding their
+    experts, through them, and back in the same order."""
+    import paddle.distributed as dist
+
+    group, ep, rank, local = moe.ep_group, moe.ep_degree, moe.ep_rank, moe.num_local_experts
+    gathered = []
+    dist.all_gather(gathered, paddle.to_tensor(counts, dtype="int64"), group=group)
+    table = np.stack([t.numpy() for t in gathered]).reshape([ep, ep, local])  # [source, destination rank, expert]
+    send = [int(n) for n in table[rank].sum(axis=1)]
+    recv = [int(n) for n in table[:, rank].sum(axis=1)]
+    received = AllToAll.apply(rows, send, recv, group, moe.rows_sent)  # by source, then local expert
+    # Regroup by local expert: the block of source s for expert j starts at s's offset + its earlier experts.
+    starts = np.concatenate([[0], np.cumsum(recv)[:-1]])
+    mine = table[:, rank]  # [source, local expert]
+    within = np.concatenate([np.zeros([ep, 1], dtype="int64"), np.cumsum(mine, axis=1)[:, :-1]], axis=1)
+    order = np.concatenate([np.arange(starts[s] + within[s, j], starts[s] + within[s, j] + mine[s, j])
+                            for j in range(local) for s in range(ep)]).astype("int64")
+    out, idle_zero = moe._local_experts(paddle.gather(received, paddle.to_tensor(order)),
+                                        [int(n) for n in mine.sum(axis=0)])
+    back = paddle.gather(out, paddle.to_tensor(np.argsort(order, kind="stable").astype("int64")))
+    return AllToAll.apply(back, recv, send, group, None), idle_zero
+
+
+class MoE(nn.Layer):
+    """Router, this rank's experts, and the shared expert with its gate (Qwen2-MoE)."""
+
+    def __init__(self, config: ModelConfig, mlp_class):
+        super().__init__()
+        self.config = config
+        experts, hidden = config.num_experts, config.hidden_size
+        self.ep_rank, self.ep_degree = expert_parallel_rank_and_degree(config)
+        self.num_local_experts = experts // self.ep_degree
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.gate = pl.replicated_linear(hidden, experts, bias=False)
+        expert_config = config.replace(intermediate_size=config.expert_intermediate_size, fuse_attention_ffn=False)
+        # Keyed by the global expert index: the parameter names are the single-process model's
+        # (layers.{i}.mlp.experts.{e}.gate_proj.weight) on every rank.
+        self.experts = nn.LayerDict({str(self.first_expert + j): mlp_class(expert_config)
+                                     for j in range(self.num_local_experts)})
+        self.ep_group, expert_dp_group, replica = (expert_parallel_groups(self.ep_degree) if self.ep_degree > 1
+                                                   else (None, None, 0))
+        data_replicas = self.ep_degree * (expert_dp_group.nranks if expert_dp_group else 1)
+        for param in self.experts.parameters():
+            param.is_expert = True
+            if self.ep_degree > 1:
+                # Held by one rank of the expert group, not replicated over it: fleet's DataParallel neither
+                # broadcasts nor all-reduces it (paddle/distributed/parallel.py:194,484). It gets the gradient
+                # of every token of its expert group (the all-to-all's backward), summed; summed again over
+                # the expert-data-parallel group (llm_pretrain/distributed.py) it holds every rank's, and the
+                # replicated weights' gradients are averaged over the data-parallel ranks: hence / dp.
+                param.no_sync = True
+                param.expert_parallel = True
+                param.expert_group, param.expert_dp_group = self.ep_group, expert_dp_group
+                param.expert_replica = replica  # 0: the copy a checkpoint stores
+                param.register_hook(lambda grad, dp=data_replicas: grad / dp)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
+                                                          fuse_attention_ffn=False))
+            self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
+        self.last_stats: RouterStats | None = None
+        # rows this rank's dispatching all-to-alls sent in forward and got back in backward (tests count them)
+        self.rows_sent = {"forward": 0, "backward": 0}
+
+    def route(self, x):
+        """(top-k expert ids [N, k], their weights [N, k], stats) for tokens x [N, hidden]."""
+        c = self.config
+        logits = self.gate(x).astype("float32")
+        probs = F.softmax(logits, axis=-1)
+        selected = paddle.argsort(probs, axis=-1, descending=True, stable=True)[:, :c.num_experts_per_tok]
+        weights = paddle.take_along_axis(probs, selected, axis=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdim=True)
+        picks = F.one_hot(selected.flatten(), c.num_experts).sum(axis=0)
+        z_sum = (paddle.logsumexp(logits, axis=-1) ** 2).sum() if c.router_z_loss_coef else paddle.zeros([])
+        stats = RouterStats(picks=picks.detach(), prob_sum=probs.sum(axis=0), z_sum=z_sum,
+                            dropped=paddle.zeros([], dtype="int64"), tokens=x.shape[0])
+        return selected, weights.astype(x.dtype), stats
+
+    def forward(self, hidden):
+        shape = hidden.shape
+        x = hidden.reshape([-1, shape[-1]])
+        selected, weights, stats = self.route(x)
+        k = self.config.num_experts_per_tok
+        flat = selected.flatten()  # pair p = token p // k, slot p % k
+        order = paddle.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
+        counts = np.bincount(flat.numpy(), minlength=self.config.num_experts)
+        kept = self._capacity_keep(counts)
+        if kept is not None:
+            keep_mask = np.concatenate([np.arange(n) < m for n, m in zip(counts, kept)])
+            stats.dropped = paddle.to_tensor(int((~keep_mask).sum()), dtype="int64")
+            order = paddle.masked_select(order, paddle.to_tensor(keep_mask))
+            counts = kept
+        expert_in = paddle.gather(x, order // k)
+        expert_out, idle_zero = self.run_experts(expert_in, counts)
+        pair_out = paddle.scatter(paddle.zeros([flat.shape[0], shape[-1]], dtype=x.dtype), order, expert_out)
+        out = (pair_out.reshape([-1, k, shape[-1]]) * weights.unsqueeze(-1)).sum(axis=1)
+        if self.config.shared_expert_intermediate_size:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if idle_zero is not None:
+            out = out + idle_zero.astype(out.dtype)
+        self.last_stats = stats
+        return out.reshape(shape)
+
+    def _capacity_keep(self, counts):
+        """Pairs each expert keeps under the capacity factor (None: dropless)."""
+        factor = self.config.moe_capacity_factor
+        if not factor:
+            return None
+        pairs = int(counts.sum())
+        capacity = math.ceil(factor * pairs / self.config.num_experts)
+        return np.minimum(counts, capacity)
+
+    def run_experts(self, expert_in, counts):
+        """Each expert on its block of rows (rows sorted by expert; counts[e] rows for expert e) ->
+        (their outputs in the same order, a zero that depends on every idle expert's parameters)."""
+        if self.ep_degree == 1:
+            return self._local_experts(expert_in, [int(n) for n in counts])
+        return dispatch_and_combine(self, expert_in, np.asarray(counts, dtype="int64"))
+
+    def _local_experts(self, rows, counts: list[int]):
+        """This rank's experts on consecutive blocks of `rows` (counts: one block per local expert)."""
+        outputs, idle, start = [], [], 0
+        for j, n in enumerate(counts):
+            expert = self.experts[str(self.first_expert + j)]
+            if n:
+                outputs.append(expert(rows[start:start + n]))
+            else:
+                # An idle expert still gets a gradient (zeros), so every layout updates the same
+                # parameters (AdamW decays weights and moments on a zero gradient, not on a missing one).
+                idle += [(p * 0).sum() for p in expert.parameters()]
+            start += n
+        out = paddle.concat(outputs) if outputs else rows * 0
+        return out, (paddle.add_n(idle) if idle else None)
