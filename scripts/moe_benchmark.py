@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 

@@ -10,7 +10,6 @@ differences of its loss and gradients from the whole model's on both ranks' toke
 """
 
 import json
-import os
 import sys
 
 import numpy as np  # noqa: E402
