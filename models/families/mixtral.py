@@ -27,7 +27,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
 from models.families.llama import is_hugging_face, read_rope_scaling
-from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, R, _attn, _mlp
+from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", num_experts=8,
                 num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)

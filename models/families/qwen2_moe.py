@@ -32,7 +32,7 @@ from models.config import ModelConfig
 from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
 from models.families.llama import is_hugging_face, read_rope_scaling
 from models.families.mixtral import reference_kwargs
-from models.paddlenlp_interop import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, R, _attn, _mlp
+from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True,
                 norm_topk_prob=False, router_aux_loss_coef=0.001)
