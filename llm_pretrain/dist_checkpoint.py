@@ -344,7 +344,9 @@ def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for _, tensor, _, pieces in to_write:
-            local = tensor.numpy()
+            # A state loaded before the optimizer's first step is still the NumPy array set_state_dict
+            # keeps until the accumulator exists (a resume whose first steps are skipped data).
+            local = tensor if isinstance(tensor, np.ndarray) else tensor.numpy()
             for piece in pieces:
                 f.write(np.ascontiguousarray(piece.take(local)).data)
     return entries

@@ -155,10 +155,15 @@ def summarize(step_records: list[dict], warmup_steps: int) -> dict:
     return summary
 
 
+# What the summary counts besides steps (llm_pretrain/trainer.py, llm_pretrain/resilience.py).
+RESILIENCE_COUNTS = ("loss_spikes", "spike_skipped_steps", "rollbacks", "data_skipped_steps")
+
+
 def format_summary(summary: dict) -> str:
     memory = ", ".join(f"{k} {v:.0f}" for k, v in summary.items() if k.startswith("peak_"))
+    events = "".join(f", {key.replace('_', ' ')} {summary[key]}" for key in RESILIENCE_COUNTS if key in summary)
     return (
-        f"summary: {summary['steps']} steps, mean tokens/card/sec {summary['mean_tokens_per_card_per_sec']:.1f}"
+        f"summary: {summary['steps']} steps{events}, mean tokens/card/sec {summary['mean_tokens_per_card_per_sec']:.1f}"
         f" (excluding {summary['warmup_steps_excluded']} warm-up steps), {memory}, final loss "
         + (f"{summary['final_loss']:.6f}" if summary["final_loss"] is not None else "n/a")
     )

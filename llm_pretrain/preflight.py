@@ -214,6 +214,10 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     if args.skip_nan_inf_steps and layout.pipeline_parallel_degree > 1:
         raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
                          "applies the optimizer step before the loss and gradient norm can be checked)")
+    if args.loss_spike_factor and args.loss_spike_action == "skip" and layout.pipeline_parallel_degree > 1:
+        raise UsageError("loss_spike_action: skip is not available with pipeline_parallel_degree > 1 (fleet's "
+                         "train_batch applies the update before the loss is known); use rollback, which reloads "
+                         "the checkpoint and so discards that update, or warn/stop")
     if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
         raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
     if device != "gpu":

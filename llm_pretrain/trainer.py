@@ -28,7 +28,7 @@ from llm_pretrain.checkpoint import Checkpointer
 from llm_pretrain.arguments import Arguments, arguments_to_dict
 from llm_pretrain.data import build_pretraining_datasets
 from llm_pretrain.distributed import (
-    all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
+    all_reduce_max, all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
 )
 from llm_pretrain.data.integrity import damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
@@ -39,6 +39,7 @@ from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
 from llm_pretrain.replica_check import check_replicas
+from llm_pretrain.resilience import DataSkips, LossSpikeGuard, sample_range
 from llm_pretrain.precision import Precision
 from llm_pretrain.run_control import Heartbeat, StopRequest
 from models.config import ModelConfig
@@ -156,18 +157,20 @@ class StepResult:
     nonfinite: str | None = None  # what was not finite on some rank ("loss", "gradient norm"); then no update
     stop_requested: bool = False  # some rank received SIGTERM/SIGINT
     optimizer_stepped: bool = True  # False: no update (non-finite, or the fp16 scaler's overflow on some rank)
+    agreed_loss: float = math.nan  # the largest loss over the ranks (the loss spike check's, llm_pretrain/resilience.py)
 
 
 def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout) -> tuple[np.ndarray, list]:
-    """The step's flags (loss non-finite, gradients non-finite, stop requested) max-reduced over all
-    ranks, read to the host together with the loss: the step's one host sync.
+    """The step's flags (loss non-finite, gradients non-finite, stop requested) and the loss max-reduced
+    over all ranks, read to the host together with the local loss: the step's one host sync.
+    host: [local loss, 3 flags, largest loss over the ranks, (grad squares)].
 
     `loss` and `grad_squares` are device tensors (grad_squares may be None)."""
     flags = [~paddle.isfinite(loss.reshape([]))]
     flags.append(~paddle.isfinite(grad_squares.reshape([])) if check_grads and grad_squares is not None
                  else paddle.to_tensor(False))
     flags.append(paddle.to_tensor(stop_requested))
-    flags = paddle.stack(flags).astype("float32")
+    flags = paddle.concat([paddle.stack(flags).astype("float32"), loss.reshape([1]).astype("float32")])
     if layout.distributed:
         import paddle.distributed as dist
 
@@ -180,7 +183,8 @@ def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, l
 
 
 def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
-               clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False) -> StepResult:
+               clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False,
+               skip_above: float | None = None) -> StepResult:
     """Forward/backward over the micro-batches, then one optimizer step, unless some rank's loss or
     gradients are not finite (then the gradients are dropped and the weights stay as they were).
 
@@ -188,7 +192,8 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     a single process, read from fleet's clip in a distributed run (None where neither is
     available). Under fp16 the loss scaler skips its own overflow steps (on every rank alike), so
     only the loss is checked there; as PaddleNLP's Trainer, the LR schedule advances only when the
-    optimizer really stepped."""
+    optimizer really stepped. skip_above: no update either when the largest loss over the ranks is
+    above it (a loss spike; not under the pipeline, whose update comes first)."""
     layout = layout or Layout()
     check_grads = precision.scaler is None
     micro_batches = list(micro_batches)
@@ -208,7 +213,8 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         norm = grad_norm if grad_norm is not None else paddle.zeros([], dtype="float32")
         host, nonfinite = agree_on_step(loss.astype("float32"), norm.reshape([]), stop_requested, check_grads,
                                         layout)
-        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped)
+        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped,
+                          float(host[4]))
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -225,11 +231,11 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     unscaled = precision.unscale(optimizer)
     grad_squares = grad_square_sum(parameters) if unscaled and (check_grads or not clip_grad_norm) else None
     host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout)
-    loss_value, stop = float(host[0]), bool(host[3])
-    if nonfinite:
+    loss_value, stop, agreed_loss = float(host[0]), bool(host[3]), float(host[4])
+    if nonfinite or (skip_above is not None and agreed_loss > skip_above):
         optimizer.clear_grad()
-        return StepResult(loss_value, None, ", ".join(nonfinite), stop, optimizer_stepped=False)
-    grad_norm = math.sqrt(float(host[4])) if grad_squares is not None and not clip_grad_norm else None
+        return StepResult(loss_value, None, ", ".join(nonfinite) or None, stop, False, agreed_loss)
+    grad_norm = math.sqrt(float(host[5])) if grad_squares is not None and not clip_grad_norm else None
     stepped = precision.step(optimizer)
     if clip_grad_norm:
         grad_norm = clip_grad_norm()
@@ -238,7 +244,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     optimizer.clear_grad()
     if stepped:
         schedule.step()
-    return StepResult(loss_value, grad_norm, None, stop, stepped)
+    return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss)
 
 
 class DivergenceGuard:
@@ -363,7 +369,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     if layout.is_main and args.overwrite_output_dir and not args.resume_from_checkpoint:
         for name in ckpt.remove_checkpoints(args.output_dir):
             warn(f"overwrite_output_dir: removed {os.path.join(args.output_dir, name)} of an earlier run")
-    start_step, consumed_samples, resume_from = 0, 0, None
+    start_step, consumed_samples, resume_from, state = 0, 0, None, {}
     if resume_candidates:
         resume_index, more_warnings = ckpt.agree_on_checkpoint(resume_index, resume_candidates, layout)
         for message in more_warnings:
@@ -406,6 +412,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     heartbeat = Heartbeat(layout.rank)
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
+    spikes, data_skips = LossSpikeGuard.from_args(args, state), DataSkips(args.skip_data_intervals, state)
+    events = {"loss_spikes": 0, "spike_skipped_steps": 0, "rollbacks": 0, "data_skipped_steps": 0}
     step = start_step
     prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
     run.callback(prefetcher.close)
@@ -413,10 +421,15 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
         following = consumed_samples + train_plan.global_batch_size if step + 1 < args.max_steps else None
-        batches = prefetcher.get(consumed_samples, following)
+        skipping_data = data_skips.covers(step + 1)
+        threshold = spikes.threshold()
         try:
-            result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm,
-                                layout, stop.requested)
+            if skipping_data:  # no step, only the stop request to agree on
+                result = StepResult(math.nan, None, None, bool(all_reduce_max(float(stop.requested), layout)), False)
+            else:
+                result = train_step(model, optimizer, schedule, precision, prefetcher.get(consumed_samples, following),
+                                    parameters, clip_grad_norm, layout, stop.requested,
+                                    threshold if spikes.drops_update else None)
         except (RuntimeError, OSError) as error:
             if not layout.distributed:
                 raise
@@ -429,10 +442,36 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
 
-        if result.nonfinite:  # the update was not applied; stop (exit code 3) unless skips are allowed
+        spike = threshold is not None and not result.nonfinite and result.agreed_loss > threshold
+        if skipping_data:
+            events["data_skipped_steps"] += 1
+            metrics.write({"event": "skipped_data", "step": step,
+                           "samples": sample_range(step, step, train_plan.global_batch_size)})
+        elif result.nonfinite:  # the update was not applied; stop (exit code 3) unless skips are allowed
             metrics.say(divergence.skip_or_stop(step, result))
             metrics.write({"event": "skipped", "step": step, "nonfinite": result.nonfinite})
+        elif spike:
+            events["loss_spikes"] += 1
+            metrics.write({"event": "loss_spike", "step": step, "loss": result.agreed_loss, "threshold": threshold,
+                           "action": spikes.action})
+            what = (f"step {step}: loss spike, loss {result.agreed_loss:.4f} above {threshold:.4f} "
+                    f"(loss_spike_factor {args.loss_spike_factor} x the mean of the last {args.loss_spike_window})")
+            if spikes.action == "stop":
+                raise DivergenceError(f"{what}; stopped without saving this state (loss_spike_action stop)")
+            if spikes.action == "rollback":
+                step, consumed_samples = roll_back(step, checkpointer, unwrapped_model, optimizer, precision, args,
+                                                   train_plan, spikes, data_skips, metrics, what)
+                events["rollbacks"] += 1
+                divergence.reset()
+                continue
+            if spikes.action == "skip":
+                events["spike_skipped_steps"] += 1
+                metrics.say(f"warning: {what}; update skipped (loss_spike_action skip)")
+            else:
+                metrics.say(f"warning: {what}")
+                metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
         else:
+            spikes.observe(result.agreed_loss)
             divergence.reset()
             if not result.optimizer_stepped:
                 metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
@@ -447,7 +486,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         if checkpointer.due(step, args.max_steps) or stopping:
             trainer_state = {"global_step": step, "consumed_samples": consumed_samples,
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
-                             "model_config": config.architecture_dict()}
+                             "model_config": config.architecture_dict(), **spikes.state(), **data_skips.state()}
             checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
         if stopping:
             stop.stopped = True
@@ -467,7 +506,34 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     if args.do_predict and test_data is not None:
         metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
                                                         layout, precision))
-    return metrics.finish(**({"replica_check": replicas} if replicas else {}))
+    return metrics.finish(**({"replica_check": replicas} if replicas else {}), **resilience_summary(events))
+
+
+def roll_back(step: int, checkpointer: Checkpointer, model, optimizer, precision: Precision, args: Arguments,
+              plan: BatchPlan, spikes: LossSpikeGuard, data_skips: DataSkips, metrics, what: str) -> tuple[int, int]:
+    """loss_spike_action rollback: reload the newest complete checkpoint (weights, optimizer, RNG, the
+    spike window) and skip the data from it to the spike plus loss_spike_skip_steps. Returns the
+    checkpoint's (global step, consumed samples)."""
+    latest = ckpt.latest_checkpoint(args.output_dir)
+    if latest is None:
+        raise DivergenceError(f"{what}; no checkpoint to roll back to (loss_spike_action rollback)")
+    state = checkpointer.load(latest, model, optimizer, precision.scaler)
+    first, last = state["global_step"] + 1, step + args.loss_spike_skip_steps
+    spikes.losses.clear()
+    spikes.losses.extend(state.get("loss_spike_window_losses", []))
+    data_skips.rollbacks = DataSkips(trainer_state=state).rollbacks
+    data_skips.add_rollback(first, last)
+    samples = sample_range(first, last, plan.global_batch_size)
+    metrics.write({"event": "rollback", "step": step, "checkpoint": os.path.basename(latest),
+                   "skipped_steps": [first, last], "skipped_samples": samples})
+    metrics.say(f"warning: {what}; rolled back to {os.path.basename(latest)}, skipping the data of steps {first} "
+                f"to {last} (samples {samples[0]} to {samples[1] - 1}) (loss_spike_action rollback)")
+    return state["global_step"], state["consumed_samples"]
+
+
+def resilience_summary(events: dict) -> dict:
+    """The summary's counts of spikes, skips and rollbacks (only those that happened)."""
+    return {key: count for key, count in events.items() if count}
 
 
 def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):
