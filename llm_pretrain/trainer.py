@@ -25,10 +25,10 @@ import paddle
 
 from llm_pretrain import checkpoint as ckpt
 from llm_pretrain.checkpoint import Checkpointer
-from llm_pretrain.arguments import Arguments, arguments_to_dict
+from llm_pretrain.arguments import Arguments, arguments_to_dict, wants_async_save
 from llm_pretrain.data import build_pretraining_datasets
 from llm_pretrain.distributed import (
-    all_reduce_max, all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
+    all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
 )
 from llm_pretrain.data.integrity import damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
@@ -158,18 +158,21 @@ class StepResult:
     stop_requested: bool = False  # some rank received SIGTERM/SIGINT
     optimizer_stepped: bool = True  # False: no update (non-finite, or the fp16 scaler's overflow on some rank)
     agreed_loss: float = math.nan  # the largest loss over the ranks (the loss spike check's, llm_pretrain/resilience.py)
+    write_pending: bool = False  # some rank's asynchronous checkpoint write is still running
 
 
-def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout) -> tuple[np.ndarray, list]:
-    """The step's flags (loss non-finite, gradients non-finite, stop requested) and the loss max-reduced
-    over all ranks, read to the host together with the local loss: the step's one host sync.
-    host: [local loss, 3 flags, largest loss over the ranks, (grad squares)].
+def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout,
+                  write_pending: bool = False) -> tuple[np.ndarray, list]:
+    """The step's flags (loss non-finite, gradients non-finite, stop requested, checkpoint write
+    pending) and the loss max-reduced over all ranks, read to the host together with the local loss:
+    the step's one host sync. host: [local loss, 4 flags, largest loss over the ranks, (grad squares)].
 
     `loss` and `grad_squares` are device tensors (grad_squares may be None)."""
     flags = [~paddle.isfinite(loss.reshape([]))]
     flags.append(~paddle.isfinite(grad_squares.reshape([])) if check_grads and grad_squares is not None
                  else paddle.to_tensor(False))
     flags.append(paddle.to_tensor(stop_requested))
+    flags.append(paddle.to_tensor(write_pending))
     flags = paddle.concat([paddle.stack(flags).astype("float32"), loss.reshape([1]).astype("float32")])
     if layout.distributed:
         import paddle.distributed as dist
@@ -184,7 +187,7 @@ def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, l
 
 def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
                clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False,
-               skip_above: float | None = None) -> StepResult:
+               skip_above: float | None = None, write_pending: bool = False) -> StepResult:
     """Forward/backward over the micro-batches, then one optimizer step, unless some rank's loss or
     gradients are not finite (then the gradients are dropped and the weights stay as they were).
 
@@ -212,9 +215,9 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         grad_norm = clip_grad_norm() if clip_grad_norm else None
         norm = grad_norm if grad_norm is not None else paddle.zeros([], dtype="float32")
         host, nonfinite = agree_on_step(loss.astype("float32"), norm.reshape([]), stop_requested, check_grads,
-                                        layout)
+                                        layout, write_pending)
         return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped,
-                          float(host[4]))
+                          float(host[5]), bool(host[4]))
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -230,12 +233,13 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     # inside the optimizer step and the local squares only feed the finiteness flag.
     unscaled = precision.unscale(optimizer)
     grad_squares = grad_square_sum(parameters) if unscaled and (check_grads or not clip_grad_norm) else None
-    host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout)
-    loss_value, stop, agreed_loss = float(host[0]), bool(host[3]), float(host[4])
+    host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout,
+                                    write_pending)
+    loss_value, stop, pending, agreed_loss = float(host[0]), bool(host[3]), bool(host[4]), float(host[5])
     if nonfinite or (skip_above is not None and agreed_loss > skip_above):
         optimizer.clear_grad()
-        return StepResult(loss_value, None, ", ".join(nonfinite) or None, stop, False, agreed_loss)
-    grad_norm = math.sqrt(float(host[5])) if grad_squares is not None and not clip_grad_norm else None
+        return StepResult(loss_value, None, ", ".join(nonfinite) or None, stop, False, agreed_loss, pending)
+    grad_norm = math.sqrt(float(host[6])) if grad_squares is not None and not clip_grad_norm else None
     stepped = precision.step(optimizer)
     if clip_grad_norm:
         grad_norm = clip_grad_norm()
@@ -244,7 +248,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     optimizer.clear_grad()
     if stepped:
         schedule.step()
-    return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss)
+    return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss, pending)
 
 
 class DivergenceGuard:
@@ -365,7 +369,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     train_data, valid_data, test_data = datasets
 
     # 4. Checkpoints: resume from the newest one every rank found intact.
-    checkpointer = Checkpointer(args.output_dir, layout, args.save_steps, args.save_total_limit, args.exit_interval)
+    checkpointer = Checkpointer(args.output_dir, layout, args.save_steps, args.save_total_limit, args.exit_interval,
+                                wants_async_save(args))
     if layout.is_main and args.overwrite_output_dir and not args.resume_from_checkpoint:
         for name in ckpt.remove_checkpoints(args.output_dir):
             warn(f"overwrite_output_dir: removed {os.path.join(args.output_dir, name)} of an earlier run")
@@ -424,12 +429,13 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         skipping_data = data_skips.covers(step + 1)
         threshold = spikes.threshold()
         try:
-            if skipping_data:  # no step, only the stop request to agree on
-                result = StepResult(math.nan, None, None, bool(all_reduce_max(float(stop.requested), layout)), False)
+            if skipping_data:  # no step, only the stop request and the pending write to agree on
+                stop_requested, write_pending = agree_flags([stop.requested, checkpointer.write_pending()], layout)
+                result = StepResult(math.nan, None, None, stop_requested, False, write_pending=write_pending)
             else:
                 result = train_step(model, optimizer, schedule, precision, prefetcher.get(consumed_samples, following),
                                     parameters, clip_grad_norm, layout, stop.requested,
-                                    threshold if spikes.drops_update else None)
+                                    threshold if spikes.drops_update else None, checkpointer.write_pending())
         except (RuntimeError, OSError) as error:
             if not layout.distributed:
                 raise
@@ -441,6 +447,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         step += 1
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
+        if checkpointer.pending and not result.write_pending:  # every rank's write has ended: finalize it
+            log_completed_save(checkpointer.complete_pending(), step, metrics)
 
         spike = threshold is not None and not result.nonfinite and result.agreed_loss > threshold
         if skipping_data:
@@ -459,6 +467,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             if spikes.action == "stop":
                 raise DivergenceError(f"{what}; stopped without saving this state (loss_spike_action stop)")
             if spikes.action == "rollback":
+                log_completed_save(checkpointer.complete_pending(), step, metrics)
                 step, consumed_samples = roll_back(step, checkpointer, unwrapped_model, optimizer, precision, args,
                                                    train_plan, spikes, data_skips, metrics, what)
                 events["rollbacks"] += 1
@@ -487,7 +496,14 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             trainer_state = {"global_step": step, "consumed_samples": consumed_samples,
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
                              "model_config": config.architecture_dict(), **spikes.state(), **data_skips.state()}
-            checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            save_start = time.perf_counter()
+            log_completed_save(checkpointer.complete_pending(), step, metrics)  # at most one save in flight
+            if checkpointer.async_save and not stopping and not checkpointer.exit_due(step, args.max_steps):
+                checkpointer.save_async(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            else:
+                checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            metrics.write({"event": "save", "step": step, "async": checkpointer.pending is not None,
+                           "stall_s": time.perf_counter() - save_start})
         if stopping:
             stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
@@ -500,6 +516,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             replicas = check_replicas(unwrapped_model, optimizer, layout, step)
             replica_checks += 1
 
+    log_completed_save(checkpointer.complete_pending(), step, metrics)  # the last save, finished before the end
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
         replicas = {**check_replicas(unwrapped_model, optimizer, layout, step), "checks": replica_checks + 1}
@@ -529,6 +546,24 @@ def roll_back(step: int, checkpointer: Checkpointer, model, optimizer, precision
     metrics.say(f"warning: {what}; rolled back to {os.path.basename(latest)}, skipping the data of steps {first} "
                 f"to {last} (samples {samples[0]} to {samples[1] - 1}) (loss_spike_action rollback)")
     return state["global_step"], state["consumed_samples"]
+
+
+def agree_flags(flags: list[bool], layout: Layout) -> list[bool]:
+    """Boolean flags max-reduced over all ranks (one collective), for steps that run no train_step."""
+    if not layout.distributed:
+        return flags
+    import paddle.distributed as dist
+
+    tensor = paddle.to_tensor([float(flag) for flag in flags], dtype="float32")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in tensor.numpy()]
+
+
+def log_completed_save(pending, step: int, metrics) -> None:
+    """The train_log record of an asynchronous save that has just been finalized."""
+    if pending is not None:
+        metrics.write({"event": "save_completed", "step": pending.step, "completed_at_step": step,
+                       "host_copy_mb": pending.host_bytes / 2**20})
 
 
 def resilience_summary(events: dict) -> dict:

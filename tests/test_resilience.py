@@ -179,3 +179,52 @@ def test_spike_skip_is_refused_under_the_pipeline_and_rollback_is_not(embedded_c
         startup("skip", pipeline)
     startup("rollback", pipeline)
     startup("skip", Layout(world_size=2, data_parallel_degree=2))
+
+
+# ----------------------------------------------------------------------------- asynchronous checkpoints
+def test_async_save_writes_the_same_checkpoints_and_survives_kill_9(embedded_corpus, tmp_path):
+    """async_save: the same losses and checkpoints as synchronous saves, each finalized at a later
+    step than it was taken; kill -9 while checkpoint-10 is being written (its .partial exists) leaves
+    checkpoint-5 the newest complete one, and the resumed run ends as the uninterrupted one."""
+    import signal
+    import time
+
+    from llm_pretrain.checkpoint import latest_checkpoint, verify_checkpoint
+    from test_fault_injection import start_cli
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.1)
+    sync, asynchronous = tmp_path / "sync", tmp_path / "async"
+    assert run_cli(args_file, "--output_dir", sync).returncode == 0
+    result = run_cli(args_file, "--output_dir", asynchronous, "--async_save", "true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(asynchronous) == losses(sync)
+    for step in (5, 10, 15, 20):
+        assert verify_checkpoint(str(asynchronous / f"checkpoint-{step}")) is None
+        assert_same_weights(asynchronous, sync, step)
+    saves = events(asynchronous, "save")
+    assert [(r["step"], r["async"]) for r in saves] == [(5, True), (10, True), (15, True), (20, True)]
+    completed = {r["step"]: r["completed_at_step"] for r in events(asynchronous, "save_completed")}
+    # finalized at the first step boundary after every rank's write ended: before the next save
+    assert all(step < completed[step] < step + 5 for step in (5, 10, 15)) and completed[20] == 20, completed
+    assert all(r["host_copy_mb"] > 0 for r in events(asynchronous, "save_completed"))
+
+    killed = tmp_path / "killed"  # PaddleNLP's spelling of the switch
+    command = [args_file, "--output_dir", killed, "--unified_checkpoint_config", "async_save"]
+    proc = start_cli(*command)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoint-10.partial").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert latest_checkpoint(str(killed)).endswith("checkpoint-5"), checkpoints(killed)
+    assert not (killed / "checkpoint-10.partial" / "COMPLETE").exists()
+    result = run_cli(*command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(killed) == losses(sync)
+    assert_same_weights(killed, sync, STEPS)
+    assert "checkpoint-10.partial" not in checkpoints(killed)
