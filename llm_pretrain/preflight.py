@@ -315,7 +315,7 @@ def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: st
         total = paddle.device.cuda.get_device_properties(0).total_memory / 2**20
         result["device_memory_mb"] = total
         result["fits"] = result["peak_mem_reserved_mb"] <= total
-    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
+    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "async_save_host_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
             "step_time_s", "tokens_per_card_per_sec", "mfu", "bottleneck")
     memory_terms = [row for row in result["breakdown"] if row["kind"] == "memory"]
     top = max(memory_terms, key=lambda row: row["mb"])
