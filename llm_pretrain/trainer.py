@@ -41,7 +41,7 @@ from llm_pretrain.preflight import RunPlan, device_name, layout_summary, no_usab
 from llm_pretrain.replica_check import check_replicas
 from llm_pretrain.resilience import DataSkips, LossSpikeGuard, sample_range
 from llm_pretrain.precision import Precision
-from llm_pretrain.run_control import Heartbeat, StopRequest
+from llm_pretrain.run_control import Heartbeat, StopRequest, wait_for_hang_report
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.weights import init_weights, load_weights_file
@@ -161,6 +161,11 @@ class StepResult:
     write_pending: bool = False  # some rank's asynchronous checkpoint write is still running
 
 
+# When this rank reached its step's flag reduction: its own share of the step, before waiting for
+# the others (the straggler record of each logging step compares it over the ranks).
+REACHED_FLAG_REDUCTION = [0.0]
+
+
 def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout,
                   write_pending: bool = False) -> tuple[np.ndarray, list]:
     """The step's flags (loss non-finite, gradients non-finite, stop requested, checkpoint write
@@ -174,6 +179,7 @@ def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, l
     flags.append(paddle.to_tensor(stop_requested))
     flags.append(paddle.to_tensor(write_pending))
     flags = paddle.concat([paddle.stack(flags).astype("float32"), loss.reshape([1]).astype("float32")])
+    REACHED_FLAG_REDUCTION[0] = time.perf_counter()
     if layout.distributed:
         import paddle.distributed as dist
 
@@ -327,7 +333,11 @@ def train(plan: RunPlan) -> dict:
         if plan.output_dir_lock is not None:
             run.callback(plan.output_dir_lock.release)  # one run per output_dir, until this one ends
         stop = run.enter_context(StopRequest())  # SIGTERM/SIGINT from here on: stop at a step boundary
-        return _train(plan, stop, run)
+        try:
+            return _train(plan, stop, run)
+        except BaseException:
+            wait_for_hang_report()  # a hang watchdog that fired ends the job with its own line
+            raise
 
 
 def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
@@ -415,6 +425,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
 
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
+    heartbeat.watch_for_hangs(layout.world_size, args.output_dir, args.hang_timeout_minutes, start_step)
+    run.callback(heartbeat.stop_watching)
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     spikes, data_skips = LossSpikeGuard.from_args(args, state), DataSkips(args.skip_data_intervals, state)
@@ -428,13 +440,15 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         following = consumed_samples + train_plan.global_batch_size if step + 1 < args.max_steps else None
         skipping_data = data_skips.covers(step + 1)
         threshold = spikes.threshold()
+        wait_start = time.perf_counter()
+        batches = None if skipping_data else prefetcher.get(consumed_samples, following)
+        data_wait = time.perf_counter() - wait_start
         try:
             if skipping_data:  # no step, only the stop request and the pending write to agree on
                 stop_requested, write_pending = agree_flags([stop.requested, checkpointer.write_pending()], layout)
                 result = StepResult(math.nan, None, None, stop_requested, False, write_pending=write_pending)
             else:
-                result = train_step(model, optimizer, schedule, precision, prefetcher.get(consumed_samples, following),
-                                    parameters, clip_grad_norm, layout, stop.requested,
+                result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm, layout, stop.requested,
                                     threshold if spikes.drops_update else None, checkpointer.write_pending())
         except (RuntimeError, OSError) as error:
             if not layout.distributed:
@@ -444,6 +458,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         if device == "gpu":
             paddle.device.synchronize()
         step_time = time.perf_counter() - step_start
+        timing = {"own_time": REACHED_FLAG_REDUCTION[0] - step_start, "data_wait": data_wait}
         step += 1
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
@@ -478,14 +493,14 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                 metrics.say(f"warning: {what}; update skipped (loss_spike_action skip)")
             else:
                 metrics.say(f"warning: {what}")
-                metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
+                metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples, **timing)
         else:
             spikes.observe(result.agreed_loss)
             divergence.reset()
             if not result.optimizer_stepped:
                 metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
                             "schedule were skipped on every rank")
-            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples)
+            metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples, **timing)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
             metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,

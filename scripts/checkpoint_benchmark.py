@@ -88,6 +88,7 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
         start = time.perf_counter()
         ckpt.load_checkpoint(path, unwrapped, optimizer, layout)
         loads.append(all_reduce_max(time.perf_counter() - start, layout))
+    files = len(os.listdir(path))  # before the asynchronous saves rotate it away
     # async_save: the stall is the save call (finite check, staging directory, host copy); the write
     # then runs on a background thread during a training step, and completing it waits for the rest.
     step_idle = [train_once() for _ in range(rounds)]
@@ -105,7 +106,7 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
     if layout.is_main:
         with open(result_file, "w") as f:
             json.dump({"save_s": saves, "load_s": loads, "bytes": sizes[-1], "parameters": parameters,
-                       "files": len(os.listdir(path)), "async_stall_s": stalls, "step_idle_s": step_idle,
+                       "files": files, "async_stall_s": stalls, "step_idle_s": step_idle,
                        "step_during_write_s": steps_during, "async_complete_wait_s": completes,
                        "async_host_copy_mb": pending.host_bytes / 2**20}, f)
 

@@ -230,3 +230,57 @@ def test_async_save_writes_the_same_checkpoints_and_survives_kill_9(embedded_cor
     assert losses(killed) == losses(sync)
     assert_same_weights(killed, sync, STEPS)
     assert "checkpoint-10.partial" not in checkpoints(killed)
+
+
+# ----------------------------------------------------------------------------- slow and hung ranks
+def test_straggler_record_and_a_stalled_rank_ends_the_job_in_one_line(embedded_corpus, tmp_path):
+    """dp2: every logging step records both ranks' step times and data waits and names the slowest and
+    fastest; then rank 1 is stopped (SIGSTOP) mid-run: within hang_timeout_minutes rank 0, blocked in a
+    collective, dumps its stacks and ends the job with one line naming rank 1 (exit code 1)."""
+    import os
+    import signal
+    import time
+
+    from parity_utils import RUN_PRETRAIN, argv
+    from test_fault_injection import _kill_session, _start_launch
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=1000, save_steps=0, hang_timeout_minutes=0.15)
+    logs, out = tmp_path / "log", tmp_path / "out"
+    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out), logs)
+    try:
+        deadline, beat = time.monotonic() + 240, {"step": 0}
+        while launcher.poll() is None and time.monotonic() < deadline and beat["step"] < 3:
+            try:
+                beat = json.loads((logs / "heartbeat.1.json").read_text())
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        assert beat["step"] >= 3, (launcher.poll(), beat)
+        os.kill(beat["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        launcher.communicate(timeout=240)
+        waited = time.monotonic() - stopped_at
+    finally:
+        _kill_session(launcher.pid)
+    assert launcher.returncode == 1, launcher.returncode
+    assert 9 <= waited < 90, waited  # the timeout (9 s), the reports, the launcher ending the job
+    log0 = (logs / "workerlog.0").read_text(errors="replace")
+    errors = [line for line in log0.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in log0, log0[-3000:]
+    assert errors[0].startswith("error: hang: no step finished for 0.15 minutes (hang_timeout_minutes) after step ")
+    assert "rank(s) 1 did not reach the collective" in errors[0] and "that rank(s) 0 wait in" in errors[0]
+    assert "rank 1: no report: stopped, or blocked without Python" in errors[0], errors[0]
+    report = json.loads((logs / "hang.rank0.json").read_text())
+    assert report["collective"] and report["step"] >= 3, report
+    stacks = (logs / "hang.rank0.txt").read_text()
+    assert "(most recent call first)" in stacks and "run_pretrain.py" in stacks, stacks[-2000:]
+
+    records = [r for r in log_lines(out) if r["event"] == "train"]
+    assert len(records) >= 3
+    for record in records:
+        times = record["rank_step_time_s"]
+        assert len(times) == 2 and len(record["rank_data_wait_s"]) == 2
+        assert record["slowest_rank"] == {"rank": times.index(max(times)), "step_time_s": max(times),
+                                          "data_wait_s": record["rank_data_wait_s"][times.index(max(times))]}
+        assert record["fastest_rank"]["step_time_s"] == min(times)
+    assert "slowest rank " in log0 and ", fastest rank " in log0
