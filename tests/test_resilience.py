@@ -21,8 +21,9 @@ from test_fault_injection import checkpoints, log_lines, one_error_line, run_cli
 STEPS = 20  # save every 5; the garbage sits at steps 12 and 13
 
 
-def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int]) -> str:
-    """A copy of the corpus whose samples of the given global steps (1-based) are one unused token."""
+def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int], first_samples: int | None = None) -> str:
+    """A copy of the corpus whose samples of the given global steps (1-based) are one unused token
+    (only the first `first_samples` of each step's global batch when given)."""
     from llm_pretrain.data import build_pretraining_datasets
 
     args = json.loads(args_file.read_text())
@@ -40,7 +41,8 @@ def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int]) 
     unused = int(np.argmin(counts[:corpus["vocab_size"]]))
     tokens = np.memmap(next(directory.glob("*.bin")), dtype=data.dtype, mode="r+")
     for step in steps:
-        for i in range((step - 1) * batch, step * batch):  # the spans GPTDataset.__getitem__ reads
+        start = (step - 1) * batch
+        for i in range(start, start + (first_samples or batch)):  # the spans GPTDataset.__getitem__ reads
             k = int(train.shuffle_idx[i])
             (first, start), (last, end) = train.sample_idx[k], train.sample_idx[k + 1]
             starts, ends = data.document_spans(train.doc_idx[first:last + 1])
@@ -284,3 +286,25 @@ def test_straggler_record_and_a_stalled_rank_ends_the_job_in_one_line(embedded_c
                                           "data_wait_s": record["rank_data_wait_s"][times.index(max(times))]}
         assert record["fastest_rank"]["step_time_s"] == min(times)
     assert "slowest rank " in log0 and ", fastest rank " in log0
+
+
+def test_a_spike_on_one_rank_rolls_back_every_rank(embedded_corpus, tmp_path):
+    """dp2 (the global batch of 8 split 4 + 4): garbage only in rank 0's half of step 12. Its loss
+    reaches rank 1 through the step's flag reduction (max), both ranks roll back together, and the
+    run equals one process skipping steps 11-16 (fp32 parity)."""
+    from parity_utils import argv, run_launch
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12], first_samples=4)
+    out = tmp_path / "dp2"
+    run_launch(2, [argv(args_file, out, input_dir=garbage, gradient_accumulation_steps=2, loss_spike_factor=1.2,
+                        loss_spike_window=4, loss_spike_action="rollback", loss_spike_skip_steps=4)], tmp_path, "dp2")
+    assert [(r["step"], r["skipped_steps"]) for r in events(out, "rollback")] == [(12, [11, 16])]
+    reference = tmp_path / "single"
+    result = run_cli(args_file, "--output_dir", reference, "--skip_data_intervals", "[[11,16]]",
+                     "--attention_probs_dropout_prob", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(out), losses(reference)
+    assert set(got) - set(want) == {11}  # trained, then undone by the rollback
+    assert all(abs(got[k] - want[k]) < 1e-5 for k in want), (got, want)
