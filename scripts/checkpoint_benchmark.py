@@ -29,6 +29,8 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "gpt3-350M-en"  # 24 layers, hidden 1024, vocabulary 50304 (tied): 355M parameters
+STALL = "stall per save"  # results key prefix of the sync/async stall rows
+STALL_KEYS = ("async_stall_s", "step_idle_s", "step_during_write_s", "async_complete_wait_s", "async_host_copy_mb")
 LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
     4, ["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"])}
 
@@ -156,15 +158,17 @@ def write_report(results: dict, out: str) -> None:
         "| format | layout | model | save s | load s | bytes | files | rounds | load average |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    stall_rows = {key: r for key, r in results.items() if key.startswith(STALL)}
     for key, r in results.items():
+        if key in stall_rows:
+            continue
         fmt, layout = key.split(" | ")[:2]
         lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
                      f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
                      f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
     from llm_pretrain import perf  # here, not at the top: worker processes import the tree they measure
 
-    with_async = {key: r for key, r in results.items() if "async_stall_s" in r}
-    if with_async:
+    if stall_rows:
         lines += [
             "",
             "## Training stall per save: synchronous against async_save",
@@ -178,15 +182,16 @@ def write_report(results: dict, out: str) -> None:
             "its write runs (the planner's async_save_host_mb).",
             "",
             "| layout | model | sync save s (stall) | async stall s | step s | step during the write s "
-            "| wait to complete s | host copy MB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| wait to complete s | host copy MB | rounds | load average |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for key, r in with_async.items():
+        for key, r in stall_rows.items():
             lines.append(f"| {key.split(' | ')[1]} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
                          f"{statistics.median(r['save_s']):.2f} | {statistics.median(r['async_stall_s']):.2f} | "
                          f"{statistics.median(r['step_idle_s']):.2f} | "
                          f"{statistics.median(r['step_during_write_s']):.2f} | "
-                         f"{statistics.median(r['async_complete_wait_s']):.2f} | {r['async_host_copy_mb']:.0f} |")
+                         f"{statistics.median(r['async_complete_wait_s']):.2f} | {r['async_host_copy_mb']:.0f} | {r['rounds']} | "
+                         f"{r['load_average_1min']:.0f} |")
     perf.write_keeping_findings(os.path.join(out, "checkpoint_io.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -229,9 +234,13 @@ def main(argv: list[str]) -> int:
         for name, tree in trees:
             print(f"measuring {name}, {layout} ...", flush=True)
             result = measure(tree, args.model, processes, extra, os.path.join(work, "run"), args.rounds)
-            key = f"{name} | {layout}" + (f" | {args.model}" if args.model != MODEL else "")
-            results[key] = {**result, "model": args.model, "rounds": args.rounds,
-                                             "load_average_1min": os.getloadavg()[0]}
+            suffix = f" | {args.model}" if args.model != MODEL else ""
+            measured = {"model": args.model, "rounds": args.rounds, "load_average_1min": os.getloadavg()[0]}
+            stall = {key: result.pop(key) for key in STALL_KEYS if key in result}
+            results[f"{name} | {layout}{suffix}"] = {**result, **measured}
+            if stall and tree == REPO_ROOT:  # the stall table: this tree's synchronous and asynchronous saves
+                results[f"{STALL} | {layout}{suffix}"] = {**stall, "save_s": result["save_s"],
+                                                          "parameters": result["parameters"], **measured}
             write_report(results, args.out)
     return 0
 
