@@ -259,6 +259,11 @@ class MetricsLogger:
         self._losses, self._norms, self._time = [], [], 0.0
         self._own, self._wait = 0.0, 0.0
 
+    def drop_unlogged_steps(self) -> None:
+        """Forget the steps since the last train record (a rollback undid them)."""
+        self._losses, self._norms, self._time = [], [], 0.0
+        self._own, self._wait = 0.0, 0.0
+
     def evaluation(self, split: str, step: int, loss: float) -> None:
         record = {"event": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.log.write(dict(record))

@@ -553,6 +553,7 @@ def roll_back(step: int, checkpointer: Checkpointer, model, optimizer, precision
     first, last = state["global_step"] + 1, step + args.loss_spike_skip_steps
     spikes.losses.clear()
     spikes.losses.extend(state.get("loss_spike_window_losses", []))
+    metrics.drop_unlogged_steps()
     data_skips.rollbacks = DataSkips(trainer_state=state).rollbacks
     data_skips.add_rollback(first, last)
     samples = sample_range(first, last, plan.global_batch_size)

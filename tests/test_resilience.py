@@ -118,7 +118,8 @@ def test_skip_data_intervals_and_rollback_resume_exactly(embedded_corpus, tmp_pa
 
 def test_spike_skip_equals_skipping_its_data_and_stop_is_exit_3(embedded_corpus, tmp_path):
     """loss_spike_action skip drops the update of both garbage steps (no dropout here, so the run
-    equals the one that skips those steps' data); stop ends the run at the first spike, exit code 3."""
+    equals the one that skips those steps' data); stop ends the run at the first spike, exit code 3;
+    warn logs it and trains on."""
     args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=0, hidden_dropout_prob=0.0)
     garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12, 13])
     spike = ["--input_dir", garbage, "--loss_spike_factor", "1.2", "--loss_spike_window", "4"]
@@ -141,6 +142,14 @@ def test_spike_skip_equals_skipping_its_data_and_stop_is_exit_3(embedded_corpus,
 
     result = run_cli(args_file, "--output_dir", tmp_path / "spike-stop", *spike, "--loss_spike_action", "stop")
     one_error_line(result, 3, "step 12: loss spike", "loss_spike_action stop")
+
+    warned = tmp_path / "spike-warn"  # warn: logged and counted, the step trains
+    result = run_cli(args_file, "--output_dir", warned, *spike, "--loss_spike_action", "warn")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("warning: step 12: loss spike")]
+    warned_spikes = [(r["step"], r["action"]) for r in events(warned, "loss_spike")]
+    assert warned_spikes[0] == (12, "warn") and {action for _, action in warned_spikes} == {"warn"}
+    assert 12 in losses(warned) and "spike_skipped_steps" not in events(warned, "summary")[-1]
 
 
 @pytest.mark.parametrize("overrides, fragments", [
