@@ -517,8 +517,9 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                 checkpointer.save_async(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
             else:
                 checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
-            metrics.write({"event": "save", "step": step, "async": checkpointer.pending is not None,
-                           "stall_s": time.perf_counter() - save_start})
+            if checkpointer.async_save:  # how long this save held training up
+                metrics.write({"event": "save", "step": step, "async": checkpointer.pending is not None,
+                               "stall_s": time.perf_counter() - save_start})
         if stopping:
             stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
