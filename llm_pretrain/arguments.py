@@ -89,6 +89,14 @@ class Arguments:
         "checkpoint.last_save_in_hf). Needs save_steps > 0 and a family with a Hugging Face class."
     )
     disable_tqdm: Optional[bool] = _key(None, "No progress bar (default: a bar when stderr is a terminal).")
+    async_save: bool = _key(
+        False, "Write checkpoints from a background thread while training goes on (host copy of the state "
+        "first; at most one save in flight); also set by unified_checkpoint_config 'async_save' (PaddleNLP).")
+    unified_checkpoint_config: str = _key(
+        "", "PaddleNLP's option string; 'async_save' turns on async_save, its other options have no effect here.")
+    hang_timeout_minutes: float = _key(
+        0.0, "When no step completes for this long, every rank dumps its Python stacks and the collective it "
+        "is in to the log directory and the job ends naming the ranks that did not arrive (0: off).", minimum=0)
     exit_interval: Optional[int] = _key(
         None, "Save a checkpoint and stop after every N-th step; rerun the same command to resume "
         "(for time-limited jobs, as Megatron's --exit-interval).", minimum=1
@@ -130,6 +138,20 @@ class Arguments:
         0, "Skip the update of up to N consecutive steps whose loss or gradient norm is NaN/Inf (as torchtitan's "
         "skip_nan_inf, counted like Megatron's skipped iterations); 0: stop at the first one with exit code 3.",
         minimum=0)
+    loss_spike_factor: float = _key(
+        0.0, "A step whose loss is above this factor x the mean of the last loss_spike_window losses is a spike "
+        "(the loss is each step's largest over the ranks, agreed in the step's flag reduction); 0: off.", minimum=0)
+    loss_spike_window: int = _key(0, "Finite, non-spike losses the spike check averages (at least 2; 0: off).",
+                                  minimum=0)
+    loss_spike_action: str = _key(
+        "warn", "What a spike does: warn (log it), skip (no update, as a skipped non-finite step), rollback "
+        "(reload the newest checkpoint and skip the data from it to the spike plus loss_spike_skip_steps), "
+        "stop (exit code 3).", choices=("warn", "skip", "rollback", "stop"))
+    loss_spike_skip_steps: int = _key(0, "rollback: also skip the data of this many steps after the spike.",
+                                      minimum=0)
+    skip_data_intervals: Optional[list] = _key(
+        None, "PaddleNLP/PaddleFormers' key: [[first, last], ...] global steps (1-based, inclusive) whose "
+        "batches are skipped: their samples are consumed, nothing is trained, the step counts.")
 
     # ---- precision and kernels (GPU only; on CPU: one warning, plain fp32) ----
     bf16: bool = _key(False, "bfloat16 mixed precision (GPU).")
@@ -235,7 +257,6 @@ INERT_KEYS: dict[str, Any] = {
     "lazy_data_processing": True,
     "skip_profile_timer": True,
     "unified_checkpoint": False,
-    "unified_checkpoint_config": "",
     "to_static": False,
     "ignore_load_lr_and_optim": False,
     "ignore_save_lr_and_optim": False,
@@ -319,6 +340,13 @@ def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
     if base is str:
         if not isinstance(value, str):
             raise UsageError(f"{name}: expected a string, got {_describe(value)} ({where})")
+        return value
+    if name == "skip_data_intervals":
+        if not (isinstance(value, list) and all(
+                isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) for pair in value)):
+            raise UsageError(f"{name}: expected a list of [first step, last step] pairs like [[100, 120]], "
+                             f"got {_describe(value)} ({where})")
         return value
     if base is list:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -406,6 +434,10 @@ def parse_arguments(argv: list[str]) -> tuple[Arguments, list[str]]:
             raise _unknown_key_error(key, where)
     args = Arguments(**values)
     validate_arguments(args)
+    ignored = [option for option in args.unified_checkpoint_config.split() if option != "async_save"]
+    if ignored:
+        warnings.append(f"unified_checkpoint_config: {' '.join(ignored)} has no effect in llm-pretrain (only "
+                        "async_save has); it is accepted so that PaddleNLP argument files parse unchanged")
     return args, warnings
 
 
@@ -448,8 +480,47 @@ def validate_arguments(args: Arguments) -> None:
         value = getattr(args, name)
         if value is not None and value >= 1:
             raise UsageError(f"{name}: {value} is not allowed; use a probability in [0, 1)")
+    check_resilience_arguments(args)
     if args.no_recompute_layers is not None and any(i < 0 for i in args.no_recompute_layers):
         raise UsageError(f"no_recompute_layers: layer indices must be >= 0, got {args.no_recompute_layers}")
+
+
+UNIFIED_CHECKPOINT_OPTIONS = ("skip_save_model_weight", "master_weight_compatible", "async_save",
+                              "enable_all_options")  # paddlenlp/trainer/training_args.py:1433-1438
+
+
+def check_resilience_arguments(args: Arguments) -> None:
+    """Loss spikes, skipped data intervals and the checkpoint options (no world size needed)."""
+    if args.loss_spike_factor and args.loss_spike_factor <= 1:
+        raise UsageError(f"loss_spike_factor: {args.loss_spike_factor} is not allowed; use a factor above 1 "
+                         "(e.g. 3), or 0 to turn the spike check off")
+    if args.loss_spike_window == 1:
+        raise UsageError("loss_spike_window: 1 is not allowed; use a window of at least 2 losses, or 0 to turn "
+                         "the spike check off")
+    if bool(args.loss_spike_factor) != bool(args.loss_spike_window):
+        given, missing = (("loss_spike_factor", "loss_spike_window") if args.loss_spike_factor
+                          else ("loss_spike_window", "loss_spike_factor"))
+        raise UsageError(f"{missing}: set it too ({given} is set); the spike check needs both, or both 0")
+    if args.loss_spike_action == "rollback" and args.loss_spike_factor and not args.save_steps:
+        raise UsageError("loss_spike_action: rollback needs checkpoints to roll back to; set save_steps > 0")
+    previous = None
+    for first, last in sorted(args.skip_data_intervals or []):
+        if first < 1 or last < first:
+            raise UsageError(f"skip_data_intervals: [{first}, {last}] is not allowed; each interval is [first step, "
+                             "last step] with 1 <= first <= last (global steps count from 1)")
+        if previous is not None and first <= previous[1]:
+            raise UsageError(f"skip_data_intervals: [{previous[0]}, {previous[1]}] and [{first}, {last}] overlap; "
+                             "give each step in at most one interval")
+        previous = (first, last)
+    for option in args.unified_checkpoint_config.split():
+        if option not in UNIFIED_CHECKPOINT_OPTIONS:
+            raise UsageError(f"unified_checkpoint_config: unknown option {option!r}; allowed (PaddleNLP's): "
+                             + ", ".join(UNIFIED_CHECKPOINT_OPTIONS))
+
+
+def wants_async_save(args: Arguments) -> bool:
+    """async_save, or PaddleNLP's unified_checkpoint_config option of the same name."""
+    return args.async_save or "async_save" in args.unified_checkpoint_config.split()
 
 
 def arguments_to_dict(args: Arguments) -> dict:

@@ -47,6 +47,7 @@ import random
 import re
 import shutil
 import socket
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -134,15 +135,26 @@ def write_rank_files(staging: str, model, optimizer, layout: Layout, scaler=None
     """This rank's part of a checkpoint: the slices it holds of every weight and optimizer tensor
     (llm_pretrain/dist_checkpoint.py; nothing is gathered), its RNG states and, on rank 0 under fp16,
     the loss scaler's state. Returns the file names."""
-    written = dist_checkpoint.save_state(staging, model, optimizer, layout)
+    return write_snapshot_files(staging, snapshot_rank_state(model, optimizer, layout, scaler, copy=False), layout)
+
+
+def snapshot_rank_state(model, optimizer, layout: Layout, scaler=None, copy: bool = True) -> dict:
+    """What write_rank_files writes, taken now; copy: the tensors copied to host memory (async_save)."""
+    # As paddlenlp/trainer/trainer.py:2232-2233 (_save_checkpoint): GradScaler.state_dict() (scale,
+    # incr/decr counters and ratios; paddle/amp/grad_scaler.py:598). One copy: the overflow check
+    # is shared by every rank (precision.py), so the scale and counters are the same on all ranks.
+    scaler_state = scaler.state_dict() if scaler is not None and layout.rank == 0 else None
+    return {"tensors": dist_checkpoint.snapshot_state(model, optimizer, layout, copy), "rng": rng_states(),
+            "scaler": scaler_state}
+
+
+def write_snapshot_files(staging: str, snapshot: dict, layout: Layout) -> list[str]:
+    written = dist_checkpoint.write_snapshot(staging, layout, snapshot["tensors"])
     with open(os.path.join(staging, rng_file(layout)), "wb") as f:
-        pickle.dump(rng_states(), f)
+        pickle.dump(snapshot["rng"], f)
     written.append(rng_file(layout))
-    if scaler is not None and layout.rank == 0:
-        # As paddlenlp/trainer/trainer.py:2232-2233 (_save_checkpoint): GradScaler.state_dict() (scale,
-        # incr/decr counters and ratios; paddle/amp/grad_scaler.py:598). One copy: the overflow check
-        # is shared by every rank (precision.py), so the scale and counters are the same on all ranks.
-        paddle.save(scaler.state_dict(), os.path.join(staging, SCALER_FILE))
+    if snapshot["scaler"] is not None:
+        paddle.save(snapshot["scaler"], os.path.join(staging, SCALER_FILE))
         written.append(SCALER_FILE)
     return written
 
@@ -222,12 +234,14 @@ class Checkpointer:
     """
 
     def __init__(self, output_dir: str, layout: Layout, save_steps: int, save_total_limit: int | None,
-                 exit_interval: int | None = None):
+                 exit_interval: int | None = None, async_save: bool = False):
         self.output_dir = output_dir
         self.layout = layout
         self.save_steps = save_steps
         self.save_total_limit = save_total_limit
         self.exit_interval = exit_interval
+        self.async_save = async_save
+        self.pending: PendingSave | None = None  # the asynchronous save in flight (at most one)
 
     # -- cadence
     def exit_due(self, step: int, max_steps: int) -> bool:
@@ -243,6 +257,62 @@ class Checkpointer:
         """checkpoint-`step`, complete and verified, or nothing (and the previous one untouched).
 
         `scaler`: the fp16 GradScaler (None without one), saved with the checkpoint."""
+        self.complete_pending()
+        final, staging = self._begin(step, model)
+        failure = None
+        try:
+            self._write_files(staging, snapshot_rank_state(model, optimizer, self.layout, scaler, copy=False))
+        except OSError as error:
+            failure = error
+        self._complete(step, final, staging, trainer_state, failure)
+        return final
+
+    def save_async(self, step: int, model, optimizer, trainer_state: dict, scaler=None) -> str:
+        """Start checkpoint-`step`: the state is copied to host memory now and written by a background
+        thread while training goes on; `complete_pending` (main thread, every rank at the same step)
+        then agrees that every rank's write succeeded and finalizes it as `save` does. Until then
+        the previous checkpoint is the newest complete one."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.complete_pending()  # at most one in flight: the next save waits for the previous one
+        final, staging = self._begin(step, model)
+        snapshot = snapshot_rank_state(model, optimizer, self.layout, scaler, copy=True)
+        host_bytes = dist_checkpoint.host_state_bytes(snapshot["tensors"])
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.pending = PendingSave(step, final, staging, trainer_state, host_bytes, pool,
+                                   pool.submit(self._write_files_noting_failure, staging, snapshot))
+        pool.shutdown(wait=False)
+        return final
+
+    def write_pending(self) -> bool:
+        """Whether this rank's background write is still running (the loop agrees on it every step)."""
+        return self.pending is not None and not self.pending.future.done()
+
+    def complete_pending(self) -> PendingSave | None:
+        """Wait for the save in flight, then agree and finalize it (a collective: every rank calls it
+        at the same step, on the main thread). Returns it (None when there was none)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            failure = pending.future.result()
+            self._complete(pending.step, pending.final, pending.staging, pending.trainer_state, failure)
+        return pending
+
+    def _write_files_noting_failure(self, staging: str, snapshot: dict) -> OSError | None:
+        try:
+            self._write_files(staging, snapshot)
+        except OSError as error:
+            return error
+        return None
+
+    def _write_files(self, staging: str, snapshot: dict) -> None:
+        """This rank's files, fsynced, with their sizes and checksums in its rank manifest (any thread)."""
+        layout = self.layout
+        entries = {name: file_entry(os.path.join(staging, name), layout.rank)
+                   for name in write_snapshot_files(staging, snapshot, layout)}
+        _write_synced(os.path.join(staging, RANK_MANIFEST.format(rank=layout.rank)), json.dumps(entries))
+
+    def _begin(self, step: int, model) -> tuple[str, str]:
+        """The finite-weights check and the staging directory, agreed by every rank."""
         layout = self.layout
         if all_reduce_max(0.0 if _weights_are_finite(model) else 1.0, layout):
             raise DivergenceError(f"the weights after step {step} are not finite; checkpoint-{step} was not "
@@ -257,13 +327,11 @@ class Checkpointer:
             except OSError as error:
                 failure = error
         self._agree_or_raise(failure, step, staging)
+        return final, staging
 
-        try:
-            entries = {name: file_entry(os.path.join(staging, name), layout.rank)
-                       for name in write_rank_files(staging, model, optimizer, layout, scaler)}
-            _write_synced(os.path.join(staging, RANK_MANIFEST.format(rank=layout.rank)), json.dumps(entries))
-        except OSError as error:
-            failure = error
+    def _complete(self, step: int, final: str, staging: str, trainer_state: dict, failure: OSError | None) -> None:
+        """Every rank's write succeeded (agreed), then rank 0 finalizes: manifest, COMPLETE, rename."""
+        layout = self.layout
         self._agree_or_raise(failure, step, staging)
 
         if layout.is_main:
@@ -275,7 +343,6 @@ class Checkpointer:
         if layout.is_main:
             self.rotate()
         barrier(layout)
-        return final
 
     def _finalize(self, staging: str, final: str, step: int, trainer_state: dict) -> None:
         """Rank 0: the tensor index, trainer_state.json, the merged manifest, COMPLETE, fsync, rename, fsync."""
@@ -340,6 +407,19 @@ class Checkpointer:
     # -- reading
     def load(self, path: str, model, optimizer, scaler=None) -> dict:
         return load_checkpoint(path, model, optimizer, self.layout, scaler)
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save whose files a background thread is writing."""
+
+    step: int
+    final: str
+    staging: str
+    trainer_state: dict
+    host_bytes: int  # the host copy of this rank's state it holds until the write ends
+    pool: object
+    future: object
 
 
 class CheckpointWriteError(RunError):

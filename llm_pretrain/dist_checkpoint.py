@@ -277,8 +277,16 @@ def held_tensors(model, optimizer, layout) -> list[HeldTensor]:
 def save_state(directory: str, model, optimizer, layout) -> list[str]:
     """Write this rank's slices of the weights and optimizer state (every rank calls this); returns
     the names of the files written (the checkpointer lists them in its manifest)."""
+    return write_snapshot(directory, layout, snapshot_state(model, optimizer, layout, copy=False))
+
+
+def snapshot_state(model, optimizer, layout, copy: bool = True) -> tuple[list, dict | None]:
+    """What save_state writes: (tensor name, local tensor, global shape, pieces, dtype) of each tensor
+    this rank writes, and the LR schedule's state. copy: every tensor copied to host memory now (the
+    asynchronous save writes the copy while training changes the originals): NumPy on CPU, pinned
+    host memory on GPU (Tensor.pin_memory, paddle/base/dygraph/tensor_patch_methods.py:1198)."""
     owners, _ = _sharding_optimizer(optimizer)
-    to_write: list[tuple[str, object, tuple, list[Piece]]] = []  # (tensor name, local tensor, global shape, pieces)
+    to_write: list[tuple[str, object, tuple, list[Piece], str]] = []  # (name, local tensor, global shape, pieces, dtype)
 
     def sharding_owner(holding: Holding) -> int | None:
         if layout.sharding_stage in (1, 2) and owners is not None:
@@ -304,8 +312,28 @@ def save_state(directory: str, model, optimizer, layout) -> list[str]:
             continue
         if h.is_tied_copy or not _writes(h.name, layout, replicated, owner, expert):
             continue
-        to_write.append((t.name, t.tensor, t.global_shape, t.pieces))
+        tensor = t.tensor
+        dtype = _dtype_name(tensor)
+        if copy and not isinstance(tensor, np.ndarray):
+            tensor = tensor.pin_memory() if tensor.place.is_gpu_place() else tensor.numpy()  # numpy() copies
+        to_write.append((t.name, tensor, t.global_shape, t.pieces, dtype))
+    return to_write, lr_scheduler
 
+
+def host_state_bytes(snapshot: tuple[list, dict | None]) -> int:
+    """The host memory a snapshot holds."""
+    return sum(_nbytes(tensor) for _, tensor, _, _, _ in snapshot[0])
+
+
+def _nbytes(tensor) -> int:
+    if isinstance(tensor, np.ndarray):
+        return tensor.nbytes
+    return int(np.prod(tensor.shape)) * np.dtype(_storage_dtype(_dtype_name(tensor))).itemsize
+
+
+def write_snapshot(directory: str, layout, snapshot: tuple[list, dict | None]) -> list[str]:
+    """Write a snapshot_state as this rank's files (any thread); returns their names."""
+    to_write, lr_scheduler = snapshot
     entries = _write_safetensors(directory, layout.rank, to_write)
     fragment = {"tensors": entries}
     if layout.rank == 0 and lr_scheduler is not None:
@@ -328,8 +356,7 @@ def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
     entries: dict[str, dict] = {}
     header: dict[str, dict] = {}
     offset = 0
-    for name, tensor, global_shape, pieces in to_write:
-        dtype = _dtype_name(tensor)
+    for name, tensor, global_shape, pieces, dtype in to_write:
         numpy_dtype = np.dtype(_storage_dtype(dtype))
         entry = entries.setdefault(name, {"shape": list(global_shape), "dtype": dtype, "slices": []})
         for piece in pieces:
@@ -347,8 +374,10 @@ def _write_safetensors(directory: str, rank: int, to_write) -> dict[str, dict]:
     with open(os.path.join(directory, data_file(rank)), "wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
-        for _, tensor, _, pieces in to_write:
-            local = tensor.numpy()
+        for _, tensor, _, pieces, _ in to_write:
+            # A state loaded before the optimizer's first step is still the NumPy array set_state_dict
+            # keeps until the accumulator exists (a resume whose first steps are skipped data).
+            local = tensor if isinstance(tensor, np.ndarray) else tensor.numpy()
             for piece in pieces:
                 f.write(np.ascontiguousarray(piece.take(local)).data)
     return entries

@@ -59,6 +59,9 @@ def format_train_line(record: dict, max_steps: int) -> str:
         f"step {record['step']}/{max_steps} | loss {record['loss']:.6f} | lr {record['learning_rate']:.3e}"
         f" | grad_norm {grad_norm} | tokens/card/sec {record['tokens_per_card_per_sec']:.1f}"
         f" | step_time {record['step_time_s']:.3f}s | {memory} | tflops/card {record['tflops_per_card']:.4f}"
+        + (f" | slowest rank {record['slowest_rank']['rank']} {record['slowest_rank']['step_time_s']:.3f}s, fastest "
+           f"rank {record['fastest_rank']['rank']} {record['fastest_rank']['step_time_s']:.3f}s"
+           if len(record.get("rank_step_time_s", ())) > 1 else "")
     )
 
 
@@ -155,10 +158,15 @@ def summarize(step_records: list[dict], warmup_steps: int) -> dict:
     return summary
 
 
+# What the summary counts besides steps (llm_pretrain/trainer.py, llm_pretrain/resilience.py).
+RESILIENCE_COUNTS = ("loss_spikes", "spike_skipped_steps", "rollbacks", "data_skipped_steps")
+
+
 def format_summary(summary: dict) -> str:
     memory = ", ".join(f"{k} {v:.0f}" for k, v in summary.items() if k.startswith("peak_"))
+    events = "".join(f", {key.replace('_', ' ')} {summary[key]}" for key in RESILIENCE_COUNTS if key in summary)
     return (
-        f"summary: {summary['steps']} steps, mean tokens/card/sec {summary['mean_tokens_per_card_per_sec']:.1f}"
+        f"summary: {summary['steps']} steps{events}, mean tokens/card/sec {summary['mean_tokens_per_card_per_sec']:.1f}"
         f" (excluding {summary['warmup_steps_excluded']} warm-up steps), {memory}, final loss "
         + (f"{summary['final_loss']:.6f}" if summary["final_loss"] is not None else "n/a")
     )
@@ -195,6 +203,25 @@ def scalar(value) -> float:
     return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
 
 
+def rank_times(own_time: float, data_wait: float, layout) -> dict:
+    """Every rank's mean step time (its own share, before waiting for the others) and data wait, and
+    the slowest and fastest rank, as Megatron's straggler detector reports them: one small
+    all_gather, at logging steps only."""
+    times = [[own_time, data_wait]]
+    if layout.distributed:
+        import paddle
+        import paddle.distributed as dist
+
+        gathered = []
+        dist.all_gather(gathered, paddle.to_tensor([own_time, data_wait], dtype="float32"))
+        times = [tensor.numpy().tolist() for tensor in gathered]
+    own = [t[0] for t in times]
+    slowest, fastest = own.index(max(own)), own.index(min(own))
+    return {"rank_step_time_s": own, "rank_data_wait_s": [t[1] for t in times],
+            "slowest_rank": {"rank": slowest, "step_time_s": own[slowest], "data_wait_s": times[slowest][1]},
+            "fastest_rank": {"rank": fastest, "step_time_s": own[fastest], "data_wait_s": times[fastest][1]}}
+
+
 class MetricsLogger:
     """Owns the run's records: accumulates steps, writes one train record per logging step
     (loss averaged over the interval and the data replicas), eval records and the summary,
@@ -212,6 +239,7 @@ class MetricsLogger:
         self.flops_per_token, self.global_tokens_per_step = flops_per_token, global_tokens_per_step
         self.records: list[dict] = []
         self._losses, self._norms, self._time = [], [], 0.0
+        self._own, self._wait = 0.0, 0.0
         self.progress = _progress_bar(max_steps, start_step, disable_tqdm, layout.is_main)
 
     def write(self, record: dict) -> None:
@@ -222,14 +250,19 @@ class MetricsLogger:
             self.progress.write(line)
 
     def step(self, step: int, loss: float, grad_norm: float | None, learning_rate: float, step_time: float,
-             consumed_samples: int, router_metrics=None) -> None:
+             consumed_samples: int, router_metrics=None, own_time: float | None = None,
+             data_wait: float = 0.0) -> None:
         """router_metrics: a mixture-of-experts model's models.moe.RouterMetrics (read and reset at logging
-        steps: its aux loss averaged over the data replicas, expert load ratio and drops of this rank's tokens)."""
+        steps: its aux loss averaged over the data replicas, expert load ratio and drops of this rank's tokens).
+        own_time: this rank's share of the step before it waited for the others (the step's flag
+        reduction); data_wait: its wait for the batch. Both compared over the ranks at logging steps."""
         from llm_pretrain.distributed import all_reduce_mean_over_replicas
 
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._time += step_time
+        self._own += own_time if own_time is not None else step_time
+        self._wait += data_wait
         self.progress.update(1)
         if step % self.logging_steps and step != self.max_steps:
             return
@@ -248,6 +281,7 @@ class MetricsLogger:
             "tflops_per_card": self.flops_per_token * tokens_per_card_per_sec / 1e12,
             "consumed_samples": consumed_samples,
             **memory,
+            **rank_times(self._own / steps, self._wait / steps, self.layout),
         }
         if router_metrics is not None:
             moe = router_metrics.summary()
@@ -258,6 +292,12 @@ class MetricsLogger:
         self.log.write(record)
         self.say(format_train_line(self.records[-1], self.max_steps))
         self._losses, self._norms, self._time = [], [], 0.0
+        self._own, self._wait = 0.0, 0.0
+
+    def drop_unlogged_steps(self) -> None:
+        """Forget the steps since the last train record (a rollback undid them)."""
+        self._losses, self._norms, self._time = [], [], 0.0
+        self._own, self._wait = 0.0, 0.0
 
     def evaluation(self, split: str, step: int, loss: float) -> None:
         record = {"event": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}

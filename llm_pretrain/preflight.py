@@ -221,6 +221,10 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
     if args.last_save_in_hf:  # the family must have a Hugging Face class that can express the model
         from llm_pretrain.hf_export import check_exportable
         check_exportable(config)
+    if args.loss_spike_factor and args.loss_spike_action == "skip" and layout.pipeline_parallel_degree > 1:
+        raise UsageError("loss_spike_action: skip is not available with pipeline_parallel_degree > 1 (fleet's "
+                         "train_batch applies the update before the loss is known); use rollback, which reloads "
+                         "the checkpoint and so discards that update, or warn/stop")
     if args.max_seq_length > MAX_SEQ_LENGTH_CEILING:
         raise UsageError(f"max_seq_length: {args.max_seq_length} is above the ceiling {MAX_SEQ_LENGTH_CEILING}")
     if device != "gpu":
@@ -318,7 +322,7 @@ def predict_run(args: Arguments, layout: Layout, config: ModelConfig, device: st
         total = paddle.device.cuda.get_device_properties().total_memory / 2**20  # this rank's GPU (current)
         result["device_memory_mb"] = total
         result["fits"] = result["peak_mem_reserved_mb"] <= total
-    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
+    keys = ("peak_mem_allocated_mb", "peak_mem_reserved_mb", "async_save_host_mb", "device_memory_mb", "fits", "peak_rank", "peak_phase",
             "step_time_s", "tokens_per_card_per_sec", "mfu", "bottleneck")
     memory_terms = [row for row in result["breakdown"] if row["kind"] == "memory"]
     top = max(memory_terms, key=lambda row: row["mb"])

@@ -6,6 +6,8 @@
     Heartbeat        each launched rank records (step, time) in the launch log directory, so that
                      when a collective fails the survivors can name the rank that stopped first, and
                      the launcher can when a job fails (describe_first_stopped)
+    HangWatchdog     hang_timeout_minutes: no step for that long, and every rank dumps its stacks and
+                     the collective it waits in; one line names the ranks that did not reach it
 """
 
 from __future__ import annotations
@@ -99,8 +101,20 @@ class Heartbeat:
         self.log_dir = log_dir if log_dir is not None else (os.environ.get("PADDLE_LOG_DIR") if launched() else None)
         self.path = os.path.join(self.log_dir, f"heartbeat.{rank}.json") if self.log_dir else None
         self.host = socket.gethostname()  # once: beat() runs every step
+        self.watchdog: HangWatchdog | None = None
+
+    def watch_for_hangs(self, world_size: int, output_dir: str, timeout_minutes: float, step: int) -> None:
+        """hang_timeout_minutes: a HangWatchdog reporting to the launch log directory (else output_dir)."""
+        if timeout_minutes:
+            self.watchdog = HangWatchdog(self.rank, world_size, self.log_dir or output_dir, timeout_minutes).start(step)
+
+    def stop_watching(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def beat(self, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
         if self.path is None:
             return
         tmp = f"{self.path}.tmp"
@@ -179,3 +193,148 @@ def _alive(beat: dict) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+# ----------------------------------------------------------------------------- hangs
+# Functions of paddle.distributed a blocked rank can be waiting in (the innermost one is named).
+COLLECTIVE_MODULE = os.path.join("paddle", "distributed")
+
+
+def collective_of(frame, distributed: bool = True) -> str | None:
+    """The collective a thread's stack is waiting in ("all_reduce (trainer.py:171 agree_on_step)"),
+    or None when it is not inside paddle.distributed. A backward of a distributed run counts: data
+    parallelism and sharding all-reduce the gradients from C++ hooks during it (paddle.DataParallel's
+    reducer), so a rank whose peers stopped waits there."""
+    inside, ours = None, None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if ours is None and (COLLECTIVE_MODULE in filename or (
+                distributed and frame.f_code.co_name == "backward" and "paddle" in filename)):
+            inside = frame.f_code.co_name  # the outermost: the public function (all_reduce, not its helpers)
+            if inside == "backward":
+                inside = "backward (the gradient all-reduce)"
+        elif inside is not None and ours is None and COLLECTIVE_MODULE not in filename and "paddle" not in filename:
+            ours = f"{os.path.basename(filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    if inside is None:
+        return None
+    return f"{inside} ({ours})" if ours else inside
+
+
+def _hang_reporting_event():
+    import threading
+
+    return threading.Event()
+
+
+HANG_REPORTING = _hang_reporting_event()  # set once a watchdog fired: it ends the process
+
+
+def wait_for_hang_report() -> None:
+    """When the watchdog has fired, the main thread must not end the process first (a collective
+    that times out meanwhile raises): it waits for the watchdog's os._exit."""
+    while HANG_REPORTING.is_set():
+        time.sleep(1)
+
+
+class HangWatchdog:
+    """hang_timeout_minutes: when no step completes for that long, this rank writes its Python stacks
+    (faulthandler, every thread) to hang.rank<N>.txt and what its main thread waits in to
+    hang.rank<N>.json in the log directory, waits a little for the other ranks' reports, and the
+    lowest rank that is inside a collective prints one line naming the ranks that did not reach it;
+    every rank then exits with code 1 (os._exit: the main thread is blocked).
+
+    gloo's collectives release the GIL while they wait (measured: a Python thread keeps running
+    during a blocked all_reduce), so this thread runs beside them. A rank that cannot report (stopped,
+    or blocked while holding the GIL) counts as not having reached the collective."""
+
+    def __init__(self, rank: int, world_size: int, log_dir: str, timeout_minutes: float, grace_s: float | None = None):
+        import threading
+
+        self.rank, self.world_size, self.log_dir = rank, world_size, log_dir
+        self.timeout_s = timeout_minutes * 60
+        self.grace_s = grace_s if grace_s is not None else min(30.0, max(5.0, self.timeout_s / 2))
+        self.step, self.last = 0, time.monotonic()
+        self.main = threading.main_thread()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        for suffix in ("json", "txt"):  # reports of an earlier run in the same directory
+            try:
+                os.remove(self._path(rank, suffix))
+            except OSError:
+                pass
+
+    def start(self, step: int) -> "HangWatchdog":
+        self.beat(step)
+        self.thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        self.step, self.last = step, time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _path(self, rank: int, suffix: str) -> str:
+        return os.path.join(self.log_dir, f"hang.rank{rank}.{suffix}")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, max(self.timeout_s / 4, 0.5))):
+            if time.monotonic() - self.last > self.timeout_s:
+                self._report_and_exit()
+
+    def _report_and_exit(self) -> None:
+        import faulthandler
+
+        HANG_REPORTING.set()
+        frame = sys._current_frames().get(self.main.ident)
+        waiting_in = collective_of(frame, self.world_size > 1)
+        with open(self._path(self.rank, "txt"), "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        with open(self._path(self.rank, "json") + ".tmp", "w") as f:
+            json.dump({"rank": self.rank, "step": self.step, "collective": waiting_in, "pid": os.getpid()}, f)
+        os.replace(self._path(self.rank, "json") + ".tmp", self._path(self.rank, "json"))
+        reports = self._gather_reports()
+        waiting = sorted(r for r, report in reports.items() if report.get("collective"))
+        if self.rank == (waiting[0] if waiting else 0):
+            print(describe_hang(reports, self.world_size, self.timeout_s, self.log_dir), file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # the reporting rank's line comes first
+        os._exit(1)
+
+    def _gather_reports(self) -> dict[int, dict]:
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            reports = {}
+            for rank in range(self.world_size):
+                try:
+                    with open(self._path(rank, "json")) as f:
+                        reports[rank] = json.load(f)
+                except (OSError, ValueError):
+                    pass
+            if len(reports) == self.world_size or time.monotonic() > deadline:
+                return reports
+            time.sleep(0.2)
+
+
+def describe_hang(reports: dict[int, dict], world_size: int, timeout_s: float, log_dir: str) -> str:
+    """The one line of a hung job: which ranks wait in which collective, which never reached it."""
+    waiting = {r: report for r, report in reports.items() if report.get("collective")}
+    absent = [r for r in range(world_size) if r not in waiting]
+    last_step = max((report["step"] for report in reports.values()), default=0)
+    head = f"error: hang: no step finished for {timeout_s / 60:g} minutes (hang_timeout_minutes) after step {last_step}; "
+    stacks = f"Python stacks in {os.path.join(log_dir, 'hang.rank*.txt')}"
+    if not waiting:
+        return head + f"rank(s) {_ranks(absent)} are not in a collective (stuck in their own work); {stacks}"
+    collectives = sorted({report["collective"] for report in waiting.values()})
+    if not absent:
+        return (head + f"every rank waits in a collective ({' / '.join(collectives)}): different collectives, or "
+                f"the network; {stacks}")
+    why = {r: ("no report: stopped, or blocked without Python" if r not in reports else
+               f"at step {reports[r]['step']}, not in a collective") for r in absent}
+    return (head + f"rank(s) {_ranks(absent)} did not reach the collective {' / '.join(collectives)} that rank(s) "
+            f"{_ranks(waiting)} wait in ({'; '.join(f'rank {r}: {why[r]}' for r in absent)}); {stacks}")
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(map(str, sorted(ranks)))

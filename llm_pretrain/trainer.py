@@ -25,7 +25,7 @@ import paddle
 
 from llm_pretrain import checkpoint as ckpt
 from llm_pretrain.checkpoint import Checkpointer
-from llm_pretrain.arguments import Arguments, arguments_to_dict
+from llm_pretrain.arguments import Arguments, arguments_to_dict, wants_async_save
 from llm_pretrain.data import build_pretraining_datasets
 from llm_pretrain.distributed import (
     all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
@@ -39,8 +39,9 @@ from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
 from llm_pretrain.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
 from llm_pretrain.replica_check import check_replicas
+from llm_pretrain.resilience import DataSkips, LossSpikeGuard, sample_range
 from llm_pretrain.precision import Precision
-from llm_pretrain.run_control import Heartbeat, StopRequest
+from llm_pretrain.run_control import Heartbeat, StopRequest, wait_for_hang_report
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.weights import init_weights, load_weights_file
@@ -193,18 +194,29 @@ class StepResult:
     nonfinite: str | None = None  # what was not finite on some rank ("loss", "gradient norm"); then no update
     stop_requested: bool = False  # some rank received SIGTERM/SIGINT
     optimizer_stepped: bool = True  # False: no update (non-finite, or the fp16 scaler's overflow on some rank)
+    agreed_loss: float = math.nan  # the largest loss over the ranks (the loss spike check's, llm_pretrain/resilience.py)
+    write_pending: bool = False  # some rank's asynchronous checkpoint write is still running
 
 
-def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout) -> tuple[np.ndarray, list]:
-    """The step's flags (loss non-finite, gradients non-finite, stop requested) max-reduced over all
-    ranks, read to the host together with the loss: the step's one host sync.
+# When this rank reached its step's flag reduction: its own share of the step, before waiting for
+# the others (the straggler record of each logging step compares it over the ranks).
+REACHED_FLAG_REDUCTION = [0.0]
+
+
+def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout,
+                  write_pending: bool = False) -> tuple[np.ndarray, list]:
+    """The step's flags (loss non-finite, gradients non-finite, stop requested, checkpoint write
+    pending) and the loss max-reduced over all ranks, read to the host together with the local loss:
+    the step's one host sync. host: [local loss, 4 flags, largest loss over the ranks, (grad squares)].
 
     `loss` and `grad_squares` are device tensors (grad_squares may be None)."""
     flags = [~paddle.isfinite(loss.reshape([]))]
     flags.append(~paddle.isfinite(grad_squares.reshape([])) if check_grads and grad_squares is not None
                  else paddle.to_tensor(False))
     flags.append(paddle.to_tensor(stop_requested))
-    flags = paddle.stack(flags).astype("float32")
+    flags.append(paddle.to_tensor(write_pending))
+    flags = paddle.concat([paddle.stack(flags).astype("float32"), loss.reshape([1]).astype("float32")])
+    REACHED_FLAG_REDUCTION[0] = time.perf_counter()
     if layout.distributed:
         import paddle.distributed as dist
 
@@ -217,7 +229,8 @@ def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, l
 
 
 def train_step(model, optimizer, schedule, precision: Precision, micro_batches, parameters,
-               clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False) -> StepResult:
+               clip_grad_norm=None, layout: Layout | None = None, stop_requested: bool = False,
+               skip_above: float | None = None, write_pending: bool = False) -> StepResult:
     """Forward/backward over the micro-batches, then one optimizer step, unless some rank's loss or
     gradients are not finite (then the gradients are dropped and the weights stay as they were).
 
@@ -225,7 +238,8 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     a single process, read from fleet's clip in a distributed run (None where neither is
     available). Under fp16 the loss scaler skips its own overflow steps (on every rank alike), so
     only the loss is checked there; as PaddleNLP's Trainer, the LR schedule advances only when the
-    optimizer really stepped."""
+    optimizer really stepped. skip_above: no update either when the largest loss over the ranks is
+    above it (a loss spike; not under the pipeline, whose update comes first)."""
     layout = layout or Layout()
     check_grads = precision.scaler is None
     micro_batches = list(micro_batches)
@@ -244,8 +258,9 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         grad_norm = clip_grad_norm() if clip_grad_norm else None
         norm = grad_norm if grad_norm is not None else paddle.zeros([], dtype="float32")
         host, nonfinite = agree_on_step(loss.astype("float32"), norm.reshape([]), stop_requested, check_grads,
-                                        layout)
-        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped)
+                                        layout, write_pending)
+        return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped,
+                          float(host[5]), bool(host[4]))
     total_loss = paddle.zeros([], dtype="float32")
     for i, (input_ids, labels) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -261,13 +276,14 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     # inside the optimizer step and the local squares only feed the finiteness flag.
     unscaled = precision.unscale(optimizer)
     grad_squares = grad_square_sum(parameters) if unscaled and (check_grads or not clip_grad_norm) else None
-    host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout)
-    loss_value, stop = float(host[0]), bool(host[3])
-    if nonfinite:
+    host, nonfinite = agree_on_step(total_loss / len(micro_batches), grad_squares, stop_requested, check_grads, layout,
+                                    write_pending)
+    loss_value, stop, pending, agreed_loss = float(host[0]), bool(host[3]), bool(host[4]), float(host[5])
+    if nonfinite or (skip_above is not None and agreed_loss > skip_above):
         optimizer.clear_grad()
         precision.skip_step()  # the one-process scaler already unscaled: close its step
-        return StepResult(loss_value, None, ", ".join(nonfinite), stop, optimizer_stepped=False)
-    grad_norm = math.sqrt(float(host[4])) if grad_squares is not None and not clip_grad_norm else None
+        return StepResult(loss_value, None, ", ".join(nonfinite) or None, stop, False, agreed_loss, pending)
+    grad_norm = math.sqrt(float(host[6])) if grad_squares is not None and not clip_grad_norm else None
     stepped = precision.step(optimizer)
     if clip_grad_norm:
         grad_norm = clip_grad_norm()
@@ -276,7 +292,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     optimizer.clear_grad()
     if stepped:
         schedule.step()
-    return StepResult(loss_value, grad_norm, None, stop, stepped)
+    return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss, pending)
 
 
 class DivergenceGuard:
@@ -355,7 +371,11 @@ def train(plan: RunPlan) -> dict:
         if plan.output_dir_lock is not None:
             run.callback(plan.output_dir_lock.release)  # one run per output_dir, until this one ends
         stop = run.enter_context(StopRequest())  # SIGTERM/SIGINT from here on: stop at a step boundary
-        return _train(plan, stop, run)
+        try:
+            return _train(plan, stop, run)
+        except BaseException:
+            wait_for_hang_report()  # a hang watchdog that fired ends the job with its own line
+            raise
 
 
 def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
@@ -397,11 +417,12 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     train_data, valid_data, test_data = datasets
 
     # 4. Checkpoints: resume from the newest one every rank found intact.
-    checkpointer = Checkpointer(args.output_dir, layout, args.save_steps, args.save_total_limit, args.exit_interval)
+    checkpointer = Checkpointer(args.output_dir, layout, args.save_steps, args.save_total_limit, args.exit_interval,
+                                wants_async_save(args))
     if layout.is_main and args.overwrite_output_dir and not args.resume_from_checkpoint:
         for name in ckpt.remove_checkpoints(args.output_dir):
             warn(f"overwrite_output_dir: removed {os.path.join(args.output_dir, name)} of an earlier run")
-    start_step, consumed_samples, resume_from = 0, 0, None
+    start_step, consumed_samples, resume_from, state = 0, 0, None, {}
     if resume_candidates:
         resume_index, more_warnings = ckpt.agree_on_checkpoint(resume_index, resume_candidates, layout)
         for message in more_warnings:
@@ -442,9 +463,13 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
 
     # 5. The loop: step, check, log, evaluate, save; stop on divergence, a signal or exit_interval.
     heartbeat = Heartbeat(layout.rank)
+    heartbeat.watch_for_hangs(layout.world_size, args.output_dir, args.hang_timeout_minutes, start_step)
+    run.callback(heartbeat.stop_watching)
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
     gpu = device == "gpu"  # GPU kernels are not deterministic by construction: resynchronize, never fail
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
+    spikes, data_skips = LossSpikeGuard.from_args(args, state), DataSkips(args.skip_data_intervals, state)
+    events = {"loss_spikes": 0, "spike_skipped_steps": 0, "rollbacks": 0, "data_skipped_steps": 0}
     step = start_step
     prefetcher = BatchPrefetcher(train_plan, train_data, config.vocab_size, device)
     run.callback(prefetcher.close)
@@ -452,10 +477,18 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
         following = consumed_samples + train_plan.global_batch_size if step + 1 < args.max_steps else None
-        batches = prefetcher.get(consumed_samples, following)
+        skipping_data = data_skips.covers(step + 1)
+        threshold = spikes.threshold()
+        wait_start = time.perf_counter()
+        batches = None if skipping_data else prefetcher.get(consumed_samples, following)
+        data_wait = time.perf_counter() - wait_start
         try:
-            result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm,
-                                layout, stop.requested)
+            if skipping_data:  # no step, only the stop request and the pending write to agree on
+                stop_requested, write_pending = agree_flags([stop.requested, checkpointer.write_pending()], layout)
+                result = StepResult(math.nan, None, None, stop_requested, False, write_pending=write_pending)
+            else:
+                result = train_step(model, optimizer, schedule, precision, batches, parameters, clip_grad_norm, layout, stop.requested,
+                                    threshold if spikes.drops_update else None, checkpointer.write_pending())
         except (RuntimeError, OSError) as error:
             if not layout.distributed:
                 raise
@@ -464,20 +497,50 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         if device == "gpu":
             paddle.device.synchronize()
         step_time = time.perf_counter() - step_start
+        timing = {"own_time": REACHED_FLAG_REDUCTION[0] - step_start, "data_wait": data_wait}
         step += 1
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
+        if checkpointer.pending and not result.write_pending:  # every rank's write has ended: finalize it
+            log_completed_save(checkpointer.complete_pending(), step, metrics)
 
-        if result.nonfinite:  # the update was not applied; stop (exit code 3) unless skips are allowed
+        spike = threshold is not None and not result.nonfinite and result.agreed_loss > threshold
+        if skipping_data:
+            events["data_skipped_steps"] += 1
+            metrics.write({"event": "skipped_data", "step": step,
+                           "samples": sample_range(step, step, train_plan.global_batch_size)})
+        elif result.nonfinite:  # the update was not applied; stop (exit code 3) unless skips are allowed
             metrics.say(divergence.skip_or_stop(step, result))
             metrics.write({"event": "skipped", "step": step, "nonfinite": result.nonfinite})
+        elif spike:
+            events["loss_spikes"] += 1
+            metrics.write({"event": "loss_spike", "step": step, "loss": result.agreed_loss, "threshold": threshold,
+                           "action": spikes.action})
+            what = (f"step {step}: loss spike, loss {result.agreed_loss:.4f} above {threshold:.4f} "
+                    f"(loss_spike_factor {args.loss_spike_factor} x the mean of the last {args.loss_spike_window})")
+            if spikes.action == "stop":
+                raise DivergenceError(f"{what}; stopped without saving this state (loss_spike_action stop)")
+            if spikes.action == "rollback":
+                log_completed_save(checkpointer.complete_pending(), step, metrics)
+                step, consumed_samples = roll_back(step, checkpointer, unwrapped_model, optimizer, precision, args,
+                                                   train_plan, spikes, data_skips, metrics, what)
+                events["rollbacks"] += 1
+                divergence.reset()
+                continue
+            if spikes.action == "skip":
+                events["spike_skipped_steps"] += 1
+                metrics.say(f"warning: {what}; update skipped (loss_spike_action skip)")
+            else:
+                metrics.say(f"warning: {what}")
+                metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples, **timing)
         else:
+            spikes.observe(result.agreed_loss)
             divergence.reset()
             if not result.optimizer_stepped:
                 metrics.say(f"warning: step {step}: the fp16 loss scale overflowed; the optimizer step and the LR "
                             "schedule were skipped on every rank")
             metrics.step(step, result.loss, result.grad_norm, learning_rate, step_time, consumed_samples,
-                         router_metrics=getattr(unwrapped_model, "router_metrics", None))
+                         router_metrics=getattr(unwrapped_model, "router_metrics", None), **timing)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
             metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,
@@ -487,8 +550,16 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         if checkpointer.due(step, args.max_steps) or stopping:
             trainer_state = {"global_step": step, "consumed_samples": consumed_samples,
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
-                             "model_config": config.architecture_dict()}
-            checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+                             "model_config": config.architecture_dict(), **spikes.state(), **data_skips.state()}
+            save_start = time.perf_counter()
+            log_completed_save(checkpointer.complete_pending(), step, metrics)  # at most one save in flight
+            if checkpointer.async_save and not stopping and not checkpointer.exit_due(step, args.max_steps):
+                checkpointer.save_async(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            else:
+                checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            if checkpointer.async_save:  # how long this save held training up
+                metrics.write({"event": "save", "step": step, "async": checkpointer.pending is not None,
+                               "stall_s": time.perf_counter() - save_start})
         if stopping:
             stop.stopped = True
             metrics.say(f"stopped at step {step} ({stop.signal_name or 'signal on another rank'}), "
@@ -501,6 +572,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             replicas = check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu)
             replica_checks += 1
 
+    log_completed_save(checkpointer.complete_pending(), step, metrics)  # the last save, finished before the end
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
         replicas = {**check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu),
@@ -512,7 +584,53 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         # After every collective (other ranks need not wait): the final checkpoint, saved in the loop.
         from llm_pretrain.hf_export import export_final_checkpoint
         metrics.say(export_final_checkpoint(args.output_dir, step))
-    return metrics.finish(**({"replica_check": replicas} if replicas else {}))
+    return metrics.finish(**({"replica_check": replicas} if replicas else {}), **resilience_summary(events))
+
+
+def roll_back(step: int, checkpointer: Checkpointer, model, optimizer, precision: Precision, args: Arguments,
+              plan: BatchPlan, spikes: LossSpikeGuard, data_skips: DataSkips, metrics, what: str) -> tuple[int, int]:
+    """loss_spike_action rollback: reload the newest complete checkpoint (weights, optimizer, RNG, the
+    spike window) and skip the data from it to the spike plus loss_spike_skip_steps. Returns the
+    checkpoint's (global step, consumed samples)."""
+    latest = ckpt.latest_checkpoint(args.output_dir)
+    if latest is None:
+        raise DivergenceError(f"{what}; no checkpoint to roll back to (loss_spike_action rollback)")
+    state = checkpointer.load(latest, model, optimizer, precision.scaler)
+    first, last = state["global_step"] + 1, step + args.loss_spike_skip_steps
+    spikes.losses.clear()
+    spikes.losses.extend(state.get("loss_spike_window_losses", []))
+    metrics.drop_unlogged_steps()
+    data_skips.rollbacks = DataSkips(trainer_state=state).rollbacks
+    data_skips.add_rollback(first, last)
+    samples = sample_range(first, last, plan.global_batch_size)
+    metrics.write({"event": "rollback", "step": step, "checkpoint": os.path.basename(latest),
+                   "skipped_steps": [first, last], "skipped_samples": samples})
+    metrics.say(f"warning: {what}; rolled back to {os.path.basename(latest)}, skipping the data of steps {first} "
+                f"to {last} (samples {samples[0]} to {samples[1] - 1}) (loss_spike_action rollback)")
+    return state["global_step"], state["consumed_samples"]
+
+
+def agree_flags(flags: list[bool], layout: Layout) -> list[bool]:
+    """Boolean flags max-reduced over all ranks (one collective), for steps that run no train_step."""
+    if not layout.distributed:
+        return flags
+    import paddle.distributed as dist
+
+    tensor = paddle.to_tensor([float(flag) for flag in flags], dtype="float32")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in tensor.numpy()]
+
+
+def log_completed_save(pending, step: int, metrics) -> None:
+    """The train_log record of an asynchronous save that has just been finalized."""
+    if pending is not None:
+        metrics.write({"event": "save_completed", "step": pending.step, "completed_at_step": step,
+                       "host_copy_mb": pending.host_bytes / 2**20})
+
+
+def resilience_summary(events: dict) -> dict:
+    """The summary's counts of spikes, skips and rollbacks (only those that happened)."""
+    return {key: count for key, count in events.items() if count}
 
 
 def _build_datasets_rank0_first(args: Arguments, num_samples, layout: Layout):

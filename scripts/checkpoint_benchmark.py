@@ -29,6 +29,8 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "gpt3-350M-en"  # 24 layers, hidden 1024, vocabulary 50304 (tied): 355M parameters
+STALL = "stall per save"  # results key prefix of the sync/async stall rows
+STALL_KEYS = ("async_stall_s", "step_idle_s", "step_during_write_s", "async_complete_wait_s", "async_host_copy_mb")
 LAYOUTS = {"1 process": (1, []), "4 processes (tp2 x pp2)": (
     4, ["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"])}
 
@@ -62,12 +64,18 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
     unwrapped = model
     model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
     tokens = paddle.randint(0, config.vocab_size, [2, 17])
-    if hasattr(model, "train_batch"):
-        model.train_batch([tokens[:, :-1], tokens[:, 1:]], optimizer)
-    else:
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.clear_grad()
+
+    def train_once() -> float:
+        start = time.perf_counter()
+        if hasattr(model, "train_batch"):
+            model.train_batch([tokens[:, :-1], tokens[:, 1:]], optimizer)
+        else:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.clear_grad()
+        return all_reduce_max(time.perf_counter() - start, layout)
+
+    train_once()
     parameters = parameter_count(config)
     state = {"global_step": 1, "consumed_samples": 2, "layout": layout_summary(layout), "args": {},
              "model_config": config.architecture_dict()}
@@ -82,10 +90,27 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
         start = time.perf_counter()
         ckpt.load_checkpoint(path, unwrapped, optimizer, layout)
         loads.append(all_reduce_max(time.perf_counter() - start, layout))
+    files = len(os.listdir(path))  # before the asynchronous saves rotate it away
+    # async_save: the stall is the save call (finite check, staging directory, host copy); the write
+    # then runs on a background thread during a training step, and completing it waits for the rest.
+    step_idle = [train_once() for _ in range(rounds)]
+    checkpointer = ckpt.Checkpointer(work, layout, 0, 1, async_save=True)
+    stalls, steps_during, completes = [], [], []
+    for round_ in range(rounds):
+        barrier(layout)
+        start = time.perf_counter()
+        checkpointer.save_async(100 + round_, unwrapped, optimizer, state)
+        stalls.append(all_reduce_max(time.perf_counter() - start, layout))
+        steps_during.append(train_once())
+        start = time.perf_counter()
+        pending = checkpointer.complete_pending()
+        completes.append(all_reduce_max(time.perf_counter() - start, layout))
     if layout.is_main:
         with open(result_file, "w") as f:
             json.dump({"save_s": saves, "load_s": loads, "bytes": sizes[-1], "parameters": parameters,
-                       "files": len(os.listdir(path))}, f)
+                       "files": files, "async_stall_s": stalls, "step_idle_s": step_idle,
+                       "step_during_write_s": steps_during, "async_complete_wait_s": completes,
+                       "async_host_copy_mb": pending.host_bytes / 2**20}, f)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -133,13 +158,40 @@ def write_report(results: dict, out: str) -> None:
         "| format | layout | model | save s | load s | bytes | files | rounds | load average |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    stall_rows = {key: r for key, r in results.items() if key.startswith(STALL)}
     for key, r in results.items():
-        fmt, layout = key.split(" | ")
+        if key in stall_rows:
+            continue
+        fmt, layout = key.split(" | ")[:2]
         lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
                      f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
                      f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
     from llm_pretrain import perf  # here, not at the top: worker processes import the tree they measure
 
+    if stall_rows:
+        lines += [
+            "",
+            "## Training stall per save: synchronous against async_save",
+            "",
+            "The same runs, then --rounds asynchronous saves (`Checkpointer.save_async`): the stall is the save "
+            "call on the slowest rank (finite-weights check, staging directory, copy of the rank's state to "
+            "host memory); one training step (a 2 x 16-token batch) then runs while the background thread "
+            "writes, against the same step without a write; completing the save waits for what is left of "
+            "the write, agrees, and renames (in training that happens at the first step boundary after every "
+            "rank's write ended, so a long write overlaps many steps). Host copy: what each rank holds while "
+            "its write runs (the planner's async_save_host_mb).",
+            "",
+            "| layout | model | sync save s (stall) | async stall s | step s | step during the write s "
+            "| wait to complete s | host copy MB | rounds | load average |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for key, r in stall_rows.items():
+            lines.append(f"| {key.split(' | ')[1]} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
+                         f"{statistics.median(r['save_s']):.2f} | {statistics.median(r['async_stall_s']):.2f} | "
+                         f"{statistics.median(r['step_idle_s']):.2f} | "
+                         f"{statistics.median(r['step_during_write_s']):.2f} | "
+                         f"{statistics.median(r['async_complete_wait_s']):.2f} | {r['async_host_copy_mb']:.0f} | {r['rounds']} | "
+                         f"{r['load_average_1min']:.0f} |")
     perf.write_keeping_findings(os.path.join(out, "checkpoint_io.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -182,8 +234,13 @@ def main(argv: list[str]) -> int:
         for name, tree in trees:
             print(f"measuring {name}, {layout} ...", flush=True)
             result = measure(tree, args.model, processes, extra, os.path.join(work, "run"), args.rounds)
-            results[f"{name} | {layout}"] = {**result, "model": args.model, "rounds": args.rounds,
-                                             "load_average_1min": os.getloadavg()[0]}
+            suffix = f" | {args.model}" if args.model != MODEL else ""
+            measured = {"model": args.model, "rounds": args.rounds, "load_average_1min": os.getloadavg()[0]}
+            stall = {key: result.pop(key) for key in STALL_KEYS if key in result}
+            results[f"{name} | {layout}{suffix}"] = {**result, **measured}
+            if stall and tree == REPO_ROOT:  # the stall table: this tree's synchronous and asynchronous saves
+                results[f"{STALL} | {layout}{suffix}"] = {**stall, "save_s": result["save_s"],
+                                                          "parameters": result["parameters"], **measured}
             write_report(results, args.out)
     return 0
 

@@ -89,6 +89,8 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
         "world_size": setup.world_size,
         "peak_mem_allocated_mb": allocated,
         "peak_mem_reserved_mb": reserved,
+        # host memory (pinned on GPU) of async_save's copy of the state, on the rank holding the most
+        "async_save_host_mb": max(r.checkpoint_state_bytes for r in ranks) / MB,
         "device_memory_mb": capacity,
         "fits": True if capacity is None else (reserved or allocated) <= capacity,
         "peak_rank": worst.rank,

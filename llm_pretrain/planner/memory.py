@@ -53,6 +53,10 @@ STAGE3_SEGMENT_ELEMENTS = 2**20  # stage 3: parameters with more elements are sl
 STAGE3_FULL_COPIES = 4
 
 
+# The persistent terms a checkpoint holds (gradients and communication buffers are not saved).
+CHECKPOINTED_TERMS = ("weights", "master weights (fp32)", "Adam moments (fp32)")
+
+
 @dataclass
 class Precision:
     """dtype of weights/activations and what AMP adds (PaddleNLP's bf16/fp16, fp16_opt_level, amp_master_grad)."""
@@ -113,6 +117,13 @@ class RankMemory:
     @property
     def peak_bytes(self) -> float:
         return sum(self.persistent.values()) + sum(self.phases[self.peak_phase].values())
+
+    @property
+    def checkpoint_state_bytes(self) -> float:
+        """The host copy an asynchronous save holds while its background write runs (async_save,
+        llm_pretrain/checkpoint.py save_async): the weights, master weights and Adam moments this rank
+        holds; at most, as a rank copies only what it writes (one data-parallel replica writes)."""
+        return sum(v for k, v in self.persistent.items() if k in CHECKPOINTED_TERMS)
 
     def breakdown(self) -> list[dict]:
         rows = [{"term": k, "mb": v / MB, "rank": self.rank, "phase": "persistent"} for k, v in self.persistent.items()]

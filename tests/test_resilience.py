@@ -1,0 +1,319 @@
+"""Loss spikes, skipped data intervals, asynchronous checkpoints, slow and hung ranks (issue 26).
+
+The spike tests train on a copy of the embedded corpus in which the samples of chosen steps are
+overwritten with one token the corpus never holds (a window of garbage tokens): the loss of such
+a step jumps well above the running mean. Each outcome is checked against a run that skips the
+same data by skip_data_intervals, which must match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity_utils import final_weights, train_records
+from test_fault_injection import checkpoints, log_lines, one_error_line, run_cli, small_run
+
+STEPS = 20  # save every 5; the garbage sits at steps 12 and 13
+
+
+def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int], first_samples: int | None = None) -> str:
+    """A copy of the corpus whose samples of the given global steps (1-based) are one unused token
+    (only the first `first_samples` of each step's global batch when given)."""
+    from llm_pretrain.data import build_pretraining_datasets
+
+    args = json.loads(args_file.read_text())
+    directory = work / "garbage"
+    directory.mkdir()
+    for path in Path(corpus["input_dir"]).iterdir():
+        if path.suffix in (".bin", ".idx"):
+            shutil.copy(path, directory / path.name)
+    batch = args["per_device_train_batch_size"] * args["gradient_accumulation_steps"]
+    train, _, _ = build_pretraining_datasets(
+        input_dir=str(directory), split=args["split"], seq_length=args["max_seq_length"], seed=args["seed"],
+        num_samples=(args["max_steps"] * batch, 0, 0), data_cache=str(work / "garbage-index"), skip_warmup=True)
+    data = train.data
+    counts = np.bincount(np.asarray(data.tokens), minlength=corpus["vocab_size"])
+    unused = int(np.argmin(counts[:corpus["vocab_size"]]))
+    tokens = np.memmap(next(directory.glob("*.bin")), dtype=data.dtype, mode="r+")
+    for step in steps:
+        start = (step - 1) * batch
+        for i in range(start, start + (first_samples or batch)):  # the spans GPTDataset.__getitem__ reads
+            k = int(train.shuffle_idx[i])
+            (first, start), (last, end) = train.sample_idx[k], train.sample_idx[k + 1]
+            starts, ends = data.document_spans(train.doc_idx[first:last + 1])
+            ends[-1] = starts[-1] + end + 1
+            starts[0] += start
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                tokens[a:b] = unused
+    tokens.flush()
+    return str(directory)
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in train_records(output_dir)}
+
+
+def events(output_dir: Path, event: str) -> list[dict]:
+    return [r for r in log_lines(output_dir) if r["event"] == event]
+
+
+def assert_same_weights(a: Path, b: Path, step: int) -> None:
+    left, right = final_weights(a, step), final_weights(b, step)
+    assert all(np.array_equal(left[k], right[k]) for k in left)
+
+
+def test_skip_data_intervals_and_rollback_resume_exactly(embedded_corpus, tmp_path):
+    """skip_data_intervals [[11, 16]] straight and interrupted inside the interval (exit_interval 13)
+    are identical; a loss spike at step 12 (garbage at 12 and 13) with rollback and
+    loss_spike_skip_steps 4 reloads checkpoint-10 and skips steps 11-16: the same run again, also
+    when it is stopped at step 15 (inside the skip) and resumed."""
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.1)
+    skip = ["--skip_data_intervals", "[[11,16]]"]
+    straight = tmp_path / "skip-straight"
+    result = run_cli(args_file, "--output_dir", straight, *skip)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in events(straight, "skipped_data")] == list(range(11, 17))
+    assert events(straight, "skipped_data")[0]["samples"] == [80, 88]
+    assert set(losses(straight)) == set(range(1, 11)) | set(range(17, STEPS + 1))
+    assert events(straight, "summary")[-1]["data_skipped_steps"] == 6
+    assert "data skipped steps 6" in result.stdout
+
+    interrupted = tmp_path / "skip-interrupted"
+    for exit_interval in ("13", "100"):  # stop after step 13, inside the interval; then resume to the end
+        result = run_cli(args_file, "--output_dir", interrupted, *skip, "--exit_interval", exit_interval)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(interrupted) == losses(straight)
+    assert_same_weights(interrupted, straight, STEPS)
+
+    # The garbage makes a spike; rollback to checkpoint-10 and skip 11..12+4.
+    garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12, 13])
+    spike = ["--input_dir", garbage, "--loss_spike_factor", "1.2", "--loss_spike_window", "4",
+             "--loss_spike_action", "rollback", "--loss_spike_skip_steps", "4"]
+    rolled = tmp_path / "rollback"
+    for exit_interval in ("15", "100"):  # stopped inside the skipped steps, then resumed
+        result = run_cli(args_file, "--output_dir", rolled, *spike, "--exit_interval", exit_interval)
+        assert result.returncode == 0, result.stderr[-3000:]
+        if exit_interval == "15":
+            warning = [line for line in result.stdout.splitlines() if "rolled back" in line]
+            assert len(warning) == 1 and warning[0].startswith("warning: step 12: loss spike"), result.stdout
+            assert "rolled back to checkpoint-10, skipping the data of steps 11 to 16 (samples 80 to 127)" in warning[0]
+    spikes, rollbacks = events(rolled, "loss_spike"), events(rolled, "rollback")
+    assert [(r["step"], r["action"]) for r in spikes] == [(12, "rollback")], spikes
+    assert spikes[0]["loss"] > spikes[0]["threshold"]
+    assert [(r["checkpoint"], r["skipped_steps"], r["skipped_samples"]) for r in rollbacks] == \
+        [("checkpoint-10", [11, 16], [80, 128])]
+    summaries = events(rolled, "summary")
+    assert summaries[0]["loss_spikes"] == 1 and summaries[0]["rollbacks"] == 1
+    assert [r["step"] for r in events(rolled, "skipped_data")] == list(range(11, 17))  # 16 after the resume
+    final = {step: loss for step, loss in losses(rolled).items()}
+    for step in range(17, STEPS + 1):
+        assert final[step] == losses(straight)[step], step
+    assert_same_weights(rolled, straight, STEPS)
+
+
+def test_spike_skip_equals_skipping_its_data_and_stop_is_exit_3(embedded_corpus, tmp_path):
+    """loss_spike_action skip drops the update of both garbage steps (no dropout here, so the run
+    equals the one that skips those steps' data); stop ends the run at the first spike, exit code 3;
+    warn logs it and trains on."""
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=0, hidden_dropout_prob=0.0)
+    garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12, 13])
+    spike = ["--input_dir", garbage, "--loss_spike_factor", "1.2", "--loss_spike_window", "4"]
+    skipped = tmp_path / "spike-skip"
+    result = run_cli(args_file, "--output_dir", skipped, *spike, "--loss_spike_action", "skip", "--save_steps", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line.split(";")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith("warning: step")] == \
+        ["update skipped (loss_spike_action skip)"] * 2, result.stdout[-3000:]
+    assert [r["step"] for r in events(skipped, "loss_spike")] == [12, 13]
+    summary = events(skipped, "summary")[-1]
+    assert (summary["loss_spikes"], summary["spike_skipped_steps"]) == (2, 2)
+    assert "loss spikes 2, spike skipped steps 2" in result.stdout
+
+    reference = tmp_path / "data-skip"
+    result = run_cli(args_file, "--output_dir", reference, "--skip_data_intervals", "[[12,13]]", "--save_steps", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(skipped) == losses(reference)
+    assert_same_weights(skipped, reference, STEPS)
+
+    result = run_cli(args_file, "--output_dir", tmp_path / "spike-stop", *spike, "--loss_spike_action", "stop")
+    one_error_line(result, 3, "step 12: loss spike", "loss_spike_action stop")
+
+    warned = tmp_path / "spike-warn"  # warn: logged and counted, the step trains
+    result = run_cli(args_file, "--output_dir", warned, *spike, "--loss_spike_action", "warn")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("warning: step 12: loss spike")]
+    warned_spikes = [(r["step"], r["action"]) for r in events(warned, "loss_spike")]
+    assert warned_spikes[0] == (12, "warn") and {action for _, action in warned_spikes} == {"warn"}
+    assert 12 in losses(warned) and "spike_skipped_steps" not in events(warned, "summary")[-1]
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"loss_spike_factor": 1.0, "loss_spike_window": 4}, ("loss_spike_factor: 1.0", "above 1")),
+    ({"loss_spike_factor": 3, "loss_spike_window": 1}, ("loss_spike_window: 1", "at least 2")),
+    ({"loss_spike_factor": 3}, ("loss_spike_window: set it too",)),
+    ({"loss_spike_factor": 3, "loss_spike_window": 4, "loss_spike_action": "rollback", "save_steps": 0},
+     ("rollback needs checkpoints",)),
+    ({"skip_data_intervals": [[5, 3]]}, ("skip_data_intervals: [5, 3]", "first <= last")),
+    ({"skip_data_intervals": [[-1, 3]]}, ("skip_data_intervals: [-1, 3]",)),
+    ({"skip_data_intervals": [[1, 4], [4, 6]]}, ("[1, 4] and [4, 6] overlap",)),
+    ({"skip_data_intervals": [1, 4]}, ("skip_data_intervals: expected a list of [first step, last step] pairs",)),
+    ({"unified_checkpoint_config": "async_save fast"}, ("unknown option 'fast'",)),
+])
+def test_bad_resilience_arguments_are_one_line(embedded_corpus, tmp_path, overrides, fragments):
+    args_file = small_run(embedded_corpus, tmp_path, **overrides)
+    result = run_cli(args_file, "--output_dir", tmp_path / "out")
+    one_error_line(result, 2, *fragments)
+    assert result.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_spike_skip_is_refused_under_the_pipeline_and_rollback_is_not(embedded_corpus, tmp_path):
+    """fleet's train_batch applies the update before the loss is known: skip is one line there;
+    rollback reloads the checkpoint (discarding that update) and is allowed. check_startup runs
+    before fleet.init, so a 2-stage layout needs no launch."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.distributed import Layout
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.preflight import build_model_config, check_startup
+
+    def startup(action, layout):
+        args, _ = parse_arguments([str(small_run(embedded_corpus, tmp_path)), "--loss_spike_factor", "3",
+                                   "--loss_spike_window", "4", "--loss_spike_action", action])
+        check_startup(args, build_model_config(args, layout, "cpu")[0], layout, "cpu")
+
+    pipeline = Layout(world_size=2, pipeline_parallel_degree=2)
+    with pytest.raises(UsageError, match=r"^loss_spike_action: skip is not available with pipeline_parallel_degree"):
+        startup("skip", pipeline)
+    startup("rollback", pipeline)
+    startup("skip", Layout(world_size=2, data_parallel_degree=2))
+
+
+# ----------------------------------------------------------------------------- asynchronous checkpoints
+def test_async_save_writes_the_same_checkpoints_and_survives_kill_9(embedded_corpus, tmp_path):
+    """async_save: the same losses and checkpoints as synchronous saves, each finalized at a later
+    step than it was taken; kill -9 while checkpoint-10 is being written (its .partial exists) leaves
+    checkpoint-5 the newest complete one, and the resumed run ends as the uninterrupted one."""
+    import signal
+    import time
+
+    from llm_pretrain.checkpoint import latest_checkpoint, verify_checkpoint
+    from test_fault_injection import start_cli
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.1)
+    sync, asynchronous = tmp_path / "sync", tmp_path / "async"
+    assert run_cli(args_file, "--output_dir", sync).returncode == 0
+    result = run_cli(args_file, "--output_dir", asynchronous, "--async_save", "true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(asynchronous) == losses(sync)
+    for step in (5, 10, 15, 20):
+        assert verify_checkpoint(str(asynchronous / f"checkpoint-{step}")) is None
+        assert_same_weights(asynchronous, sync, step)
+    saves = events(asynchronous, "save")
+    assert [(r["step"], r["async"]) for r in saves] == [(5, True), (10, True), (15, True), (20, True)]
+    completed = {r["step"]: r["completed_at_step"] for r in events(asynchronous, "save_completed")}
+    # finalized at the first step boundary after every rank's write ended: before the next save
+    assert all(step < completed[step] < step + 5 for step in (5, 10, 15)) and completed[20] == 20, completed
+    # The planner's host-memory term (llm_pretrain/planner/memory.py checkpoint_state_bytes) is the copy.
+    predicted = [r for r in log_lines(asynchronous) if r["event"] == "run"][0]["prediction"]["async_save_host_mb"]
+    assert all(r["host_copy_mb"] == pytest.approx(predicted, rel=1e-3) for r in events(asynchronous, "save_completed"))
+
+    killed = tmp_path / "killed"  # PaddleNLP's spelling of the switch
+    command = [args_file, "--output_dir", killed, "--unified_checkpoint_config", "async_save"]
+    proc = start_cli(*command)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoint-10.partial").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert latest_checkpoint(str(killed)).endswith("checkpoint-5"), checkpoints(killed)
+    assert not (killed / "checkpoint-10.partial" / "COMPLETE").exists()
+    result = run_cli(*command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(killed) == losses(sync)
+    assert_same_weights(killed, sync, STEPS)
+    assert "checkpoint-10.partial" not in checkpoints(killed)
+
+
+# ----------------------------------------------------------------------------- slow and hung ranks
+def test_straggler_record_and_a_stalled_rank_ends_the_job_in_one_line(embedded_corpus, tmp_path):
+    """dp2: every logging step records both ranks' step times and data waits and names the slowest and
+    fastest; then rank 1 is stopped (SIGSTOP) mid-run: within hang_timeout_minutes rank 0, blocked in a
+    collective, dumps its stacks and ends the job with one line naming rank 1 (exit code 1)."""
+    import os
+    import signal
+    import time
+
+    from parity_utils import RUN_PRETRAIN, argv
+    from test_fault_injection import _kill_session, _start_launch
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=1000, save_steps=0, hang_timeout_minutes=0.15)
+    logs, out = tmp_path / "log", tmp_path / "out"
+    launcher = _start_launch(2, RUN_PRETRAIN, argv(args_file, out), logs)
+    try:
+        deadline, beat = time.monotonic() + 240, {"step": 0}
+        while launcher.poll() is None and time.monotonic() < deadline and beat["step"] < 3:
+            try:
+                beat = json.loads((logs / "heartbeat.1.json").read_text())
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        assert beat["step"] >= 3, (launcher.poll(), beat)
+        os.kill(beat["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        launcher.communicate(timeout=240)
+        waited = time.monotonic() - stopped_at
+    finally:
+        _kill_session(launcher.pid)
+    assert launcher.returncode == 1, launcher.returncode
+    assert 9 <= waited < 90, waited  # the timeout (9 s), the reports, the launcher ending the job
+    log0 = (logs / "workerlog.0").read_text(errors="replace")
+    errors = [line for line in log0.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in log0, log0[-3000:]
+    assert errors[0].startswith("error: hang: no step finished for 0.15 minutes (hang_timeout_minutes) after step ")
+    assert "rank(s) 1 did not reach the collective" in errors[0] and "that rank(s) 0 wait in" in errors[0]
+    assert "rank 1: no report: stopped, or blocked without Python" in errors[0], errors[0]
+    report = json.loads((logs / "hang.rank0.json").read_text())
+    assert report["collective"] and report["step"] >= 3, report
+    stacks = (logs / "hang.rank0.txt").read_text()
+    assert "(most recent call first)" in stacks and "run_pretrain.py" in stacks, stacks[-2000:]
+
+    records = [r for r in log_lines(out) if r["event"] == "train"]
+    assert len(records) >= 3
+    for record in records:
+        times = record["rank_step_time_s"]
+        assert len(times) == 2 and len(record["rank_data_wait_s"]) == 2
+        assert record["slowest_rank"] == {"rank": times.index(max(times)), "step_time_s": max(times),
+                                          "data_wait_s": record["rank_data_wait_s"][times.index(max(times))]}
+        assert record["fastest_rank"]["step_time_s"] == min(times)
+    assert "slowest rank " in log0 and ", fastest rank " in log0
+
+
+def test_a_spike_on_one_rank_rolls_back_every_rank(embedded_corpus, tmp_path):
+    """dp2 (the global batch of 8 split 4 + 4): garbage only in rank 0's half of step 12. Its loss
+    reaches rank 1 through the step's flag reduction (max), both ranks roll back together, and the
+    run equals one process skipping steps 11-16 (fp32 parity)."""
+    from parity_utils import argv, run_launch
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12], first_samples=4)
+    out = tmp_path / "dp2"
+    run_launch(2, [argv(args_file, out, input_dir=garbage, gradient_accumulation_steps=2, loss_spike_factor=1.2,
+                        loss_spike_window=4, loss_spike_action="rollback", loss_spike_skip_steps=4)], tmp_path, "dp2")
+    assert [(r["step"], r["skipped_steps"]) for r in events(out, "rollback")] == [(12, [11, 16])]
+    reference = tmp_path / "single"
+    result = run_cli(args_file, "--output_dir", reference, "--skip_data_intervals", "[[11,16]]",
+                     "--attention_probs_dropout_prob", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(out), losses(reference)
+    assert set(got) - set(want) == {11}  # trained, then undone by the rollback
+    assert all(abs(got[k] - want[k]) < 1e-5 for k in want), (got, want)
