@@ -52,10 +52,15 @@ Patches (line numbers: Paddle 3.3.1 sources under paddle/distributed/):
 11. Recompute inside PipelineLayer (`recompute_hybrid`, recompute_hybrid.py:135-141)
    asserts a gpu/xpu/custom device although the RNG states it saves are the CPU
    generator's on CPU (plain `recompute` accepts "cpu", recompute.py:412-417).
+12. `all_to_all` over gloo (segment parallelism's head/sequence switch, MoE dispatch): ProcessGroupGloo
+   leaves it unimplemented ("ProcessGroupGLOO does not support all_to_all with sync_op flag",
+   phi/core/distributed/collective/process_group.h:175, reached from
+   communication/stream/all_to_all.py:43-47,70-74,275-279); filled in with one all_gather of every rank's
+   inputs, each rank keeping the chunks addressed to it (world-size times the traffic).
 
 Not covered (not used by the toolkit): fp16 collectives over gloo (fp16
-all_reduce returns inf), all_to_all (MoE), mp_async_allreduce /
-InnerOverlapLinear, ParallelMultiLabelCrossEntropy, offload in group sharding.
+all_reduce returns inf), mp_async_allreduce /
+InnerOverlapLinear, ParallelMultiLabelCrossEntropy, unequal all_to_all splits, offload in group sharding.
 Stage-1 `split_param` (DygraphShardingOptimizerV2) runs after patch 10 but
 diverges from a single process from the second step on, for a reason that is
 not CPU-specific: `clear_grad()` calls `clear_gradient(set_to_zero=True)`,
@@ -191,6 +196,34 @@ def _reduce_scatter(pg, out, inputs, op):
     return task
 
 
+@paddle.no_grad()
+def _all_to_all(pg, out_list, in_list):
+    # Every rank's inputs gathered on every rank ([ranks, ranks x chunk]); rank r keeps chunk r of
+    # each sender. Equal chunks only (as gloo's all_gather needs equal sizes).
+    ranks, rank = pg.size(), pg.rank()
+    sizes = {t._numel() for t in list(in_list) + list(out_list)}
+    if len(sizes) != 1 or len(in_list) != ranks or len(out_list) != ranks:
+        raise NotImplementedError("cpu_compat: all_to_all over gloo needs one equal-sized chunk per rank")
+    flat = paddle.concat([t.reshape([-1]) for t in in_list])
+    gathered = paddle.empty([ranks * flat.shape[0]], dtype=flat.dtype)
+    task = pg.all_gather(gathered, flat, True)
+    rows = gathered.reshape([ranks, ranks, -1])  # [sender, receiver, chunk]
+    for sender, out in enumerate(out_list):
+        paddle.assign(rows[sender, rank].reshape(out.shape), output=out)
+    return task
+
+
+def _all_to_all_tensor(pg, out, x, out_sizes=(), in_sizes=()):
+    # all_to_all of one tensor, split equally along axis 0 (stream/all_to_all.py:43,47,275,279)
+    ranks = pg.size()
+    if len(set(out_sizes) | set(in_sizes)) > 1:
+        raise NotImplementedError("cpu_compat: all_to_all over gloo needs one equal-sized chunk per rank")
+    parts = [paddle.empty_like(part) for part in paddle.split(out, ranks, axis=0)]
+    task = _all_to_all(pg, parts, list(paddle.split(x, ranks, axis=0)))
+    paddle.assign(paddle.concat(parts, axis=0), output=out)
+    return task
+
+
 def _part(tensor, num, index):
     """Part `index` of `num` equal parts of the flattened tensor: a view of its memory."""
     size = tensor._numel() // num
@@ -226,6 +259,14 @@ def _patch_gloo_process_group():
         "reduce_scatter_on_calc_stream": lambda pg, out, xs, op: _reduce_scatter(pg, out, xs, op),
         "reduce_scatter_tensor": lambda pg, out, x, op, sync_op=True: _reduce_scatter(pg, out, x, op),
         "reduce_scatter_tensor_on_calc_stream": lambda pg, out, x, op: _reduce_scatter(pg, out, x, op),
+        "all_to_all": lambda pg, outs, xs, sync_op=True: _all_to_all(pg, outs, xs),
+        "all_to_all_on_calc_stream": lambda pg, outs, xs: _all_to_all(pg, outs, xs),
+        "all_to_all_tensor": lambda pg, out, x, sync_op=True: _all_to_all_tensor(pg, out, x),
+        "all_to_all_tensor_on_calc_stream": lambda pg, out, x: _all_to_all_tensor(pg, out, x),
+        "all_to_all_single": lambda pg, out, x, out_sizes, in_sizes, sync_op=True: _all_to_all_tensor(
+            pg, out, x, out_sizes, in_sizes),
+        "all_to_all_single_on_calc_stream": lambda pg, out, x, out_sizes, in_sizes: _all_to_all_tensor(
+            pg, out, x, out_sizes, in_sizes),
     }
     for name, method in methods.items():
         setattr(core.ProcessGroupGloo, name, method)

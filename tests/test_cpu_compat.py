@@ -30,7 +30,7 @@ MP_CHECKS = [
     "row_parallel_input_parallel", "row_parallel_split_input",
     "vocab_parallel_embedding", "parallel_cross_entropy",
     "sequence_parallel_ops", "column_sequence_parallel", "row_sequence_parallel",
-    "reduce_scatter", "process_group_calc_stream", "broadcast_input_data",
+    "reduce_scatter", "alltoall", "process_group_calc_stream", "broadcast_input_data",
 ]  # fmt: skip
 
 

@@ -218,6 +218,29 @@ def check_reduce_scatter():
     return out
 
 
+def check_alltoall():
+    """Patch 12: chunk j of rank i's inputs arrives as chunk i on rank j (list, single-tensor and
+    calc-stream forms); int64 too (token ids)."""
+    chunks = [[randn([2, 3], 300 + 10 * i + j) for j in range(n)] for i in range(n)]  # [sender][receiver]
+    expected = paddle.concat([chunks[i][r] for i in range(n)], axis=0)
+    out = {}
+    received = []
+    dist.alltoall(received, chunks[r], group=group)
+    out["list"] = max_err(paddle.concat(received, axis=0), expected)
+    received = [paddle.empty([2, 3]) for _ in range(n)]
+    dist.stream.alltoall(received, chunks[r], group=group, sync_op=True, use_calc_stream=True)
+    out["list_calc_stream"] = max_err(paddle.concat(received, axis=0), expected)
+    y = paddle.empty([2 * n, 3])
+    dist.alltoall_single(y, paddle.concat(chunks[r], axis=0), group=group)
+    out["single"] = max_err(y, expected)
+    ids = [paddle.full([4], 100 * r + j, dtype="int64") for j in range(n)]
+    received = []
+    dist.alltoall(received, ids, group=group)
+    out["int64"] = max_err(paddle.concat(received), paddle.concat([paddle.full([4], 100 * i + r, dtype="int64")
+                                                                    for i in range(n)]))
+    return out
+
+
 def check_process_group_calc_stream():
     pg = group.process_group
     out = {}
@@ -306,6 +329,7 @@ checks.run("column_sequence_parallel", check_column_sequence_parallel)
 checks.run("row_sequence_parallel", check_row_sequence_parallel)
 checks.run("reduce_scatter", check_reduce_scatter)
 checks.run("process_group_calc_stream", check_process_group_calc_stream)
+checks.run("alltoall", check_alltoall)
 checks.run("broadcast_input_data", check_broadcast_input_data)
 upstream = Checks()
 upstream.run("upstream_c_split_backward", check_upstream_c_split_backward)
