@@ -146,7 +146,10 @@ class Arguments:
     distributed_timeout_minutes: Optional[float] = _key(
         None, "GPU: timeout of NCCL collectives, so that a hung rank ends the job (Megatron's "
         "--distributed-timeout-minutes; sets PADDLE_PG_TIMEOUT; default Paddle's 30 minutes).", minimum=0)
-    sep_parallel_degree: int = _key(-1, "Segment parallelism: not supported (1 or -1 only).", choices=(-1, 1))
+    sep_parallel_degree: int = _key(
+        -1, "Segment parallelism (PaddleNLP's, Ulysses-style, on fleet's sep group): the ranks of a group share "
+        "samples, each holds 1/sep of every sequence; an all-to-all switches to 1/sep of the heads for attention. "
+        "-1 means 1.")
 
     # ---- recompute -------------------------------------------------------------
     recompute: bool = _key(False, "Recompute activations in the backward pass.")
@@ -410,7 +413,8 @@ def validate_arguments(args: Arguments) -> None:
     if args.do_train or args.do_eval or args.do_predict:
         if not args.input_dir:
             raise UsageError("input_dir: required; a directory of prefix.bin/prefix.idx files (see scripts/prepare_data.py)")
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding_degree"):
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding_degree",
+                 "sep_parallel_degree"):
         value = getattr(args, name)
         if value == 0 or value < -1:
             raise UsageError(f"{name}: {value} is not allowed; use a positive degree (or -1 for the default)")

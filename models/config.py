@@ -48,6 +48,7 @@ class ModelConfig:
     seq_length: int = 1024
     tensor_parallel_degree: int = 1
     sequence_parallel: bool = False
+    sep_parallel_degree: int = 1  # segment parallelism: each rank holds 1/sep of every sequence (models/parallel_layers.py)
     recompute: bool = False
     recompute_granularity: str = "full"  # "full" | "full_attn" | "core_attn"
     no_recompute_layers: list = field(default_factory=list)
@@ -67,6 +68,11 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of each sequence one rank holds between the attention blocks (all of them without sep)."""
+        return self.seq_length // self.sep_parallel_degree
+
+    @property
     def uses_swiglu(self) -> bool:
         return self.hidden_act == "silu"
 
@@ -78,7 +84,7 @@ class ModelConfig:
 
 
 RUNTIME_KEYS = (
-    "seq_length", "tensor_parallel_degree", "sequence_parallel", "recompute", "recompute_granularity",
+    "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm",
 )

@@ -13,6 +13,9 @@ Before the runs, this worker wraps (counting, then calling the original):
     CausalLM.forward and the optimizer's step
                        a fingerprint of one gradient before every micro-batch and at the step: data
                        parallelism must leave gradients local until the last micro-batch
+    models.parallel_layers._all_to_all
+                       segment parallelism's all-to-all: calls from the PyLayer's forward and from
+                       its backward, with the shapes going in
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
@@ -36,6 +39,7 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
 from llm_pretrain import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
+from models import parallel_layers  # noqa: E402
 from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
 from models.registry import parameter_count  # noqa: E402
 
@@ -45,7 +49,7 @@ probe: dict = {}
 def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
-                 grad_fingerprints=[], built=None)
+                 grad_fingerprints=[], built=None, all_to_all=defaultdict(list))
 
 
 def counting(owner, method):
@@ -76,6 +80,17 @@ def watch_sp_hooks():
         return counted_hook
 
     sequence_parallel_utils.create_non_fused_allreduce_gradient_hook = create
+
+
+def watch_all_to_all():
+    original = parallel_layers._all_to_all
+
+    def counted(x, group, split_axis, concat_axis):
+        caller = sys._getframe(1).f_code.co_name  # "forward" or "backward" of the PyLayer
+        probe["all_to_all"][caller].append([list(x.shape), split_axis, concat_axis])
+        return original(x, group, split_axis, concat_axis)
+
+    parallel_layers._all_to_all = counted
 
 
 def grad_fingerprint(model) -> float | None:
@@ -150,6 +165,7 @@ def observations() -> dict:
         "calls": {k: v for k, v in probe["calls"].items()},
         "decoder_input_shapes": {str(k): sorted(v) for k, v in probe["shapes"].items()},
         "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
+        "all_to_all": {k: v for k, v in probe["all_to_all"].items()},
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
         "model_parameters": parameter_count(inner.config),
@@ -198,6 +214,7 @@ if __name__ == "__main__":
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
     watch_sp_hooks()
+    watch_all_to_all()
     watch_data_parallel()
     catch_built_run()
     with open(sys.argv[1]) as f:
