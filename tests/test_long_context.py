@@ -12,7 +12,7 @@ accumulation steps of one process).
                         single kv head repeated) + Llama 3.1's rotary scaling + recompute;
                         resume 1 process -> sep2 and sep2 -> 1 process; the run record
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
-                        sep2 x dp2
+                        sep2 x dp2, sep2 x stage-1 sharding 2
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction
@@ -87,8 +87,8 @@ def test_sep2_every_family_and_resume(runs):
     assert run_record(runs.out("sep2-to-single"))["strategy"] == "dp1"
 
 
-def test_sep2_with_tp2_and_dp2(runs):
-    """4 processes: sep2 x tp2 (the q heads split by tp, then by sep) and sep2 x dp2."""
+def test_sep2_with_tp2_dp2_and_sharding(runs):
+    """4 processes: sep2 x tp2 (the q heads split by tp, then by sep), sep2 x dp2, sep2 x stage-1 sharding 2."""
     tp2 = {**SEP2, "tensor_parallel_degree": 2}
     run_launch(4, [runs.run("llama-sep2tp2-sp", **tp2, sequence_parallel=True),
                    runs.run("bloom-sep2tp2", "bloom", **tp2),
@@ -102,6 +102,10 @@ def test_sep2_with_tp2_and_dp2(runs):
     runs.check([("llama-sep2dp2", "llama"), ("qwen2-sep2dp2", "qwen2")])
     record = run_record(runs.out("llama-sep2dp2"))
     assert record["strategy"] == "sep2dp2" and record["global_batch_size"] == 8
+    run_launch(4, [runs.run("llama-sep2sd2", **SEP2, sharding="stage1", gradient_accumulation_steps=2)],
+               runs.work, "sep2sd2", timeout=1200)
+    runs.check([("llama-sep2sd2", "llama")])
+    assert run_record(runs.out("llama-sep2sd2"))["strategy"] == "sep2sd2_stage1"
 
 
 def test_sep2_mechanism(tmp_path, embedded_corpus):
@@ -109,8 +113,10 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     to heads, the output back) and in backward (the same four, reversed); before the optimizer's
     sep reduction each rank's gradient covers only its own tokens (they differ)."""
     layers = 8
-    args = write_json(tmp_path / "llama.json", base_arguments(embedded_corpus, tmp_path, max_steps=1, save_steps=0))
-    spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2", **SEP2)}])
+    # The key in the argument file itself, as a PaddleNLP file gives it (no override).
+    args = write_json(tmp_path / "llama.json", base_arguments(embedded_corpus, tmp_path, max_steps=1, save_steps=0,
+                                                              sep_parallel_degree=2))
+    spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2")}])
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 2, [str(spec)], log_dir=tmp_path / "log",
                     timeout=600).check()
     ranks = result.results()
