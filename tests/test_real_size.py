@@ -31,7 +31,7 @@ from launch_utils import REPO_ROOT
 from parity_utils import DEVICE, SAVE_STEP, TOLERANCE, layout_output, run_record, train_records
 
 SELFCHECK = REPO_ROOT / "scripts" / "gpu_selfcheck.py"
-LAYOUTS = ["dp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage1", "tp2sd2_stage2"]
+LAYOUTS = ["dp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage1", "tp2sd2_stage2", "sep2"]
 DTYPES = ["fp32", "bf16"] if DEVICE == "gpu" else ["fp32"]
 
 
