@@ -51,13 +51,14 @@ def build_strategy(layout: Layout, args: Arguments):
         "mp_degree": layout.tensor_parallel_degree,
         "pp_degree": layout.pipeline_parallel_degree,
         "sharding_degree": layout.sharding_degree,
-        "sep_degree": layout.sep_parallel_degree,  # fleet's sep group (topology.py), PaddleNLP's sep_parallel_degree
+        # fleet's sep group (topology.py): PaddleNLP's sep_parallel_degree, or our context parallelism
+        "sep_degree": layout.sequence_group_degree,
     }
     pipeline = {
         "accumulate_steps": args.gradient_accumulation_steps,
         "micro_batch_size": args.per_device_train_batch_size,
     }
-    if layout.sep_parallel_degree > 1:
+    if layout.sequence_group_degree > 1:
         # The clip's norm of tensor-parallel slices is otherwise all-reduced over the "check" group
         # (hybrid_parallel_optimizer.py:87-91, topology.py:370: every rank of one data-parallel
         # index), which holds the sep ranks too: their equal (sep-reduced) slices would count sep

@@ -12,6 +12,8 @@ The trainer writes `describe_built_run(...)` into the "run" record of train_log.
     segment_parallel   the sep degree the attention layers were built with (tokens per rank between
                        layers, heads per rank inside attention) and the wrappers around the model;
                        None without segment parallelism
+    context_parallel   the same for ring attention (cp degree, tokens per rank, the chunks of each
+                       sequence this rank holds); None without it
     recompute          per granularity, the decoder layers that recompute it in backward (the
                        layers' own configuration; PipelineLayer's recompute_interval for "full"
                        under the pipeline)
@@ -151,6 +153,22 @@ def describe_segment_parallel(model) -> dict | None:
             "model_wrappers": _class_names(model_chain(model)[:-1])}
 
 
+def describe_context_parallel(model) -> dict | None:
+    """Ring attention as the model's attention layers were built (None: every rank all tokens)."""
+    from models.decoder import Attention
+    from models.ring_attention import chunk_ids
+
+    attention = [m for m in unwrap_model(model).sublayers() if isinstance(m, Attention)]
+    if not attention or attention[0].config.context_parallel_degree <= 1:
+        return None
+    config = attention[0].config
+    from models.parallel_layers import sequence_group
+
+    return {"degree": config.context_parallel_degree, "tokens_per_rank": config.tokens_per_rank,
+            "chunks_of_2cp": list(chunk_ids(sequence_group().rank, config.context_parallel_degree)),
+            "model_wrappers": _class_names(model_chain(model)[:-1])}
+
+
 def describe_recompute(model) -> dict:
     """Per granularity, the decoder layers (global indices, this rank) recomputed in backward."""
     from paddle.distributed.fleet.meta_parallel import PipelineLayer
@@ -235,6 +253,7 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
     local = {"schedule": describe_schedule(model), "sharding": describe_sharding(model, optimizer),
              "sequence_parallel": describe_sequence_parallel(model), "recompute": describe_recompute(model),
              "segment_parallel": describe_segment_parallel(model),
+             "context_parallel": describe_context_parallel(model),
              "precision": describe_precision(model, optimizer, precision)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -269,7 +288,8 @@ def built_strategy_name(built: dict) -> str:
     return strategy_name(layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"],
                          layout["sharding_degree"], sharding["stage"] if sharding else 0,
                          schedule["virtual_stages"] if schedule else 1, layout["data_parallel_degree"],
-                         (built.get("segment_parallel") or {}).get("degree", 1))
+                         (built.get("segment_parallel") or {}).get("degree", 1),
+                         (built.get("context_parallel") or {}).get("degree", 1))
 
 
 def summary_line(built: dict) -> str:
@@ -286,6 +306,8 @@ def summary_line(built: dict) -> str:
         parts.append("SP")
     if built.get("segment_parallel"):
         parts.append(f"sep{built['segment_parallel']['degree']}")
+    if built.get("context_parallel"):
+        parts.append(f"cp{built['context_parallel']['degree']}")
     for granularity in GRANULARITIES:
         layers = (built.get("recompute") or {}).get(granularity)
         if layers:

@@ -271,7 +271,8 @@ def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, arg
 def layout_summary(layout: Layout) -> dict:
     return {key: getattr(layout, key) for key in (
         "world_size", "data_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-        "sharding_degree", "sharding_stage", "virtual_pp_degree", "sep_parallel_degree")}
+        "sharding_degree", "sharding_stage", "virtual_pp_degree", "sep_parallel_degree",
+        "context_parallel_degree")}
 
 
 def set_seed(seed: int) -> None:
@@ -537,7 +538,8 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
 
 
 def build_model(config: ModelConfig, layout: Layout):
-    config = config.replace(sep_parallel_degree=layout.sep_parallel_degree)
+    config = config.replace(sep_parallel_degree=layout.sep_parallel_degree,
+                            context_parallel_degree=layout.context_parallel_degree)
     if layout.pipeline_parallel_degree > 1:
         from models.pipeline import CausalLMPipeline
 

@@ -49,6 +49,7 @@ class ModelConfig:
     tensor_parallel_degree: int = 1
     sequence_parallel: bool = False
     sep_parallel_degree: int = 1  # segment parallelism: each rank holds 1/sep of every sequence (models/parallel_layers.py)
+    context_parallel_degree: int = 1  # ring attention: each rank holds 1/cp of every sequence (models/ring_attention.py)
     recompute: bool = False
     recompute_granularity: str = "full"  # "full" | "full_attn" | "core_attn"
     no_recompute_layers: list = field(default_factory=list)
@@ -70,7 +71,7 @@ class ModelConfig:
     @property
     def tokens_per_rank(self) -> int:
         """Tokens of each sequence one rank holds between the attention blocks (all of them without sep)."""
-        return self.seq_length // self.sep_parallel_degree
+        return self.seq_length // (self.sep_parallel_degree * self.context_parallel_degree)
 
     @property
     def uses_swiglu(self) -> bool:
@@ -84,7 +85,7 @@ class ModelConfig:
 
 
 RUNTIME_KEYS = (
-    "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "recompute", "recompute_granularity",
+    "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "context_parallel_degree", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm",
 )

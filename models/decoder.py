@@ -115,8 +115,7 @@ class Embeddings(nn.Layer):
     def forward(self, input_ids):
         hidden = self.word_embeddings(input_ids)
         if self.config.position_embedding == "learned":
-            start = pl.first_position(self.config)  # global positions of this rank's tokens under sep
-            positions = paddle.arange(start, start + input_ids.shape[1], dtype="int64")
+            positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
             hidden = hidden + self.position_embeddings(positions)[None]
         # Split before the (per-token) LayerNorm: under sequence parallelism its weights then
         # see only local tokens, like every other norm, and are all-reduced the same way.
@@ -199,7 +198,11 @@ class Attention(nn.Layer):
         q, k, v = (pl.sequence_to_heads(self.config, t) for t in (q, k, v))
         seq = q.shape[1]
         if self.config.position_embedding == "rope":
-            cos, sin = rotary_tables(seq, d, self.config.rope_theta, self.config.rope_scaling)
+            cos, sin = rotary_tables(self.config.seq_length if self.config.context_parallel_degree > 1 else seq, d,
+                                     self.config.rope_theta, self.config.rope_scaling)
+            if self.config.context_parallel_degree > 1:  # the rows of this rank's (global) positions
+                positions = pl.token_positions(self.config, seq)
+                cos, sin = (paddle.index_select(t, positions, axis=1) for t in (cos, sin))
             if self.config.use_fused_rope:
                 # GPU kernel, as paddlenlp/transformers/llama/modeling.py LlamaAttention.forward (Paddle > 2.6:
                 # q and k with different head counts in one call). use_neox_rotary_style=False is the
@@ -256,14 +259,23 @@ class Attention(nn.Layer):
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
 
+    def ring_attention(self, q, k, v):
+        """Context parallelism: the attention of this rank's queries over every rank's keys
+        (models/ring_attention.py; the plain float32 block path on every device)."""
+        from models.ring_attention import ring_attention
+
+        slopes = self.alibi_slopes.tolist() if self.config.position_embedding == "alibi" else None
+        return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group())
+
     def forward(self, hidden):
         q, k, v = self.project_qkv(hidden)
+        attention = self.ring_attention if self.config.context_parallel_degree > 1 else self.core_attention
         if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 
-            out = recompute(self.core_attention, q, k, v, use_reentrant=False)
+            out = recompute(attention, q, k, v, use_reentrant=False)
         else:
-            out = self.core_attention(q, k, v)
+            out = attention(q, k, v)
         if self.config.sep_parallel_degree > 1:  # back to this rank's tokens of every head
             out = pl.heads_to_sequence(self.config, out.reshape([0, 0, self.attention_heads, -1]))
             out = out.reshape([0, 0, -1])
@@ -381,8 +393,9 @@ def causal_lm_loss(config: ModelConfig, logits, labels):
 
     Under segment parallelism the logits are this rank's chunk of each sequence and `labels` whole:
     the per-token losses of every chunk are gathered, so each rank takes the mean of the whole batch."""
-    per_token = pl.gather_segments(config, pl.cross_entropy_per_token(config, logits, pl.split_segment(config, labels)))
-    mask = (labels != -100).astype("float32")
+    labels = pl.split_segment(config, labels)
+    per_token = pl.gather_segments(config, pl.cross_entropy_per_token(config, logits, labels))
+    mask = pl.gather_segments(config, (labels != -100).astype("float32"))
     return (per_token * mask).sum() / mask.sum().clip(min=1.0)
 
 

@@ -287,35 +287,66 @@ def cross_entropy_per_token(config: ModelConfig, logits, labels):
 # whole sequence; each rank's parameter gradients cover its own tokens, and fleet's hybrid
 # optimizer sums them over the sep group (hybrid_parallel_util.py fused_allreduce_gradients:
 # "sep all reduce is not scaled").
+#
+# Context parallelism (context_parallel_degree, models/ring_attention.py) runs on the same fleet
+# group (as Paddle's own ring attention, auto_parallel/ring_attention.py, runs on the "sep" mesh
+# axis; fleet 3.3.1 builds its separate cp group only in the expert-parallel topology): the ranks
+# also share samples and hold 1/cp of every sequence, in two causally balanced chunks, and k/v
+# blocks travel around the ring instead of the all-to-all. The two are never combined.
 def _segment_parallel(config: ModelConfig) -> bool:
     return config.sep_parallel_degree > 1
 
 
-def _sep_group():
+def _context_parallel(config: ModelConfig) -> bool:
+    return config.context_parallel_degree > 1
+
+
+def _splits_sequence(config: ModelConfig) -> bool:
+    return _segment_parallel(config) or _context_parallel(config)
+
+
+def sequence_group():
+    """Fleet's sep group: the ranks that hold the parts of the same sequences (sep or cp)."""
     from paddle.distributed import fleet
 
     return fleet.get_hybrid_communicate_group().get_sep_parallel_group()
 
 
+_sep_group = sequence_group
+
+
 def sep_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
+    """This rank's place in segment parallelism (the all-to-all; (0, 1) under context parallelism)."""
     if not _segment_parallel(config):
         return 0, 1
-    group = _sep_group()
+    group = sequence_group()
     return group.rank, group.nranks
 
 
 def split_segment(config: ModelConfig, tokens):
-    """[batch, seq, ...] -> this rank's contiguous chunk [batch, seq / sep, ...] (identity without sep);
-    as PaddleNLP's split_inputs_sequence_dim."""
-    if not _segment_parallel(config):
+    """[batch, seq, ...] -> this rank's part [batch, seq / degree, ...] (identity without sep or cp):
+    a contiguous chunk under sep (PaddleNLP's split_inputs_sequence_dim), chunks i and 2cp-1-i under cp."""
+    if not _splits_sequence(config):
         return tokens
-    rank, degree = sep_rank_and_degree(config)
-    return paddle.split(tokens, degree, axis=1)[rank]
+    group = sequence_group()
+    if _context_parallel(config):
+        from models.ring_attention import balanced_split
+
+        return balanced_split(tokens, group.rank, group.nranks)
+    return paddle.split(tokens, group.nranks, axis=1)[group.rank]
 
 
-def first_position(config: ModelConfig) -> int:
-    """The global position of this rank's first token."""
-    return sep_rank_and_degree(config)[0] * config.tokens_per_rank
+def token_positions(config: ModelConfig, local_tokens: int):
+    """Global positions (int64) of the tokens `split_segment` gives this rank."""
+    if not _splits_sequence(config):
+        return paddle.arange(local_tokens, dtype="int64")
+    group = sequence_group()
+    if _context_parallel(config):
+        from models.ring_attention import balanced_positions
+
+        return balanced_positions(config.seq_length, group.rank, group.nranks)
+    start = group.rank * local_tokens
+    return paddle.arange(start, start + local_tokens, dtype="int64")
 
 
 @paddle.no_grad()
@@ -375,7 +406,8 @@ class _GatherSegments(paddle.autograd.PyLayer):
 
 
 def gather_segments(config: ModelConfig, per_token):
-    """[batch, seq / sep] per-token values of every rank -> [batch, seq] (identity without sep)."""
-    if not _segment_parallel(config):
+    """[batch, seq / degree] per-token values of every rank -> [batch, seq] (identity without sep or cp;
+    under cp in the ranks' chunk order, which a mean does not see)."""
+    if not _splits_sequence(config):
         return per_token
-    return _GatherSegments.apply(per_token, _sep_group())
+    return _GatherSegments.apply(per_token, sequence_group())

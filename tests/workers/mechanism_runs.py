@@ -16,6 +16,9 @@ Before the runs, this worker wraps (counting, then calling the original):
     models.parallel_layers._all_to_all
                        segment parallelism's all-to-all: calls from the PyLayer's forward and from
                        its backward, with the shapes going in
+    models.ring_attention.ring_pass
+                       context parallelism's ring steps: calls from the ring attention's forward and
+                       backward, with the shapes of the tensors passed
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
@@ -39,7 +42,7 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
 from llm_pretrain import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
-from models import parallel_layers  # noqa: E402
+from models import parallel_layers, ring_attention  # noqa: E402
 from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
 from models.registry import parameter_count  # noqa: E402
 
@@ -49,7 +52,7 @@ probe: dict = {}
 def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
-                 grad_fingerprints=[], built=None, all_to_all=defaultdict(list))
+                 grad_fingerprints=[], built=None, all_to_all=defaultdict(list), ring=defaultdict(list))
 
 
 def counting(owner, method):
@@ -91,6 +94,17 @@ def watch_all_to_all():
         return original(x, group, split_axis, concat_axis)
 
     parallel_layers._all_to_all = counted
+
+
+def watch_ring():
+    original = ring_attention.ring_pass
+
+    def counted(tensors, group):
+        caller = sys._getframe(1).f_code.co_name  # "forward" or "backward" of RingAttention
+        probe["ring"][caller].append([list(t.shape) for t in tensors])
+        return original(tensors, group)
+
+    ring_attention.ring_pass = counted
 
 
 def grad_fingerprint(model) -> float | None:
@@ -166,6 +180,7 @@ def observations() -> dict:
         "decoder_input_shapes": {str(k): sorted(v) for k, v in probe["shapes"].items()},
         "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
         "all_to_all": {k: v for k, v in probe["all_to_all"].items()},
+        "ring": {k: v for k, v in probe["ring"].items()},
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
         "model_parameters": parameter_count(inner.config),
@@ -215,6 +230,7 @@ if __name__ == "__main__":
         counting(owner, method)
     watch_sp_hooks()
     watch_all_to_all()
+    watch_ring()
     watch_data_parallel()
     catch_built_run()
     with open(sys.argv[1]) as f:
