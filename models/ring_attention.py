@@ -147,6 +147,7 @@ class RingAttention(paddle.autograd.PyLayer):
             grad_scores = probs * (grad_probs - delta)
             grad_q += paddle.matmul(grad_scores, _repeat_heads(block_k, groups))
             grad_k += _sum_groups(paddle.matmul(grad_scores, qt, transpose_x=True), kv_heads)
+            del scores, probs, grad_probs, grad_scores  # before the next block's: 5, not 9, block-sized tensors alive
             if step < size - 1:  # the block and its gradient so far go on to the next rank
                 block_k, block_v, grad_k, grad_v = ring_pass([block_k, block_v, grad_k, grad_v], group)
             else:  # the last holder is the owner's predecessor: one more hop home

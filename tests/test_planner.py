@@ -193,6 +193,29 @@ def test_time_terms_by_hand():
     assert result["step_time_s"] == pytest.approx(sum(terms.values()))
 
 
+def test_sequence_split_terms_by_hand():
+    """sep and cp (issue 22): 1/degree of the tokens per rank; sep's attention sees all 4096 tokens of
+    heads / sep (scores 1/sep of one process's), cp keeps no scores; all-to-all and ring volumes."""
+    config = ARCHITECTURES["llama-real"].replace(seq_length=4096, num_hidden_layers=2)
+    one, sep2, cp2 = (mem.Setup(config, 1, 2, **kw) for kw in ({}, {"sep": 2}, {"cp": 2}))
+    scores = 4096 * 8 * 4096 * 4  # tokens x heads x keys x 4 bytes, one process
+    assert mem.layer_activation_bytes(config, sep2, 0) == pytest.approx(
+        (mem.layer_activation_bytes(config, one, 0) - 2 * 4096 * 128 * 4) / 2 + 2 * 4096 * 128 * 4)  # full tables
+    assert mem.attention_backward_bytes(config, sep2) == pytest.approx(2 * scores / 2)
+    assert mem.attention_backward_bytes(config, cp2) == pytest.approx(5 * 2048 * 8 * 2048 * 4)
+    assert mem.layer_activation_bytes(config, cp2, 0) < mem.layer_activation_bytes(config, one, 0) / 2 - scores / 2
+    cluster = speed.Cluster("A100-80G", intra_node_gbps=200.0)
+    bf16 = mem.Precision("bf16", "O2", True)
+    sep = speed.step_time(mem.Setup(config, 1, 2, sep=2, precision=bf16), cluster)["terms"]
+    # 2 layers x (forward + backward) x q, k, v, out: 2048 tokens x (2 x 1024 + 2 x 512) bf16, half of it sent
+    assert sep["sep all-to-all / cp ring (exposed)"] == pytest.approx(2 * 2 * 2 * 2048 * 3072 * 2 * 0.5 / 200e9)
+    # The ring hides behind the block's attention at this length: nothing exposed.
+    assert speed.step_time(mem.Setup(config, 1, 2, cp=2, precision=bf16), cluster)["terms"][
+        "sep all-to-all / cp ring (exposed)"] == 0.0
+    assert sep["compute"] == pytest.approx(speed.step_time(mem.Setup(config, 1, 2, precision=bf16), cluster)[
+        "terms"]["compute"] / 2)
+
+
 # ----------------------------------------------------------------------------- Megatron calibration
 def megatron_rows():
     with open(MEGATRON_CSV) as f:
