@@ -182,7 +182,14 @@ class Arguments:
     expert_parallel_degree: int = _key(
         -1, "Mixture of experts: experts split over this many data-parallel/sharding ranks (fleet's expert "
         "group); -1 means 1.")
-    sep_parallel_degree: int = _key(-1, "Segment parallelism: not supported (1 or -1 only).", choices=(-1, 1))
+    sep_parallel_degree: int = _key(
+        -1, "Segment parallelism (PaddleNLP's, Ulysses-style, on fleet's sep group): the ranks of a group share "
+        "samples, each holds 1/sep of every sequence; an all-to-all switches to 1/sep of the heads for attention. "
+        "-1 means 1.")
+    context_parallel_degree: int = _key(
+        -1, "Context parallelism (ring attention, on fleet's sep group): the ranks of a group share samples, each "
+        "holds 1/cp of every sequence (chunks i and 2cp-1-i, balanced for the causal mask); key/value blocks pass "
+        "around the ring. -1 means 1.")
 
     # ---- recompute -------------------------------------------------------------
     recompute: bool = _key(False, "Recompute activations in the backward pass.")
@@ -456,7 +463,8 @@ def validate_arguments(args: Arguments) -> None:
     if args.do_train or args.do_eval or args.do_predict:
         if not args.input_dir:
             raise UsageError("input_dir: required; a directory of prefix.bin/prefix.idx files (see scripts/prepare_data.py)")
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding_degree"):
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding_degree",
+                 "sep_parallel_degree", "context_parallel_degree"):
         value = getattr(args, name)
         if value == 0 or value < -1:
             raise UsageError(f"{name}: {value} is not allowed; use a positive degree (or -1 for the default)")

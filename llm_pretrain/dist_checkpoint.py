@@ -217,6 +217,8 @@ def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None, 
         return False
     if tp_replicated and layout.tensor_parallel_rank != spread % layout.tensor_parallel_degree:
         return False
+    if layout.sep_parallel_rank != spread % layout.sequence_group_degree:  # sep / cp ranks hold the same weights
+        return False
     return sharding_owner is None or layout.sharding_rank == sharding_owner
 
 

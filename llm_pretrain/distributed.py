@@ -33,11 +33,20 @@ def build_strategy(layout: Layout, args: Arguments):
         "mp_degree": layout.tensor_parallel_degree,
         "pp_degree": layout.pipeline_parallel_degree,
         "sharding_degree": layout.sharding_degree,
+        # fleet's sep group (topology.py): PaddleNLP's sep_parallel_degree, or our context parallelism
+        "sep_degree": layout.sequence_group_degree,
     }
     pipeline = {
         "accumulate_steps": args.gradient_accumulation_steps,
         "micro_batch_size": args.per_device_train_batch_size,
     }
+    if layout.sequence_group_degree > 1:
+        # The clip's norm of tensor-parallel slices is otherwise all-reduced over the "check" group
+        # (hybrid_parallel_optimizer.py:87-91, topology.py:370: every rank of one data-parallel
+        # index), which holds the sep ranks too: their equal (sep-reduced) slices would count sep
+        # times. split_norm_comm reduces over the tensor- and pipeline-parallel groups instead
+        # (:93-101). PaddleNLP 2.8.1 leaves it off (sep x tp clips with a norm sqrt(sep) too large).
+        hybrid["split_norm_comm"] = True
     for section, field, value in parallel_config_settings(args):
         if section == "pipeline_configs":
             pipeline[field] = value
@@ -85,6 +94,7 @@ def init_distributed(layout: Layout, device: str, args: Arguments) -> Layout:
     layout.tensor_parallel_rank = hcg.get_model_parallel_rank()
     layout.pipeline_parallel_rank = hcg.get_stage_id()
     layout.sharding_rank = hcg.get_sharding_parallel_rank()
+    layout.sep_parallel_rank = hcg.get_sep_parallel_rank()
     return layout
 
 

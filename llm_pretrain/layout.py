@@ -32,10 +32,13 @@ class Layout:
     sharding_degree: int = 1
     sharding_stage: int = 0  # 0: no sharding
     virtual_pp_degree: int = 1
+    sep_parallel_degree: int = 1  # segment parallelism (PaddleNLP's sep_parallel_degree): ranks share samples
+    context_parallel_degree: int = 1  # ring attention, on the same fleet group as sep (never both)
     data_parallel_rank: int = 0
     tensor_parallel_rank: int = 0
     pipeline_parallel_rank: int = 0
     sharding_rank: int = 0
+    sep_parallel_rank: int = 0  # in fleet's sep group (sep or cp)
     local_rank: int = 0
 
     @property
@@ -43,8 +46,14 @@ class Layout:
         return self.world_size > 1
 
     @property
+    def sequence_group_degree(self) -> int:
+        """Size of fleet's sep group: the ranks holding parts of the same sequences (sep or cp)."""
+        return self.sep_parallel_degree * self.context_parallel_degree
+
+    @property
     def data_replicas(self) -> int:
-        """How many different slices of each global batch are read (dp x sharding)."""
+        """How many different slices of each global batch are read (dp x sharding; the ranks of a sep
+        group read the same samples, each holding 1/sep of every sequence)."""
         return self.data_parallel_degree * self.sharding_degree
 
     @property
@@ -59,7 +68,8 @@ class Layout:
     def strategy(self) -> str:
         """This run's strategy name (data parallelism included): pp4tp2sd2_stage1, tp2dp4, dp8."""
         return strategy_name(self.tensor_parallel_degree, self.pipeline_parallel_degree, self.sharding_degree,
-                             self.sharding_stage, self.virtual_pp_degree, self.data_parallel_degree)
+                             self.sharding_stage, self.virtual_pp_degree, self.data_parallel_degree,
+                             self.sep_parallel_degree, self.context_parallel_degree)
 
 
 def _degree(value: int) -> int:
@@ -70,17 +80,21 @@ def plan_layout(args: Arguments, world_size: int) -> Layout:
     """Degrees from the arguments and the world size, validated; no communication."""
     tp = _degree(args.tensor_parallel_degree)
     pp = _degree(args.pipeline_parallel_degree)
+    sep = _degree(args.sep_parallel_degree)
+    cp = _degree(args.context_parallel_degree)
     stage = int(args.sharding[-1]) if args.sharding else 0
     sharding_degree = _degree(args.sharding_parallel_degree if args.sharding_parallel_degree != -1 else args.sharding_degree)
     if stage and args.sharding_parallel_degree == -1 and args.sharding_degree == -1:
-        sharding_degree = max(1, world_size // (tp * pp))  # PaddleNLP derives it from the world size
+        sharding_degree = max(1, world_size // (tp * pp * sep * cp))  # PaddleNLP derives it from the world size
     if not stage:
         sharding_degree = 1
-    model_degrees = tp * pp * sharding_degree
+    model_degrees = tp * pp * sharding_degree * sep * cp
     if world_size % model_degrees != 0:
         raise UsageError(
             f"world size {world_size} is not a multiple of tensor_parallel_degree {tp} x pipeline_parallel_degree {pp}"
-            f" x sharding_parallel_degree {sharding_degree} = {model_degrees}"
+            f" x sharding_parallel_degree {sharding_degree}" + (f" x sep_parallel_degree {sep}" if sep > 1 else "")
+            + (f" x context_parallel_degree {cp}" if cp > 1 else "")
+            + f" = {model_degrees}"
         )
     return Layout(
         world_size=world_size,
@@ -90,14 +104,17 @@ def plan_layout(args: Arguments, world_size: int) -> Layout:
         sharding_degree=sharding_degree,
         sharding_stage=stage,
         virtual_pp_degree=args.virtual_pp_degree,
+        sep_parallel_degree=sep,
+        context_parallel_degree=cp,
     )
 
 
 def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
-                  sharding_stage: int = 0, virtual_pp_degree: int = 1, data_parallel_degree: int | None = None) -> str:
-    """PaddleNLP-style strategy name: pp4tp2sd2_stage1, tp2sd4_stage2, sd8_stage2, tp2, dp8.
+                  sharding_stage: int = 0, virtual_pp_degree: int = 1, data_parallel_degree: int | None = None,
+                  sep_parallel_degree: int = 1, context_parallel_degree: int = 1) -> str:
+    """PaddleNLP-style strategy name: pp4tp2sd2_stage1, tp2sd4_stage2, sd8_stage2, tp2, dp8, tp2sep2.
 
-    Order: pipeline (with virtual stages), tensor, data, sharding. Argument files don't know the
+    Order: pipeline (with virtual stages), tensor, segment (PaddleNLP's "sep") or context ("cp"), data, sharding. Argument files don't know the
     world size, so their names leave data parallelism out (data_parallel_degree None).
     """
     name = ""
@@ -107,6 +124,10 @@ def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int
             name += f"vpp{virtual_pp_degree}"
     if tensor_parallel_degree > 1:
         name += f"tp{tensor_parallel_degree}"
+    if sep_parallel_degree > 1:
+        name += f"sep{sep_parallel_degree}"
+    if context_parallel_degree > 1:
+        name += f"cp{context_parallel_degree}"
     if data_parallel_degree is not None and (data_parallel_degree > 1 or not name and not sharding_stage):
         name += f"dp{data_parallel_degree}"
     if sharding_stage:
@@ -192,9 +213,69 @@ def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
                          f"num_key_value_heads {config.num_key_value_heads}")
 
 
+def check_segment_parallel(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+    """sep_parallel_degree: what the sequence, the heads and the other degrees must allow."""
+    sep, tp = layout.sep_parallel_degree, layout.tensor_parallel_degree
+    if sep <= 1:
+        return
+    if args.max_seq_length % sep:
+        raise UsageError(f"sep_parallel_degree: {sep} does not divide max_seq_length {args.max_seq_length} "
+                         "(each rank holds an equal chunk of every sequence)")
+    if config.num_attention_heads % (tp * sep):
+        raise UsageError(f"sep_parallel_degree: {sep} x tensor_parallel_degree {tp} does not divide the model's "
+                         f"num_attention_heads {config.num_attention_heads} (the all-to-all gives each rank 1/sep of "
+                         "its heads)")
+    kv_per_rank = max(config.num_key_value_heads // tp, 1)  # replicated when there are fewer than tp
+    if kv_per_rank % sep and sep % kv_per_rank:
+        raise UsageError(f"sep_parallel_degree: {sep} and the model's {kv_per_rank} kv heads per tensor-parallel rank "
+                         "must divide one another (kv heads are split over the sep ranks or repeated on them)")
+    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length // sep) % tp:
+        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / sep_parallel_degree = "
+                         f"{args.per_device_train_batch_size * args.max_seq_length // sep} must be divisible by "
+                         f"tensor_parallel_degree {tp}")
+    if layout.pipeline_parallel_degree > 1:
+        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_degree "
+                         f"{layout.pipeline_parallel_degree} yet (not proven against one process); use tp, dp or stage-1 "
+                         "sharding with sep")
+    if layout.sharding_stage in (2, 3):
+        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with sharding stage{layout.sharding_stage} "
+                         "(the group-sharded wrapper does not sum gradients over the sep group); use stage1")
+
+
+def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+    """context_parallel_degree (ring attention): what the sequence and the other options must allow."""
+    cp, tp = layout.context_parallel_degree, layout.tensor_parallel_degree
+    if cp <= 1:
+        return
+    if layout.sep_parallel_degree > 1:
+        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with sep_parallel_degree "
+                         f"{layout.sep_parallel_degree} (both use fleet's sep group; choose one)")
+    if cp % 2:
+        raise UsageError(f"context_parallel_degree: {cp} must be even (the ring's point-to-point order pairs "
+                         "neighbours)")
+    if args.max_seq_length % (2 * cp):
+        raise UsageError(f"context_parallel_degree: max_seq_length {args.max_seq_length} must be divisible by "
+                         f"2 x context_parallel_degree = {2 * cp} (each rank holds 2 chunks, balanced for the causal mask)")
+    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length // cp) % tp:
+        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / context_parallel_degree "
+                         f"= {args.per_device_train_batch_size * args.max_seq_length // cp} must be divisible by "
+                         f"tensor_parallel_degree {tp}")
+    if config.attention_probs_dropout_prob:
+        raise UsageError(f"attention_probs_dropout_prob: {config.attention_probs_dropout_prob} is not supported with "
+                         "context_parallel_degree > 1 (ring attention has no attention dropout); set it to 0")
+    if layout.pipeline_parallel_degree > 1:
+        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_degree "
+                         f"{layout.pipeline_parallel_degree} yet (not proven against one process)")
+    if layout.sharding_stage in (2, 3):
+        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with sharding stage{layout.sharding_stage} "
+                         "(the group-sharded wrapper does not sum gradients over the context-parallel group); use stage1")
+
+
 def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """Combinations of degrees and options that fleet cannot run (checked before fleet.init)."""
     tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
+    check_segment_parallel(args, config, layout)
+    check_context_parallel(args, config, layout)
     if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
         raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
                          f"{config.num_hidden_layers} must be divisible by {pp * vpp}")

@@ -401,7 +401,8 @@ def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, arg
 def layout_summary(layout: Layout) -> dict:
     return {key: getattr(layout, key) for key in (
         "world_size", "data_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-        "sharding_degree", "sharding_stage", "virtual_pp_degree")}
+        "sharding_degree", "sharding_stage", "virtual_pp_degree", "sep_parallel_degree",
+        "context_parallel_degree")}
 
 
 def set_collective_timeout(args: Arguments, device: str) -> None:

@@ -9,6 +9,11 @@ The trainer writes `describe_built_run(...)` into the "run" record of train_log.
     sharding           the wrapper classes around the model and optimizer, the stage they make,
                        the sharding group's size, and (stage 3) how many parameters are sliced
     sequence_parallel  whether the model's linears are fleet's sequence-parallel ones
+    segment_parallel   the sep degree the attention layers were built with (tokens per rank between
+                       layers, heads per rank inside attention) and the wrappers around the model;
+                       None without segment parallelism
+    context_parallel   the same for ring attention (cp degree, tokens per rank, the chunks of each
+                       sequence this rank holds); None without it
     recompute          per granularity, the decoder layers that recompute it in backward (the
                        layers' own configuration; PipelineLayer's recompute_interval for "full"
                        under the pipeline)
@@ -60,14 +65,15 @@ def built_layout() -> dict:
 
     if not dist.is_initialized():
         return {"world_size": 1, "data_parallel_degree": 1, "tensor_parallel_degree": 1,
-                "pipeline_parallel_degree": 1, "sharding_degree": 1}
+                "pipeline_parallel_degree": 1, "sharding_degree": 1, "sep_parallel_degree": 1}
     from paddle.distributed import fleet
 
     hcg = fleet.get_hybrid_communicate_group()
     return {"world_size": dist.get_world_size(), "data_parallel_degree": hcg.get_data_parallel_world_size(),
             "tensor_parallel_degree": hcg.get_model_parallel_world_size(),
             "pipeline_parallel_degree": hcg.get_pipe_parallel_world_size(),
-            "sharding_degree": hcg.get_sharding_parallel_world_size()}
+            "sharding_degree": hcg.get_sharding_parallel_world_size(),
+            "sep_parallel_degree": hcg.get_sep_parallel_world_size()}
 
 
 def decoder_layer_indices(layer) -> list[int]:
@@ -131,6 +137,36 @@ def describe_sequence_parallel(model) -> dict:
     marked = [p for p in unwrap_model(model).parameters() if is_sequence_parallel_parameter(p)]
     return {"enabled": bool(linears), "sequence_parallel_linears": len(linears),
             "parameters_all_reduced_over_tp": len(marked)}
+
+
+def describe_segment_parallel(model) -> dict | None:
+    """Segment parallelism as the model's attention layers were built (None: every rank all tokens)."""
+    from models.decoder import Attention
+
+    layers = unwrap_model(model)
+    attention = [m for m in layers.sublayers() if isinstance(m, Attention)]
+    if not attention or attention[0].config.sep_parallel_degree <= 1:
+        return None
+    config = attention[0].config
+    return {"degree": config.sep_parallel_degree, "tokens_per_rank": config.tokens_per_rank,
+            "attention_heads_per_rank": attention[0].attention_heads,
+            "model_wrappers": _class_names(model_chain(model)[:-1])}
+
+
+def describe_context_parallel(model) -> dict | None:
+    """Ring attention as the model's attention layers were built (None: every rank all tokens)."""
+    from models.decoder import Attention
+    from models.ring_attention import chunk_ids
+
+    attention = [m for m in unwrap_model(model).sublayers() if isinstance(m, Attention)]
+    if not attention or attention[0].config.context_parallel_degree <= 1:
+        return None
+    config = attention[0].config
+    from models.parallel_layers import sequence_group
+
+    return {"degree": config.context_parallel_degree, "tokens_per_rank": config.tokens_per_rank,
+            "chunks_of_2cp": list(chunk_ids(sequence_group().rank, config.context_parallel_degree)),
+            "model_wrappers": _class_names(model_chain(model)[:-1])}
 
 
 def describe_recompute(model) -> dict:
@@ -216,6 +252,8 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
 
     local = {"schedule": describe_schedule(model), "sharding": describe_sharding(model, optimizer),
              "sequence_parallel": describe_sequence_parallel(model), "recompute": describe_recompute(model),
+             "segment_parallel": describe_segment_parallel(model),
+             "context_parallel": describe_context_parallel(model),
              "precision": describe_precision(model, optimizer, precision)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -249,7 +287,9 @@ def built_strategy_name(built: dict) -> str:
     layout, schedule, sharding = built["layout"], built["schedule"], built["sharding"]
     return strategy_name(layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"],
                          layout["sharding_degree"], sharding["stage"] if sharding else 0,
-                         schedule["virtual_stages"] if schedule else 1, layout["data_parallel_degree"])
+                         schedule["virtual_stages"] if schedule else 1, layout["data_parallel_degree"],
+                         (built.get("segment_parallel") or {}).get("degree", 1),
+                         (built.get("context_parallel") or {}).get("degree", 1))
 
 
 def summary_line(built: dict) -> str:
@@ -264,6 +304,10 @@ def summary_line(built: dict) -> str:
         parts.append(f"sharding stage {sharding['stage']}")
     if (built.get("sequence_parallel") or {}).get("enabled"):
         parts.append("SP")
+    if built.get("segment_parallel"):
+        parts.append(f"sep{built['segment_parallel']['degree']}")
+    if built.get("context_parallel"):
+        parts.append(f"cp{built['context_parallel']['degree']}")
     for granularity in GRANULARITIES:
         layers = (built.get("recompute") or {}).get(granularity)
         if layers:

@@ -358,6 +358,8 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
 
 
 def build_model(config: ModelConfig, layout: Layout):
+    config = config.replace(sep_parallel_degree=layout.sep_parallel_degree,
+                            context_parallel_degree=layout.context_parallel_degree)
     if layout.pipeline_parallel_degree > 1:
         from models.pipeline import CausalLMPipeline
 

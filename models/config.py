@@ -56,6 +56,8 @@ class ModelConfig:
     seq_length: int = 1024
     tensor_parallel_degree: int = 1
     sequence_parallel: bool = False
+    sep_parallel_degree: int = 1  # segment parallelism: each rank holds 1/sep of every sequence (models/parallel_layers.py)
+    context_parallel_degree: int = 1  # ring attention: each rank holds 1/cp of every sequence (models/ring_attention.py)
     recompute: bool = False
     recompute_granularity: str = "full"  # "full" | "full_attn" | "core_attn"
     no_recompute_layers: list = field(default_factory=list)
@@ -72,6 +74,11 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of each sequence one rank holds between the attention blocks (all of them without sep)."""
+        return self.seq_length // (self.sep_parallel_degree * self.context_parallel_degree)
 
     @property
     def head_dim(self) -> int:
@@ -97,7 +104,7 @@ class ModelConfig:
 
 
 RUNTIME_KEYS = (
-    "seq_length", "tensor_parallel_degree", "sequence_parallel", "recompute", "recompute_granularity",
+    "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "context_parallel_degree", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
 )

@@ -118,7 +118,7 @@ class Embeddings(nn.Layer):
     def forward(self, input_ids):
         hidden = self.word_embeddings(input_ids)
         if self.config.position_embedding == "learned":
-            positions = paddle.arange(input_ids.shape[1], dtype="int64")
+            positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
             hidden = hidden + self.position_embeddings(positions)[None]
         # Split before the (per-token) LayerNorm: under sequence parallelism its weights then
         # see only local tokens, like every other norm, and are all-reduced the same way.
@@ -160,15 +160,24 @@ class Attention(nn.Layer):
                 self.k_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
                 self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
         self.o_proj = pl.row_linear(config, q_size, config.hidden_size, config.linear_bias)
+        # Heads the core attention sees: under segment parallelism 1/sep of this rank's heads, with
+        # every token (llm_pretrain/layout.py: sep divides the q heads of a rank). With fewer kv heads
+        # than sep, each kv head is repeated sep / kv times before the all-to-all, so that every rank
+        # receives the one its q heads share (PaddleNLP requires kv heads divisible by sep instead).
+        sep_rank, sep_degree = pl.sep_rank_and_degree(config)
+        self.kv_repeat = max(sep_degree // self.num_kv_heads, 1)
+        self.attention_heads = self.num_heads // sep_degree
+        self.attention_kv_heads = self.num_kv_heads * self.kv_repeat // sep_degree
         if config.position_embedding == "alibi":
             slopes = alibi_slopes(config.num_attention_heads)
-            local = slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
+            first = tp_rank * self.num_heads + sep_rank * self.attention_heads  # slopes are per head
+            local = slopes[first:first + self.attention_heads]
             self.register_buffer("alibi_slopes", paddle.to_tensor(local, dtype="float32"), persistable=False)
 
     def project_qkv(self, hidden):
         # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens;
         # the column-parallel projections gather every token, so the outputs are whole sequences.
-        seq = self.config.seq_length if hidden.ndim == 2 else hidden.shape[1]
+        seq = self.config.tokens_per_rank if hidden.ndim == 2 else hidden.shape[1]
         d = self.config.head_dim
         if self.config.fuse_attention_qkv:
             qkv = self.qkv_proj(hidden)
@@ -185,8 +194,18 @@ class Attention(nn.Layer):
         q = q.reshape([-1, seq, self.num_heads, d])
         k = k.reshape([-1, seq, self.num_kv_heads, d])
         v = v.reshape([-1, seq, self.num_kv_heads, d])
+        # Segment parallelism: from this rank's tokens of every head to every token of 1/sep of the
+        # heads; rotary positions are then global (as PaddleNLP's LLaMA, which ropes after the reshard).
+        if self.kv_repeat > 1:
+            k, v = (paddle.repeat_interleave(t, self.kv_repeat, axis=2) for t in (k, v))
+        q, k, v = (pl.sequence_to_heads(self.config, t) for t in (q, k, v))
+        seq = q.shape[1]
         if self.config.position_embedding == "rope":
-            cos, sin = rotary_tables(seq, d, self.config.rope_theta, self.config.rope_scaling)
+            cos, sin = rotary_tables(self.config.seq_length if self.config.context_parallel_degree > 1 else seq, d,
+                                     self.config.rope_theta, self.config.rope_scaling)
+            if self.config.context_parallel_degree > 1:  # the rows of this rank's (global) positions
+                positions = pl.token_positions(self.config, seq)
+                cos, sin = (paddle.index_select(t, positions, axis=1) for t in (cos, sin))
             if self.config.use_fused_rope:
                 # GPU kernel, as paddlenlp/transformers/llama/modeling.py LlamaAttention.forward (Paddle > 2.6:
                 # q and k with different head counts in one call). use_neox_rotary_style=False is the
@@ -205,7 +224,7 @@ class Attention(nn.Layer):
         if self.config.use_flash_attention:
             return self.flash_attention(q, k, v)
         batch, seq = q.shape[0], q.shape[1]
-        groups = self.num_kv_heads  # grouped-query attention: each kv head serves num_heads / groups q heads
+        groups = self.attention_kv_heads  # grouped-query attention: each kv head serves num_heads / groups q heads
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))  # [batch, heads (kv heads), seq, d]
         # Grouped-query attention without repeating k and v: the q heads of one kv head are stacked
         # along the sequence axis ([batch, kv heads, q heads per kv head x seq, d]), so one product
@@ -217,14 +236,14 @@ class Attention(nn.Layer):
         # seq x seq), and mask by adding 0/-inf: on CPU a full-size `where` + `full_like` and their
         # gradients cost more than these products (benchmarks/cpu_speed.md).
         scores = paddle.matmul(q.astype("float32") / math.sqrt(d), k.astype("float32"), transpose_y=True)
-        scores = scores.reshape([batch, self.num_heads, seq, seq])
+        scores = scores.reshape([batch, self.attention_heads, seq, seq])
         if self.config.position_embedding == "alibi":
             scores = scores + alibi_bias(self.alibi_slopes, seq)[None]
         scores = scores + causal_mask(seq)
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs.reshape([batch, groups, -1, seq]), v)
-        out = out.reshape([batch, self.num_heads, seq, d]).transpose([0, 2, 1, 3])
+        out = out.reshape([batch, self.attention_heads, seq, d]).transpose([0, 2, 1, 3])
         return out.reshape([batch, seq, -1])
 
     def flash_attention(self, q, k, v):
@@ -238,19 +257,31 @@ class Attention(nn.Layer):
         mask = None
         if self.config.position_embedding == "alibi":
             mask = (alibi_bias(self.alibi_slopes, seq) + causal_mask(seq))[None].astype(q.dtype)
-            mask = mask.expand([batch, self.num_heads, seq, seq])
+            mask = mask.expand([batch, self.attention_heads, seq, seq])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.config.attention_probs_dropout_prob,
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
 
+    def ring_attention(self, q, k, v):
+        """Context parallelism: the attention of this rank's queries over every rank's keys
+        (models/ring_attention.py; the plain float32 block path on every device)."""
+        from models.ring_attention import ring_attention
+
+        slopes = self.alibi_slopes.tolist() if self.config.position_embedding == "alibi" else None
+        return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group())
+
     def forward(self, hidden):
         q, k, v = self.project_qkv(hidden)
+        attention = self.ring_attention if self.config.context_parallel_degree > 1 else self.core_attention
         if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 
-            out = recompute(self.core_attention, q, k, v, use_reentrant=False)
+            out = recompute(attention, q, k, v, use_reentrant=False)
         else:
-            out = self.core_attention(q, k, v)
+            out = attention(q, k, v)
+        if self.config.sep_parallel_degree > 1:  # back to this rank's tokens of every head
+            out = pl.heads_to_sequence(self.config, out.reshape([0, 0, self.attention_heads, -1]))
+            out = out.reshape([0, 0, -1])
         if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
             out = out.reshape([-1, out.shape[-1]])
         return self.o_proj(out)
@@ -361,9 +392,13 @@ def output_logits(config: ModelConfig, hidden, weight, tied: bool):
 
 
 def causal_lm_loss(config: ModelConfig, logits, labels):
-    """Mean next-token cross entropy over the tokens whose label is not -100."""
-    per_token = pl.cross_entropy_per_token(config, logits, labels)
-    mask = (labels != -100).astype("float32")
+    """Mean next-token cross entropy over the tokens whose label is not -100.
+
+    Under segment parallelism the logits are this rank's chunk of each sequence and `labels` whole:
+    the per-token losses of every chunk are gathered, so each rank takes the mean of the whole batch."""
+    labels = pl.split_segment(config, labels)
+    per_token = pl.gather_segments(config, pl.cross_entropy_per_token(config, logits, labels))
+    mask = pl.gather_segments(config, (labels != -100).astype("float32"))
     return (per_token * mask).sum() / mask.sum().clip(min=1.0)
 
 
@@ -382,7 +417,7 @@ class CausalLM(nn.Layer):
         self.router_metrics = RouterMetrics(config) if config.is_moe else None
 
     def forward(self, input_ids, labels=None):
-        hidden = self.embeddings(input_ids)
+        hidden = self.embeddings(pl.split_segment(self.config, input_ids))
         router_stats = []
         for layer in self.layers:
             if layer._recompute("full"):

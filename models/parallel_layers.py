@@ -264,7 +264,7 @@ def gather_sequence(config: ModelConfig, hidden):
         return hidden
     from paddle.distributed.fleet.utils.sequence_parallel_utils import GatherOp
 
-    return GatherOp.apply(hidden).reshape([-1, config.seq_length, hidden.shape[-1]])
+    return GatherOp.apply(hidden).reshape([-1, config.tokens_per_rank, hidden.shape[-1]])
 
 
 def cross_entropy_per_token(config: ModelConfig, logits, labels):
@@ -276,3 +276,138 @@ def cross_entropy_per_token(config: ModelConfig, logits, labels):
 
         return ParallelCrossEntropy()(logits, labels.unsqueeze(-1)).squeeze(-1)
     return F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none", ignore_index=-100).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- segment parallelism
+# PaddleNLP's sep_parallel_degree (Ulysses-style; paddlenlp/transformers/segment_parallel_utils.py and
+# the sep branches of paddlenlp/transformers/llama/modeling.py), on fleet's sep group: the ranks of a
+# sep group read the same samples and each holds 1/sep of every sequence ([batch, seq / sep, ...])
+# everywhere except inside attention, where an all-to-all switches to every token of 1/sep of the
+# heads and back. The losses of the chunks are gathered so that each rank computes the loss of the
+# whole sequence; each rank's parameter gradients cover its own tokens, and fleet's hybrid
+# optimizer sums them over the sep group (hybrid_parallel_util.py fused_allreduce_gradients:
+# "sep all reduce is not scaled").
+#
+# Context parallelism (context_parallel_degree, models/ring_attention.py) runs on the same fleet
+# group (as Paddle's own ring attention, auto_parallel/ring_attention.py, runs on the "sep" mesh
+# axis; fleet 3.3.1 builds its separate cp group only in the expert-parallel topology): the ranks
+# also share samples and hold 1/cp of every sequence, in two causally balanced chunks, and k/v
+# blocks travel around the ring instead of the all-to-all. The two are never combined.
+def _segment_parallel(config: ModelConfig) -> bool:
+    return config.sep_parallel_degree > 1
+
+
+def _context_parallel(config: ModelConfig) -> bool:
+    return config.context_parallel_degree > 1
+
+
+def _splits_sequence(config: ModelConfig) -> bool:
+    return _segment_parallel(config) or _context_parallel(config)
+
+
+def sequence_group():
+    """Fleet's sep group: the ranks that hold the parts of the same sequences (sep or cp)."""
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_sep_parallel_group()
+
+
+_sep_group = sequence_group
+
+
+def sep_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
+    """This rank's place in segment parallelism (the all-to-all; (0, 1) under context parallelism)."""
+    if not _segment_parallel(config):
+        return 0, 1
+    group = sequence_group()
+    return group.rank, group.nranks
+
+
+def split_segment(config: ModelConfig, tokens):
+    """[batch, seq, ...] -> this rank's part [batch, seq / degree, ...] (identity without sep or cp):
+    a contiguous chunk under sep (PaddleNLP's split_inputs_sequence_dim), chunks i and 2cp-1-i under cp."""
+    if not _splits_sequence(config):
+        return tokens
+    group = sequence_group()
+    if _context_parallel(config):
+        from models.ring_attention import balanced_split
+
+        return balanced_split(tokens, group.rank, group.nranks)
+    return paddle.split(tokens, group.nranks, axis=1)[group.rank]
+
+
+def token_positions(config: ModelConfig, local_tokens: int):
+    """Global positions (int64) of the tokens `split_segment` gives this rank."""
+    if not _splits_sequence(config):
+        return paddle.arange(local_tokens, dtype="int64")
+    group = sequence_group()
+    if _context_parallel(config):
+        from models.ring_attention import balanced_positions
+
+        return balanced_positions(config.seq_length, group.rank, group.nranks)
+    start = group.rank * local_tokens
+    return paddle.arange(start, start + local_tokens, dtype="int64")
+
+
+@paddle.no_grad()
+def _all_to_all(x, group, split_axis: int, concat_axis: int):
+    import paddle.distributed as dist
+
+    parts = [part.contiguous() for part in paddle.split(x, group.nranks, axis=split_axis)]
+    received = []
+    dist.alltoall(received, parts, group=group)  # Paddle 3.3.1's order: (out_tensor_list, in_tensor_list)
+    return paddle.concat(received, axis=concat_axis)
+
+
+class _AllToAll(paddle.autograd.PyLayer):
+    """Split one axis over the group, gather another; backward the inverse (PaddleNLP's ReshardQKV)."""
+
+    @staticmethod
+    def forward(ctx, x, group, split_axis, concat_axis):
+        ctx.group, ctx.axes = group, (split_axis, concat_axis)
+        return _all_to_all(x, group, split_axis, concat_axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_axis, concat_axis = ctx.axes
+        return _all_to_all(grad, ctx.group, concat_axis, split_axis)
+
+
+def sequence_to_heads(config: ModelConfig, x):
+    """[batch, seq / sep, heads, head_dim] -> [batch, seq, heads / sep, head_dim] (identity without sep)."""
+    if not _segment_parallel(config):
+        return x
+    return _AllToAll.apply(x, _sep_group(), 2, 1)
+
+
+def heads_to_sequence(config: ModelConfig, x):
+    """[batch, seq, heads / sep, head_dim] -> [batch, seq / sep, heads, head_dim] (identity without sep)."""
+    if not _segment_parallel(config):
+        return x
+    return _AllToAll.apply(x, _sep_group(), 1, 2)
+
+
+class _GatherSegments(paddle.autograd.PyLayer):
+    """Every rank's chunk concatenated along axis 1; backward this rank's part of the gradient (each
+    rank computes the same loss from the gathered values), as PaddleNLP's ConcatSePMaskedLoss."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import paddle.distributed as dist
+
+        ctx.group = group
+        parts = []
+        dist.all_gather(parts, x, group=group)
+        return paddle.concat(parts, axis=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return paddle.split(grad, ctx.group.nranks, axis=1)[ctx.group.rank]
+
+
+def gather_segments(config: ModelConfig, per_token):
+    """[batch, seq / degree] per-token values of every rank -> [batch, seq] (identity without sep or cp;
+    under cp in the ranks' chunk order, which a mean does not see)."""
+    if not _splits_sequence(config):
+        return per_token
+    return _GatherSegments.apply(per_token, sequence_group())

@@ -126,7 +126,7 @@ def test_no_recompute_layers_list(tmp_path):
     ({"tensor_parallel_degree": 0}, "tensor_parallel_degree: 0 is not allowed"),
     ({"min_learning_rate": 1.0, "learning_rate": 0.1}, "min_learning_rate: 1.0 is larger than learning_rate"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16"),
-    ({"sep_parallel_degree": 2}, "sep_parallel_degree: 2 is not allowed"),
+    ({"sep_parallel_degree": 0}, "sep_parallel_degree: 0 is not allowed; use a positive degree"),
 ])
 def test_bad_values_name_the_key(tmp_path, values, expected):
     values = {"input_dir": "d", "max_steps": 5, **values}

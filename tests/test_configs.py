@@ -39,6 +39,7 @@ def _degree(value: int) -> int:
 def world_size(args) -> int:
     """8 GPUs, or the product of the file's explicit degrees when that is more."""
     explicit = _degree(args.tensor_parallel_degree) * _degree(args.pipeline_parallel_degree)
+    explicit *= _degree(args.sep_parallel_degree) * _degree(args.context_parallel_degree)
     if args.sharding:
         sharding = args.sharding_parallel_degree if args.sharding_parallel_degree != -1 else args.sharding_degree
         explicit *= _degree(sharding)
@@ -77,11 +78,14 @@ def test_config_file(path, monkeypatch, embedded_corpus):
     match = NAME.match(name)
     assert match, f"{name} is not pretrain-<model>-<strategy>.json"
     strategy = strategy_name(layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.sharding_degree,
-                             layout.sharding_stage, layout.virtual_pp_degree)
+                             layout.sharding_stage, layout.virtual_pp_degree, None, layout.sep_parallel_degree,
+                             layout.context_parallel_degree)
     assert match["strategy"] == strategy
     family = os.path.basename(os.path.dirname(path))
-    # configs/industrial/ holds published layouts of any family (benchmarks/industrial_plans.md)
-    assert config.family == family or (family == "llama" and config.family == "baichuan") or family == "industrial"
+    # configs/industrial/ holds published layouts of any family (benchmarks/industrial_plans.md);
+    # configs/long_context/ the layouts `scripts/plan.py search` chose for 32K-128K tokens (benchmarks/long_context.md)
+    assert config.family == family or (family == "llama" and config.family == "baichuan") or \
+        family in ("industrial", "long_context")
 
 
 def test_tiny_files_run_on_cpu_with_the_embedded_corpus():

@@ -111,3 +111,15 @@ def test_pipeline_eval_batch_other_than_micro_batch_is_accepted():
                  "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "2")
     layout = plan_layout(args, 2)
     check_strategy(args, build_model_config(args, layout, "cpu")[0], layout)
+
+
+def test_sep_parallel_degree_keeps_paddlenlp_meaning():
+    """PaddleNLP's sep_parallel_degree: the ranks of a sep group share samples (data replicas are
+    world / (tp x pp x sep)), and the strategy name carries it."""
+    args = _args("--model_name_or_path", "llama-tiny", "--sep_parallel_degree", "2", "--tensor_parallel_degree", "2",
+                 "--max_seq_length", "64")
+    layout = plan_layout(args, 8)
+    assert (layout.sep_parallel_degree, layout.data_parallel_degree, layout.data_replicas) == (2, 2, 2)
+    assert layout.strategy == "tp2sep2dp2"
+    config, _, _ = build_model_config(args, layout, "cpu")
+    check_strategy(args, config, layout)

@@ -44,6 +44,15 @@ def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
     assert errors["single"][1] > 4 * 40_637_440 * 4 / MiB
 
 
+def test_sequence_split_lowers_the_allocator_peak_when_attention_dominates(measured_runs):
+    """At 2048 tokens on a small width the attention scores dominate: sep2 holds half of each layer's
+    scores (heads / 2) and cp2 none (its blocks are transients), so each rank's peak is far below one
+    process's (measured 276 / 140 / 94 MiB). Fails when either split is off (each rank would hold it all)."""
+    peak = {run["name"]: run["measured_mb"] for run in measured_runs}
+    assert peak["long, sep2"] < 0.6 * peak["long, 1 process"], peak
+    assert peak["long, cp2"] < 0.45 * peak["long, 1 process"], peak
+
+
 def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
     from parity_utils import run_record
     from llm_pretrain.planner.cpu_runs import predict
@@ -189,6 +198,29 @@ def test_time_terms_by_hand():
     assert terms["data-parallel/sharding communication (exposed)"] == pytest.approx(
         2 * (1 / 2) * first_stage * 4 / 200e9)  # fp32 master gradients, not overlapped under pp
     assert result["step_time_s"] == pytest.approx(sum(terms.values()))
+
+
+def test_sequence_split_terms_by_hand():
+    """sep and cp (issue 22): 1/degree of the tokens per rank; sep's attention sees all 4096 tokens of
+    heads / sep (scores 1/sep of one process's), cp keeps no scores; all-to-all and ring volumes."""
+    config = ARCHITECTURES["llama-real"].replace(seq_length=4096, num_hidden_layers=2)
+    one, sep2, cp2 = (mem.Setup(config, 1, 2, **kw) for kw in ({}, {"sep": 2}, {"cp": 2}))
+    scores = 4096 * 8 * 4096 * 4  # tokens x heads x keys x 4 bytes, one process
+    assert mem.layer_activation_bytes(config, sep2, 0) == pytest.approx(
+        (mem.layer_activation_bytes(config, one, 0) - 2 * 4096 * 128 * 4) / 2 + 2 * 4096 * 128 * 4)  # full tables
+    assert mem.attention_backward_bytes(config, sep2) == pytest.approx(2 * scores / 2)
+    assert mem.attention_backward_bytes(config, cp2) == pytest.approx(5 * 2048 * 8 * 2048 * 4)
+    assert mem.layer_activation_bytes(config, cp2, 0) < mem.layer_activation_bytes(config, one, 0) / 2 - scores / 2
+    cluster = speed.Cluster("A100-80G", intra_node_gbps=200.0)
+    bf16 = mem.Precision("bf16", "O2", True)
+    sep = speed.step_time(mem.Setup(config, 1, 2, sep=2, precision=bf16), cluster)["terms"]
+    # 2 layers x (forward + backward) x q, k, v, out: 2048 tokens x (2 x 1024 + 2 x 512) bf16, half of it sent
+    assert sep["sep all-to-all / cp ring (exposed)"] == pytest.approx(2 * 2 * 2 * 2048 * 3072 * 2 * 0.5 / 200e9)
+    # The ring hides behind the block's attention at this length: nothing exposed.
+    assert speed.step_time(mem.Setup(config, 1, 2, cp=2, precision=bf16), cluster)["terms"][
+        "sep all-to-all / cp ring (exposed)"] == 0.0
+    assert sep["compute"] == pytest.approx(speed.step_time(mem.Setup(config, 1, 2, precision=bf16), cluster)[
+        "terms"]["compute"] / 2)
 
 
 # ----------------------------------------------------------------------------- Megatron calibration

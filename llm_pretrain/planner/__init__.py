@@ -68,7 +68,8 @@ def setup_from(args: Arguments, layout, config, kind: str) -> Setup:
     return Setup(config, args.per_device_train_batch_size, args.gradient_accumulation_steps,
                  tp=layout.tensor_parallel_degree, pp=layout.pipeline_parallel_degree, vpp=layout.virtual_pp_degree,
                  dp=layout.data_parallel_degree, sharding_degree=layout.sharding_degree,
-                 sharding_stage=layout.sharding_stage, precision=precision)
+                 sharding_stage=layout.sharding_stage, precision=precision,
+                 sep=layout.sep_parallel_degree, cp=layout.context_parallel_degree)
 
 
 def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = None) -> dict:

@@ -2,7 +2,8 @@
 
 Used by tests/test_planner.py and scripts/planner_accuracy.py (which writes
 benchmarks/planner_accuracy.md). Runs sharing fleet's degrees share one launch: 1 plain
-process, five 2-process launches and one 4-process launch. Each run is 2 optimizer steps of
+process, five 2-process launches and one 4-process launch, then one plain process and one 2-process
+launch at 2048 tokens (sep2, cp2). Each run is 2 optimizer steps of
 2 micro-batches (1 x 128 tokens): the second step's last backward, with the Adam moments
 allocated, is where every layout peaks. No checkpoints (save_steps 0).
 """
@@ -21,6 +22,9 @@ BASE = {
     "max_grad_norm": 1.0, "weight_decay": 0.01, "do_eval": False, "disable_tqdm": True, "seed": 7,
     "device": "cpu", "overwrite_output_dir": True,
 }
+
+# llama-tiny (hidden 64) with 2 layers at 2048 tokens: the scores (4 heads x 2048^2 floats per layer) dominate.
+LONG = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2, "max_seq_length": 2048}
 
 # launch name -> (processes, {run name: overrides}); a launch's runs share fleet's degrees.
 LAUNCHES = {
@@ -48,6 +52,10 @@ LAUNCHES = {
     "sharding3": (2, {"sharding 2, stage 3": {"sharding": "stage3"}}),
     "pp4": (4, {"pp4 vpp2 interleaved (8 layers)": {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2,
                                                     "num_hidden_layers": 8, "gradient_accumulation_steps": 4}}),
+    # Long sequences on a small width (issue 22): attention dominates; sep2 and cp2 share fleet's degrees.
+    "long": (1, {"long, 1 process": LONG}),
+    "long_seq2": (2, {"long, sep2": {**LONG, "sep_parallel_degree": 2},
+                      "long, cp2": {**LONG, "context_parallel_degree": 2}}),
 }
 
 

@@ -98,10 +98,17 @@ class Setup:
     sharding_degree: int = 1
     sharding_stage: int = 0
     precision: Precision = field(default_factory=Precision)
+    sep: int = 1  # segment parallelism: 1/sep of the tokens per rank, all-to-all around attention
+    cp: int = 1  # context parallelism: 1/cp of the tokens per rank, ring attention
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.sharding_degree
+        return self.tp * self.pp * self.dp * self.sharding_degree * self.sep * self.cp
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch this rank holds between layers (1/sep or 1/cp of each sequence)."""
+        return self.micro_batch * self.config.seq_length // (self.sep * self.cp)
 
 
 @dataclass
@@ -154,9 +161,9 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     a = p.activation_bytes
     tp = setup.tp
     sp = c.sequence_parallel and tp > 1
-    tokens = setup.micro_batch * c.seq_length
+    tokens = setup.tokens_per_micro_batch
     local_tokens = tokens / tp if sp else tokens  # norms, residuals: this rank's chunk under SP
-    h, d, s = c.hidden_size, c.head_dim, c.seq_length
+    h, d, s = c.hidden_size, c.head_dim, c.seq_length  # under sep, attention sees all s tokens of heads / sep
     heads = c.num_attention_heads // tp
     kv_heads = max(1, c.num_key_value_heads // tp)
     f = c.intermediate_size // tp
@@ -183,7 +190,15 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     qk = tokens * 4 * 2 * (q_size + kv_size) if rope else 0.0
     tables = 2 * s * d * 4 if c.position_embedding == "rope" else 0.0
     gqa = kv_heads != heads
-    if c.use_flash_attention and c.position_embedding != "alibi":
+    if setup.cp > 1:
+        # models/ring_attention.py RingAttention saves q, k, v (the rotary outputs), its float32 output
+        # [b, heads, s / cp, d] and the log-sum-exp per head and token; no scores are kept. Its
+        # transposed, cast output is the o_proj input (`out`). The tables are indexed per rank.
+        core = tokens * (a * (q_size + 2 * kv_size) + 4 * q_size + 4 * heads)
+        gqa_saved = 0.0
+        core_inputs = tokens * a * (q_size + 2 * kv_size)
+        tables += 2 * tokens / setup.micro_batch * d * 4
+    elif c.use_flash_attention and c.position_embedding != "alibi":
         # flash attention keeps q, k, v (repeated for GQA) and the log-sum-exp per head and token; its
         # output is the o_proj input (`out`).
         core = tokens * (a * 3 * q_size + 4 * heads)
@@ -221,13 +236,30 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     return attention_block + mlp_block
 
 
+def attention_backward_bytes(config: ModelConfig, setup: Setup) -> float:
+    """Short-lived tensors of one layer's core-attention backward, at long sequences the peak.
+
+    Plain attention: the gradients of the softmax output and of the scores, [b, heads / tp (/ sep),
+    s, s] float32 each (flash attention: none of that size). Ring attention (models/ring_attention.py
+    backward): per block the scores, probabilities, their gradients and the mask, [b, heads / tp,
+    s / cp, s / cp] float32 each."""
+    c = config
+    heads = c.num_attention_heads // setup.tp
+    tokens = setup.tokens_per_micro_batch  # queries this rank attends with (x heads / sep under sep)
+    if setup.cp > 1:
+        return 5 * tokens * heads * (tokens / setup.micro_batch) * 4
+    if c.use_flash_attention and c.position_embedding != "alibi":
+        return 0.0
+    return 2 * tokens * heads * c.seq_length * 4
+
+
 def head_activation_bytes(config: ModelConfig, setup: Setup) -> float:
     """The final norm, the head's input and the loss (decoder.output_logits / causal_lm_loss) for one
     micro-batch: cross entropy keeps its softmax [tokens, vocab / tp] in float32."""
     c, p = config, setup.precision
     tp, a = setup.tp, p.activation_bytes
     sp = c.sequence_parallel and tp > 1
-    tokens = setup.micro_batch * c.seq_length
+    tokens = setup.tokens_per_micro_batch
     local_tokens = tokens / tp if sp else tokens
     h = c.hidden_size
     total = local_tokens * (a * h + _norm_saved(c, p))
@@ -242,7 +274,7 @@ def head_activation_bytes(config: ModelConfig, setup: Setup) -> float:
 def stage_output_bytes(config: ModelConfig, setup: Setup) -> float:
     """A pipeline stage keeps each in-flight micro-batch's output until its backward (PipelineParallel's
     output_tensors)."""
-    tokens = setup.micro_batch * config.seq_length
+    tokens = setup.tokens_per_micro_batch
     if config.sequence_parallel and setup.tp > 1:
         tokens /= setup.tp
     return tokens * config.hidden_size * setup.precision.activation_bytes
@@ -396,6 +428,9 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
         backward["gathered weights and full gradient (stage 3)"] = STAGE3_FULL_COPIES * largest_sliced * pb
         backward["weight gradient before accumulation"] = 0.0
     phases["backward start"] = backward
+    if layers:
+        phases["core-attention backward"] = {"activations (in-flight micro-batches)": activations,
+                                             "attention backward transients (one layer)": attention_backward_bytes(c, setup)}
     if c.recompute and c.recompute_granularity == "full":
         # Inside backward, one layer runs its forward again and keeps everything until its own backward.
         rebuilt = max(layer_activation_bytes(c, setup, i, recomputed=False) for i in layers) if layers else 0

@@ -1,7 +1,8 @@
 """Every layout the trainer accepts for a model on a GPU cluster, ranked by predicted tokens/card/s.
 
-Candidates: tensor-parallel degree (inside a node unless allowed across), pipeline degree with
-1F1B or 2-4 virtual stages, sharding stage 0-3 with its degree, the data-parallel rest,
+Candidates: tensor-parallel degree (inside a node unless allowed across), a sequence split (none,
+segment parallelism sep or ring-attention context parallelism cp, of degrees dividing the rest),
+pipeline degree with 1F1B or 2-4 virtual stages, sharding stage 0-3 with its degree, the data-parallel rest,
 sequence parallelism with tensor parallelism, recompute none/full/full_attn/core_attn, and
 micro-batch sizes dividing the global batch. Each candidate is an `Arguments` object checked by
 the trainer's own functions (plan_layout, check_model_fits_layout, check_strategy): a layout
@@ -52,37 +53,42 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
     for tp in _divisors(gpus):
         if tp > gpus_per_node and not allow_inter_node_tp:
             continue
-        # (pipeline degrees that do not divide the layers are refused by check_strategy; not generated)
-        for pp in [p for p in _divisors(gpus // tp) if layers % p == 0]:
-            for vpp in ([1] if pp <= 2 else [1, 2, 4]):
-                rest = gpus // (tp * pp)
-                for stage in (0, 1, 2, 3):
-                    # Sharding over every data replica (PaddleNLP's default degree, world / (tp x pp)) or over
-                    # part of them with data parallelism across the groups (small clusters only: the
-                    # combinations multiply).
-                    degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
-                    for sd in ([1] if stage == 0 else degrees):
-                        dp = rest // sd
-                        for sp in ([False] if tp == 1 or config.is_moe else [True]):  # MoE: no SP (layout.py)
-                            for recompute in RECOMPUTE_CHOICES:
-                                micro = 1
-                                while micro <= max_micro_batch:
-                                    replicas = dp * sd
-                                    if global_batch % (replicas * micro) == 0:
-                                        args = dict(base, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
-                                                    virtual_pp_degree=vpp, sequence_parallel=sp,
-                                                    per_device_train_batch_size=micro,
-                                                    per_device_eval_batch_size=micro,
-                                                    gradient_accumulation_steps=global_batch // (replicas * micro),
-                                                    recompute=recompute is not None,
-                                                    recompute_granularity=recompute or "full")
-                                        if stage:
-                                            args.update(sharding=f"stage{stage}", sharding_parallel_degree=sd)
-                                        yield args
-                                        if config.is_moe and not stage and dp > 1 and config.num_experts % dp == 0:
-                                            # the experts split over the data-parallel ranks (models/moe.py)
-                                            yield dict(args, expert_parallel_degree=dp)
-                                    micro *= 2
+        splits = [("", 1)] + [(key, d) for d in _divisors(gpus // tp) if d > 1
+                              for key in ("sep_parallel_degree", "context_parallel_degree")]
+        for split_key, split in splits:
+            # (pipeline degrees that do not divide the layers are refused by check_strategy; not generated)
+            for pp in [p for p in _divisors(gpus // (tp * split)) if layers % p == 0]:
+                for vpp in ([1] if pp <= 2 else [1, 2, 4]):
+                    rest = gpus // (tp * pp * split)
+                    for stage in (0, 1, 2, 3):
+                        # Sharding over every data replica (PaddleNLP's default degree, world / (tp x pp)) or over
+                        # part of them with data parallelism across the groups (small clusters only: the
+                        # combinations multiply).
+                        degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
+                        for sd in ([1] if stage == 0 else degrees):
+                            dp = rest // sd
+                            for sp in ([False] if tp == 1 or config.is_moe else [True]):  # MoE: no SP (layout.py)
+                                for recompute in RECOMPUTE_CHOICES:
+                                    micro = 1
+                                    while micro <= max_micro_batch:
+                                        replicas = dp * sd
+                                        if global_batch % (replicas * micro) == 0:
+                                            args = dict(base, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                                                        virtual_pp_degree=vpp, sequence_parallel=sp,
+                                                        per_device_train_batch_size=micro,
+                                                        per_device_eval_batch_size=micro,
+                                                        gradient_accumulation_steps=global_batch // (replicas * micro),
+                                                        recompute=recompute is not None,
+                                                        recompute_granularity=recompute or "full")
+                                            if stage:
+                                                args.update(sharding=f"stage{stage}", sharding_parallel_degree=sd)
+                                            if split_key:
+                                                args[split_key] = split
+                                            yield args
+                                            if config.is_moe and not stage and dp > 1 and config.num_experts % dp == 0:
+                                                # the experts split over the data-parallel ranks (models/moe.py)
+                                                yield dict(args, expert_parallel_degree=dp)
+                                        micro *= 2
 
 
 def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus_per_node: int = 8,
@@ -120,7 +126,8 @@ def file_strategy_name(arguments: dict) -> str:
     stage = int(arguments["sharding"][-1]) if arguments.get("sharding") else 0
     return strategy_name(arguments.get("tensor_parallel_degree", 1), arguments.get("pipeline_parallel_degree", 1),
                          arguments.get("sharding_parallel_degree", 1) if stage else 1, stage,
-                         arguments.get("virtual_pp_degree", 1))
+                         arguments.get("virtual_pp_degree", 1), None, arguments.get("sep_parallel_degree", 1),
+                         arguments.get("context_parallel_degree", 1))
 
 
 def write_arguments(arguments: dict, path: str) -> str:

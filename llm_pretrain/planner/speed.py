@@ -9,6 +9,12 @@ data-parallel / sharding gradient traffic.
                       HybridParallelOptimizer reduces after train_batch; PaddleNLP's
                       enable_dp_comm_overlap is off by default). Stage 3 also gathers every sliced
                       weight for the forward and again for the backward of each micro-batch.
+    sequence split    segment parallelism (sep): 4 all-to-alls per layer forward (q, k, v to heads, the
+                      output back) and 4 backward, not overlapped; context parallelism (cp): per layer
+                      cp - 1 ring steps forward (k, v) and cp backward (k, v, dk, dv; dk, dv home), each
+                      step's transfer overlapping the attention of the block in hand (exposed: only
+                      what a step's transfer takes beyond that block's compute). Each rank computes
+                      1/(sep x cp) of the tokens.
     optimizer step    neglected (AdamW reads/writes ~16 bytes per parameter: ~1 % of a step at the
                       Megatron table's sizes)
 
@@ -95,11 +101,14 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     intra, inter = cluster.links()
     node = cluster.gpus_per_node
     s, b, m = c.seq_length, setup.micro_batch, setup.accumulation
-    tokens_mb = b * s
+    split = setup.sep * setup.cp
+    tokens_mb = b * s // split  # this rank's tokens of a micro-batch
     act_bytes = p.activation_bytes
 
     hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c))
-    compute_mb = hardware_flops * tokens_mb / (tp * pp) / (peak * 1e12 * matmul_efficiency(c.hidden_size / tp))
+    flops_rate = peak * 1e12 * matmul_efficiency(c.hidden_size / tp)
+    compute_mb = hardware_flops * tokens_mb / (tp * pp) / flops_rate
+    sequence_mb = sequence_split_time(setup, cluster, tokens_mb, flops_rate)
 
     # Tensor parallelism: per layer 2 all-reduces forward (attention, MLP outputs) and 2 backward (their
     # inputs' gradients), 2 more for a recomputed forward; sequence parallelism replaces each all-reduce by
@@ -123,7 +132,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     a2a_bytes = tokens_mb * c.num_experts_per_tok * c.hidden_size * act_bytes * (ep - 1) / ep
     ep_mb = layers_per_stage * 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
 
-    micro = compute_mb + tp_mb + pp_mb + ep_mb
+    micro = compute_mb + tp_mb + pp_mb + ep_mb + sequence_mb
     pipeline = m * micro
     bubble = (pp - 1) / vpp * micro if pp > 1 else 0.0
 
@@ -131,7 +140,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     # (Under expert parallelism the experts' gradients are not all-reduced: each is on one rank.)
     params = sum(q.numel for q in stage_parameters(c, tp, pp, vpp, 0) if ep == 1 or ".experts." not in q.name)
     grad_bytes = params * (4 if (p.master_grad or not p.half or p.level == "O1") else 2)
-    replicas_link = intra if tp * pp * dp * sd <= node else inter
+    replicas_link = intra if tp * pp * dp * sd * split <= node else inter
     data = _ring("all_reduce", dp, grad_bytes, replicas_link)
     sharding = _ring("all_reduce", sd, grad_bytes, replicas_link) if setup.sharding_stage else 0.0
     if setup.sharding_stage == 3:
@@ -153,6 +162,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "tensor-parallel communication": m * tp_mb,
         "pipeline send/recv": m * pp_mb,
         "expert-parallel all-to-all": m * ep_mb,
+        "sep all-to-all / cp ring (exposed)": m * sequence_mb,
         "pipeline bubble": bubble,
         "data-parallel/sharding communication (exposed)": exposed,
     }
@@ -168,10 +178,37 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     }
 
 
+def sequence_split_time(setup: Setup, cluster: Cluster, tokens: int, flops_rate: float) -> float:
+    """Seconds per micro-batch of the sep all-to-alls or the exposed part of the cp ring (see the module
+    docstring); 0 without a sequence split. The group lies inside a node when tp x degree fits in one."""
+    c, p = setup.config, setup.precision
+    degree = setup.sep * setup.cp
+    if degree == 1:
+        return 0.0
+    intra, inter = cluster.links()
+    link = intra if setup.tp * degree <= cluster.gpus_per_node else inter
+    layers = c.num_hidden_layers / setup.pp
+    q_width, kv_width = c.hidden_size / setup.tp, c.num_key_value_heads * c.head_dim / setup.tp
+    forwards = 2 if c.recompute and c.recompute_granularity in ("full", "full_attn") else 1
+    a = p.activation_bytes
+    if setup.sep > 1:
+        # all-to-all: each rank sends (n - 1) / n of its q, k, v (and receives as much), then of the output.
+        volume = tokens * (2 * q_width + 2 * kv_width) * a * (degree - 1) / degree
+        return layers * (forwards + 1) * volume / (link * 1e9)
+    # Ring: a step moves one k/v block (forward) or k, v and their float32 gradients (backward) to the
+    # neighbour while the block in hand is computed: 1/cp of the layer's attention (2x in backward).
+    block = tokens * 2 * kv_width
+    attention_step = 2 * 2 * tokens * tokens * q_width / 2 / flops_rate  # causal: half of a (local x local) block
+    forward = (degree - 1) * max(0.0, block * a / (link * 1e9) - attention_step)
+    backward = degree * max(0.0, block * (a + 4) / (link * 1e9) - 2 * attention_step)
+    return layers * (forwards * forward + backward)
+
+
 def bottleneck(terms: dict[str, float]) -> str:
     names = {"compute": "compute", "tensor-parallel communication": "TP communication",
              "pipeline send/recv": "pipeline send/recv", "pipeline bubble": "bubble",
              "expert-parallel all-to-all": "expert all-to-all",
+             "sep all-to-all / cp ring (exposed)": "sep/cp communication",
              "data-parallel/sharding communication (exposed)": "DP communication"}
     non_compute = {k: v for k, v in terms.items() if k != "compute"}
     worst = max(non_compute, key=non_compute.get)

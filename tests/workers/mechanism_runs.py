@@ -16,6 +16,12 @@ Before the runs, this worker wraps (counting, then calling the original):
     Attention.project_qkv (replicated kv heads, fewer kv heads than tensor-parallel ranks)
                        which kv head's columns of the whole v projection each rank's attention
                        takes, and which q heads it has: each rank must keep the head its q heads share
+    models.parallel_layers._all_to_all
+                       segment parallelism's all-to-all: calls from the PyLayer's forward and from
+                       its backward, with the shapes going in
+    models.ring_attention.ring_pass
+                       context parallelism's ring steps: calls from the ring attention's forward and
+                       backward, with the shapes of the tensors passed
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
@@ -36,6 +42,7 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils
 
 from llm_pretrain import run_record
 from llm_pretrain.run_pretrain import main
+from models import parallel_layers, ring_attention
 from models.decoder import Attention, CausalLM, DecoderLayer
 from models.registry import parameter_count
 
@@ -45,7 +52,8 @@ probe: dict = {}
 def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
-                 grad_fingerprints=[], built=None, kv_heads={})
+                 grad_fingerprints=[], built=None, kv_heads={}, all_to_all=defaultdict(list),
+                 ring=defaultdict(list))
 
 
 def counting(owner, method):
@@ -104,6 +112,28 @@ def watch_kv_heads():
         return q, k, v
 
     Attention.project_qkv = project_qkv
+
+
+def watch_all_to_all():
+    original = parallel_layers._all_to_all
+
+    def counted(x, group, split_axis, concat_axis):
+        caller = sys._getframe(1).f_code.co_name  # "forward" or "backward" of the PyLayer
+        probe["all_to_all"][caller].append([list(x.shape), split_axis, concat_axis])
+        return original(x, group, split_axis, concat_axis)
+
+    parallel_layers._all_to_all = counted
+
+
+def watch_ring():
+    original = ring_attention.ring_pass
+
+    def counted(tensors, group):
+        caller = sys._getframe(1).f_code.co_name  # "forward" or "backward" of RingAttention
+        probe["ring"][caller].append([list(t.shape) for t in tensors])
+        return original(tensors, group)
+
+    ring_attention.ring_pass = counted
 
 
 def grad_fingerprint(model) -> float | None:
@@ -178,6 +208,8 @@ def observations() -> dict:
         "calls": {k: v for k, v in probe["calls"].items()},
         "decoder_input_shapes": {str(k): sorted(v) for k, v in probe["shapes"].items()},
         "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
+        "all_to_all": {k: v for k, v in probe["all_to_all"].items()},
+        "ring": {k: v for k, v in probe["ring"].items()},
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
         "model_parameters": parameter_count(inner.config),
@@ -228,6 +260,8 @@ if __name__ == "__main__":
         counting(owner, method)
     watch_sp_hooks()
     watch_kv_heads()
+    watch_all_to_all()
+    watch_ring()
     watch_data_parallel()
     catch_built_run()
     with open(sys.argv[1]) as f:
