@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 LAYOUTS = {"1 process": (1, {}), "sep2": (2, {"sep_parallel_degree": 2}), "cp2": (2, {"context_parallel_degree": 2})}
 MODEL = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2}
@@ -29,8 +28,8 @@ MODEL = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2}
 
 def measure(lengths: list[int], work: Path) -> list[dict]:
     from llm_pretrain.data import ensure_embedded_corpus
-    from parity_utils import argv, run_launch, run_single, train_records, write_json
-    from planner_runs import BASE, predict
+    from llm_pretrain.parity import argv, run_launch, run_single, train_records, write_json  # on CPU
+    from llm_pretrain.planner.cpu_runs import BASE, predict
 
     corpus = ensure_embedded_corpus(str(work / "corpus"))
     rows = []
@@ -56,7 +55,7 @@ def measure(lengths: list[int], work: Path) -> list[dict]:
 def gpu_table() -> list[dict]:
     """The planner's estimate of every configs/long_context/ file on 8 GPUs of the device in its name."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
 
     rows = []
     for path in sorted((REPO / "configs" / "long_context").glob("*.json")):
