@@ -5,6 +5,7 @@
     check_strategy           combinations fleet cannot run (pipeline, sequence parallelism, sharding
                              stages, option strings via parallel_config_settings)
     strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
+    pipeline_split           decoder layers of each pipeline chunk (even, PaddleNLP's uniform, or explicit)
 
 Every check raises a one-line UsageError before any process group exists
 (llm_pretrain/trainer.py runs them before fleet.init; llm_pretrain/planner uses the same
@@ -33,6 +34,7 @@ class Layout:
     sharding_degree: int = 1
     sharding_stage: int = 0  # 0: no sharding
     virtual_pp_degree: int = 1
+    pipeline_layers_per_stage: tuple[int, ...] | None = None  # as asked for; pipeline_split() decides
     data_parallel_rank: int = 0
     tensor_parallel_rank: int = 0
     pipeline_parallel_rank: int = 0
@@ -91,7 +93,54 @@ def plan_layout(args: Arguments, world_size: int) -> Layout:
         sharding_degree=sharding_degree,
         sharding_stage=stage,
         virtual_pp_degree=args.virtual_pp_degree,
+        pipeline_layers_per_stage=tuple(args.pipeline_layers_per_stage) if args.pipeline_layers_per_stage else None,
     )
+
+
+def pipeline_split(num_layers: int, pp: int, vpp: int = 1, layers_per_stage=None) -> list[int]:
+    """Decoder layers of each pipeline chunk, in fleet's chunk order (virtual stage v of stage s is chunk
+    v * pp + s; without interleaving one chunk per stage). The embedding goes with chunk 0, the final norm
+    and head with the last chunk.
+
+    Explicit (`pipeline_layers_per_stage`): used as given. Otherwise even when pp x vpp divides the layers
+    (fleet's seg_method "layer:DecoderLayer"), else PaddleNLP's fallback (paddlenlp/transformers/llama/
+    modeling_pp.py:253-255, seg_method "uniform"): fleet's SegmentLayers.uniform (paddle/distributed/fleet/
+    meta_parallel/parallel_layers/pp_layers.py:265-273) cuts all num_layers + 3 pipeline items (embedding,
+    decoder layers, final norm, head) into parts of equal size, the last parts one item larger; the
+    embedding and head thus count as a layer each (BLOOM-176B's 70 layers on 12 stages: 5, 6 x 10, 5).
+    """
+    chunks = pp * vpp
+    key = "pipeline_layers_per_stage"
+    if layers_per_stage is not None:
+        split = list(layers_per_stage)
+        if len(split) != chunks:
+            raise UsageError(f"{key}: {split} has {len(split)} entries; pipeline_parallel_degree {pp} x "
+                             f"virtual_pp_degree {vpp} needs {chunks}")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split):
+            raise UsageError(f"{key}: {split} leaves a stage empty or is not whole numbers; every stage needs "
+                             "at least one decoder layer")
+        if sum(split) != num_layers:
+            raise UsageError(f"{key}: {split} sums to {sum(split)}, the model has num_hidden_layers {num_layers}")
+        return split
+    if num_layers % chunks == 0:
+        return [num_layers // chunks] * chunks
+    items = num_layers + 3
+    size, extra = divmod(items, chunks)
+    bounds = [0] + [min(size * i + max(0, i - (chunks - extra)), items) for i in range(1, chunks)] + [items]
+    # items before bound i that are decoder layers: all but the embedding (item 0), capped at num_layers
+    decoder_before = [min(max(b - 1, 0), num_layers) for b in bounds]
+    split = [decoder_before[i + 1] - decoder_before[i] for i in range(chunks)]
+    if min(split) < 1:
+        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: fleet's uniform split of "
+                         f"num_hidden_layers {num_layers} gives {split} decoder layers per stage, an empty stage; "
+                         f"use fewer stages or set {key}")
+    return split
+
+
+def stage_layer_indices(split: list[int], pp: int, stage: int) -> list[list[int]]:
+    """The decoder layer indices of each chunk of pipeline stage `stage` under `split` (pipeline_split)."""
+    starts = [sum(split[:c]) for c in range(len(split))]
+    return [list(range(starts[c], starts[c] + split[c])) for c in range(stage, len(split), pp)]
 
 
 def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
@@ -196,12 +245,23 @@ def check_model_fits_layout(config: ModelConfig, layout: Layout) -> None:
 def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """Combinations of degrees and options that fleet cannot run (checked before fleet.init)."""
     tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
-    if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
-        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
-                         f"{config.num_hidden_layers} must be divisible by {pp * vpp}")
+    if layout.pipeline_layers_per_stage and pp == 1:
+        raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} needs "
+                         "pipeline_parallel_degree > 1")
+    if pp > 1:
+        pipeline_split(config.num_hidden_layers, pp, vpp, layout.pipeline_layers_per_stage)
     if vpp > 1 and pp <= 2:
         raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
                          f"schedule), got pipeline_parallel_degree {pp}")
+    acc = args.gradient_accumulation_steps
+    if vpp > 1 and pp < acc < 2 * pp:
+        # fleet picks the interleaved schedule by micro-batch count (paddle/distributed/fleet/model.py:148-162):
+        # from pp to 2 pp - 1 PipelineParallelWithInterleaveFthenB, which asserts accumulate_steps % num_stages
+        # == 0 (fleet/meta_parallel/pipeline_parallel.py:3482)
+        raise UsageError(f"gradient_accumulation_steps: {acc} with pipeline_parallel_degree {pp} and virtual_pp_degree "
+                         f"{vpp}: Paddle's interleaved schedules need {pp} or at least {2 * pp} micro-batches "
+                         "(PipelineParallelWithInterleaveFthenB asserts a multiple of the stages, "
+                         "pipeline_parallel.py:3482)")
     if args.sequence_parallel and tp <= 1:
         raise UsageError("sequence_parallel: needs tensor_parallel_degree > 1 (got "
                          f"{args.tensor_parallel_degree})")

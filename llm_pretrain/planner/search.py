@@ -50,8 +50,9 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
     for tp in _divisors(gpus):
         if tp > gpus_per_node and not allow_inter_node_tp:
             continue
-        # (pipeline degrees that do not divide the layers are refused by check_strategy; not generated)
-        for pp in [p for p in _divisors(gpus // tp) if layers % p == 0]:
+        # Pipeline degrees that do not divide the layers split them unevenly (layout.pipeline_split); one
+        # that would leave a stage empty is refused by check_strategy.
+        for pp in [p for p in _divisors(gpus // tp) if p <= layers]:
             for vpp in ([1] if pp <= 2 else [1, 2, 4]):
                 rest = gpus // (tp * pp)
                 for stage in (0, 1, 2, 3):
