@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from llm_pretrain.planner.params import Param, stage_layers, stage_parameters
+from llm_pretrain.planner.params import Param, stage_chunks, stage_parameters
 from models.config import ModelConfig
 
 MB = 2**20
@@ -94,10 +94,22 @@ class Setup:
     sharding_degree: int = 1
     sharding_stage: int = 0
     precision: Precision = field(default_factory=Precision)
+    layers_per_stage: tuple[int, ...] | None = None  # explicit pipeline split (layout.pipeline_split)
+
+    def stage_parameters(self, stage: int) -> list[Param]:
+        return stage_parameters(self.config, self.tp, self.pp, self.vpp, stage, self.layers_per_stage)
+
+    def stage_chunks(self, stage: int) -> list[list[int]]:
+        return stage_chunks(self.config, self.pp, self.vpp, stage, self.layers_per_stage)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.sharding_degree
+
+
+# Transient terms that are each one tensor (one allocator block); the others are sums of many tensors.
+SINGLE_BLOCK_TERMS = ("weight gradient before accumulation", "embedding gradient before accumulation",
+                      "squared gradient (grad norm)", "data-parallel fused group in flight")
 
 
 @dataclass
@@ -105,6 +117,14 @@ class RankMemory:
     rank: str  # which rank (e.g. "pipeline stage 0, sharding rank 1")
     persistent: dict[str, float]  # bytes
     phases: dict[str, dict[str, float]]  # phase -> transient terms (bytes)
+    largest_activation_tensor: float = 0.0  # bytes: the largest single tensor the forward keeps
+
+    @property
+    def largest_transient_block(self) -> float:
+        """The largest short-lived single tensor of any phase: what the allocator may hold free but unusable
+        at the peak (see planner.reserved_mb)."""
+        blocks = [v for terms in self.phases.values() for k, v in terms.items() if k in SINGLE_BLOCK_TERMS]
+        return max(blocks + [self.largest_activation_tensor])
 
     @property
     def peak_phase(self) -> str:
@@ -274,7 +294,7 @@ def stage2_owned(params: tuple[Param, ...], degree: int) -> list[list[Param]]:
 # ----------------------------------------------------------------------------- one rank
 def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_process: bool | None = None) -> RankMemory:
     c, p = setup.config, setup.precision
-    params = tuple(stage_parameters(c, setup.tp, setup.pp, setup.vpp, stage))
+    params = tuple(setup.stage_parameters(stage))
     numel = sum(q.numel for q in params)
     pb, gb = p.param_bytes, p.grad_bytes
     name = []
@@ -339,14 +359,13 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
         persistent["data-parallel fused gradient buffers"] = numel * gb
 
     # Activations of the in-flight micro-batches at the start of backward.
-    layers = stage_layers(c, setup.pp, setup.vpp, stage) if setup.pp > 1 else list(range(c.num_hidden_layers))
+    layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else list(range(c.num_hidden_layers))
     last = stage == setup.pp - 1
     first = stage == 0
     if setup.vpp > 1:
-        # Chunks of one micro-batch count separately: a chunk holds len(layers) / vpp layers.
-        chunk_layers = len(layers) // setup.vpp
+        # Chunks of one micro-batch count separately (bounded by this stage's heaviest chunk).
         in_flight = in_flight_micro_batches(setup, stage)
-        per_chunk = sum(layer_activation_bytes(c, setup, i) for i in layers[:chunk_layers])
+        per_chunk = max(sum(layer_activation_bytes(c, setup, i) for i in chunk) for chunk in setup.stage_chunks(stage))
         activations = in_flight * (per_chunk + stage_output_bytes(c, setup))
         if last:  # the micro-batches in flight in the last chunk went through the head and loss
             last_chunk = max(1, in_flight - setup.accumulation * (setup.vpp - 1))
@@ -388,7 +407,21 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
     if single_process:
         # trainer.global_grad_norm squares each gradient (one at a time) before the step.
         phases["optimizer step"] = {"squared gradient (grad norm)": largest * gb}
-    return RankMemory(rank, persistent, phases)
+    return RankMemory(rank, persistent, phases, largest_activation_tensor(c, setup, last))
+
+
+def largest_activation_tensor(config: ModelConfig, setup: Setup, last_stage: bool) -> float:
+    """The largest single tensor a micro-batch's forward keeps: the loss's float32 softmax [tokens, vocab / tp]
+    on the last stage, the MLP's intermediate [tokens, ffn / tp], or the attention scores [b, heads, s, s]
+    without flash attention (layer_activation_bytes)."""
+    c, a = config, setup.precision.activation_bytes
+    tokens = setup.micro_batch * c.seq_length
+    sizes = [tokens * (c.intermediate_size // setup.tp) * a]
+    if last_stage:
+        sizes.append(tokens * (c.vocab_size // setup.tp) * 4)
+    if not c.use_flash_attention or c.position_embedding == "alibi":
+        sizes.append(tokens * c.num_attention_heads // setup.tp * c.seq_length * 4)
+    return float(max(sizes))
 
 
 def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
@@ -396,7 +429,9 @@ def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     ranks = []
     # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
     # interleaved schedule: as many), so the first, second and last stages bound every stage.
-    stages = range(setup.pp) if setup.pp <= 3 else (0, 1, setup.pp - 1)
+    # With uneven stages (pipeline_split) every stage is checked.
+    even = setup.layers_per_stage is None and setup.config.num_hidden_layers % (setup.pp * setup.vpp) == 0
+    stages = range(setup.pp) if setup.pp <= 3 or not even else (0, 1, setup.pp - 1)
     for stage in stages:
         for sharding_rank in _sharding_ranks_to_check(setup, stage):
             ranks.append(rank_memory(setup, stage, sharding_rank))
@@ -412,7 +447,7 @@ def _sharding_ranks_to_check(setup: Setup, stage: int) -> list[int]:
         return [0]
     if degree <= 8:
         return list(range(degree))
-    params = tuple(stage_parameters(setup.config, setup.tp, setup.pp, setup.vpp, stage))
+    params = tuple(setup.stage_parameters(stage))
     owned = (stage1_owned if setup.sharding_stage == 1 else stage2_owned)(params, degree)
     largest = max(range(degree), key=lambda r: sum(q.numel for q in owned[r]))
     with_embedding = [r for r in range(degree) if any(q.part == "embedding" for q in owned[r])]
