@@ -379,3 +379,24 @@ def test_paddlenlp_published_runs_fit_and_allocated_agrees():
         gap = result["peak_mem_reserved_mb"] - result["peak_mem_allocated_mb"]
         assert 0 < gap < 3 * 1024, (row["model"], gap)
         assert result["fits"] and result["peak_mem_reserved_mb"] < 80 * 1024 * (1 - DEFAULT_HEADROOM), row["model"]
+
+
+def test_search_explains_why_nothing_fits(capsys):
+    """With nothing kept, search prints the trainer's reasons with counts and the closest misses (issue 24)."""
+    from llm_pretrain.cli.plan import main
+    from llm_pretrain.planner.search import search
+
+    result = search("facebook/llama-7b", "A100-40G", 6, 4096, 6, headroom=0.9)
+    assert result["top"] == [] and result["refused_by_trainer"] > 0 and result["too_large"] > 0
+    assert sum(r["count"] for r in result["refusals"]) == result["refused_by_trainer"]
+    assert [r["count"] for r in result["refusals"]] == sorted((r["count"] for r in result["refusals"]), reverse=True)
+    misses = [c["over_mb"] for c in result["closest"]]
+    assert len(misses) == 5 and misses == sorted(misses) and misses[0] > 0
+    for c in result["closest"]:
+        assert c["over_mb"] == pytest.approx(c["reserved_mb"] - 40 * 1024 * 0.1)
+    assert main(["search", "--model", "facebook/llama-7b", "--device", "A100-40G", "--gpus", "6", "--seq", "4096",
+                 "--global_batch_size", "6", "--headroom", "0.9"]) == 1
+    out = capsys.readouterr().out
+    top = result["refusals"][0]
+    assert "no layout fits" in out and f"{top['count']:>6} x {top['example']}" in out
+    assert f"by {result['closest'][0]['over_mb']:,.0f} MB" in out
