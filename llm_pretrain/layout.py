@@ -35,6 +35,7 @@ class Layout:
     sharding_stage: int = 0  # 0: no sharding
     virtual_pp_degree: int = 1
     pipeline_layers_per_stage: tuple[int, ...] | None = None  # as asked for; pipeline_split() decides
+    dualpipev: bool = False  # fleet's DualPipeV schedule: two chunks per stage in a V
     data_parallel_rank: int = 0
     tensor_parallel_rank: int = 0
     pipeline_parallel_rank: int = 0
@@ -94,7 +95,13 @@ def plan_layout(args: Arguments, world_size: int) -> Layout:
         sharding_stage=stage,
         virtual_pp_degree=args.virtual_pp_degree,
         pipeline_layers_per_stage=tuple(args.pipeline_layers_per_stage) if args.pipeline_layers_per_stage else None,
+        dualpipev="use_dualpipev" in args.pipeline_parallel_config.replace(",", " ").split(),
     )
+
+
+def pipeline_chunks(layout: Layout) -> int:
+    """Model chunks per pipeline stage: virtual_pp_degree, or 2 for DualPipeV's V."""
+    return 2 if layout.dualpipev else layout.virtual_pp_degree
 
 
 def pipeline_split(num_layers: int, pp: int, vpp: int = 1, layers_per_stage=None) -> list[int]:
@@ -137,10 +144,13 @@ def pipeline_split(num_layers: int, pp: int, vpp: int = 1, layers_per_stage=None
     return split
 
 
-def stage_layer_indices(split: list[int], pp: int, stage: int) -> list[list[int]]:
-    """The decoder layer indices of each chunk of pipeline stage `stage` under `split` (pipeline_split)."""
+def stage_layer_indices(split: list[int], pp: int, stage: int, dualpipev: bool = False) -> list[list[int]]:
+    """The decoder layer indices of each chunk of pipeline stage `stage` under `split` (pipeline_split):
+    chunks stage, stage + pp, ... (interleaved); under DualPipeV chunks stage and 2 pp - 1 - stage (the V,
+    pp_layers.py _segment_network_for_dualpipev)."""
     starts = [sum(split[:c]) for c in range(len(split))]
-    return [list(range(starts[c], starts[c] + split[c])) for c in range(stage, len(split), pp)]
+    chunks = (stage, 2 * pp - 1 - stage) if dualpipev else range(stage, len(split), pp)
+    return [list(range(starts[c], starts[c] + split[c])) for c in chunks]
 
 
 def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
@@ -187,6 +197,11 @@ PARALLEL_CONFIG_OPTIONS: dict[str, dict[str, tuple[str, str, bool]]] = {
         "disable_batch_p2p_comm": ("pp_configs", "use_batch_p2p_comm", False),
         "disable_p2p_cache_shape": ("pipeline_configs", "p2p_cache_shape", False),
         "disable_partial_send_recv": ("pipeline_configs", "enable_partial_send_recv", False),
+        # fleet's newer schedules (paddle/distributed/fleet/model.py:140-162 picks the class): PaddleNLP's
+        # option for VPPFhenBInBalancedMemory (its training_args "best_unbalanced_scheduler"), and DualPipeV
+        # (fleet/meta_parallel/dualpipev.py) under the name of its fleet field.
+        "best_unbalanced_scheduler": ("pp_configs", "best_unbalanced_scheduler", True),
+        "use_dualpipev": ("pp_configs", "use_dualpipev", True),
     },
     "sharding_parallel_config": {
         "enable_stage1_tensor_fusion": ("sharding_configs", "tensor_fusion", True),
@@ -248,8 +263,17 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     if layout.pipeline_layers_per_stage and pp == 1:
         raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} needs "
                          "pipeline_parallel_degree > 1")
+    if layout.dualpipev:
+        check_dualpipev(args, layout)
     if pp > 1:
-        pipeline_split(config.num_hidden_layers, pp, vpp, layout.pipeline_layers_per_stage)
+        pipeline_split(config.num_hidden_layers, pp, pipeline_chunks(layout), layout.pipeline_layers_per_stage)
+    if "best_unbalanced_scheduler" in args.pipeline_parallel_config.replace(",", " ").split() and not (vpp > 1 and pp == args.gradient_accumulation_steps):
+        # fleet reads it only for an interleaved pipeline with pp <= micro-batches < 2 pp (fleet/model.py:153-157),
+        # where PipelineParallelWithInterleaveFthenB needs a multiple of pp (pipeline_parallel.py:3482)
+        raise UsageError("pipeline_parallel_config: best_unbalanced_scheduler (fleet's VPPFhenBInBalancedMemory) needs "
+                         f"virtual_pp_degree > 1 and gradient_accumulation_steps == pipeline_parallel_degree {pp}; "
+                         f"got virtual_pp_degree {vpp}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
+                         "(paddle/distributed/fleet/model.py:148-162 chooses the schedule)")
     if vpp > 1 and pp <= 2:
         raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
                          f"schedule), got pipeline_parallel_degree {pp}")
@@ -283,6 +307,39 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
             pipeline_eval_micro_batches(args, iterations, vpp)
     parallel_config_settings(args)
     check_master_grad(args, layout)
+
+
+def check_dualpipev(args: Arguments, layout: Layout) -> None:
+    """What fleet's DualPipeV cannot run, refused before fleet.init."""
+    pp, vpp, acc = layout.pipeline_parallel_degree, layout.virtual_pp_degree, args.gradient_accumulation_steps
+    if pp < 2 or vpp > 1:
+        raise UsageError(f"pipeline_parallel_config: use_dualpipev needs pipeline_parallel_degree > 1 and no "
+                         f"virtual_pp_degree (got {pp} and {vpp}; pp_layers.py:445-447: 'dualpipev is not compatible "
+                         "with virtual pipeline')")
+    if acc < 2 * pp:
+        raise UsageError(f"gradient_accumulation_steps: {acc} is fewer than the 2 x pipeline_parallel_degree = "
+                         f"{2 * pp} micro-batches DualPipeV needs (fleet/meta_parallel/dualpipev.py:703)")
+    if args.do_eval or args.do_predict:
+        raise UsageError("pipeline_parallel_config: use_dualpipev cannot evaluate (do_eval/do_predict): "
+                         "DualPipeVParallel defines no eval_batch and inherits PipelineParallel's "
+                         "(pipeline_parallel.py:1383), which runs one chunk per stage in order, not the V; "
+                         "set do_eval and do_predict false")
+    if not paddle_has_deep_ep():
+        raise UsageError("pipeline_parallel_config: use_dualpipev needs paddle.distributed.communication.deep_ep, "
+                         "which this Paddle build lacks: DualPipeVParallel waits on deep_ep events between its "
+                         "passes (paddle/distributed/fleet/meta_parallel/dualpipev.py:28-31 imports it or sets None, "
+                         ":390 calls deep_ep.get_event_from_custom_stream)")
+
+
+def paddle_has_deep_ep() -> bool:
+    """Whether the installed Paddle ships DeepEP's module (GPU builds), found without importing Paddle."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("paddle")
+    return spec is not None and any(
+        os.path.exists(os.path.join(location, "distributed", "communication", "deep_ep"))
+        for location in spec.submodule_search_locations or [])
 
 
 def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:

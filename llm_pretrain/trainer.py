@@ -41,8 +41,8 @@ from llm_pretrain.flops import training_flops_per_token
 # The layout checks live in llm_pretrain/layout.py (the planner uses the same); imported here for train()
 # and for existing callers.
 from llm_pretrain.layout import (  # noqa: F401
-    Layout, check_model_fits_layout, check_strategy, pipeline_eval_micro_batches, pipeline_split, plan_layout,
-    predict_iterations, strategy_name,
+    Layout, check_model_fits_layout, check_strategy, pipeline_chunks, pipeline_eval_micro_batches, pipeline_split,
+    plan_layout, predict_iterations, strategy_name,
 )
 from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
@@ -540,9 +540,10 @@ def build_model(config: ModelConfig, layout: Layout):
     if layout.pipeline_parallel_degree > 1:
         from models.pipeline import CausalLMPipeline
 
-        split = pipeline_split(config.num_hidden_layers, layout.pipeline_parallel_degree, layout.virtual_pp_degree,
+        split = pipeline_split(config.num_hidden_layers, layout.pipeline_parallel_degree, pipeline_chunks(layout),
                                layout.pipeline_layers_per_stage)
-        return CausalLMPipeline(config, layout.virtual_pp_degree, config.pp_recompute_interval, split)
+        return CausalLMPipeline(config, layout.virtual_pp_degree, config.pp_recompute_interval, split,
+                                use_dualpipev=layout.dualpipev)
     return CausalLM(config)
 
 

@@ -71,7 +71,9 @@ def chunk_boundaries(layers_per_chunk: list[int], num_descs: int) -> list[int]:
 
 class CausalLMPipeline(PipelineLayer):
     def __init__(self, config: ModelConfig, virtual_pp_degree: int = 1, pp_recompute_interval: int = 1,
-                 layers_per_chunk: list[int] | None = None):
+                 layers_per_chunk: list[int] | None = None, use_dualpipev: bool = False):
+        """layers_per_chunk: decoder layers of each chunk in fleet's order (stage s holds chunks s, s + pp, ...;
+        under DualPipeV's V, 2 x pp chunks: stage s holds chunks s and 2 pp - 1 - s)."""
         hcg = fleet.get_hybrid_communicate_group()
         tied = config.tie_word_embeddings
         if tied:
@@ -96,6 +98,7 @@ class CausalLMPipeline(PipelineLayer):
             recompute_interval=pp_recompute_interval if full_recompute else 0,
             recompute_ctx={"mp_group": hcg.get_model_parallel_group(), "offload": False, "partition": False},
             num_virtual_pipeline_stages=virtual_pp_degree if virtual_pp_degree > 1 else None,
+            use_dualpipev=use_dualpipev,
         )
         self.config = config
         self.is_first_stage = hcg.get_stage_id() == 0

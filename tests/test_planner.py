@@ -400,3 +400,23 @@ def test_search_explains_why_nothing_fits(capsys):
     top = result["refusals"][0]
     assert "no layout fits" in out and f"{top['count']:>6} x {top['example']}" in out
     assert f"by {result['closest'][0]['over_mb']:,.0f} MB" in out
+
+
+def test_schedule_bubble_terms_and_dualpipev_stages():
+    """Bubble (p - 1) micro-batch times for 1F1B, (p - 1) / v for the interleaved schedules, (p - 1) / 2 for
+    DualPipeV's V; DualPipeV's stage 0 holds the embedding, the head and the first and last chunks."""
+    config = ARCHITECTURES["llama-real"].replace(num_hidden_layers=8, seq_length=128)
+    bf16 = mem.Precision("bf16", "O2", True)
+    cluster = speed.Cluster("A100-80G")
+    setups = {"1F1B": mem.Setup(config, 1, 8, pp=4, precision=bf16),
+              "interleaved": mem.Setup(config, 1, 8, pp=4, vpp=2, precision=bf16),
+              "dualpipev": mem.Setup(config, 1, 8, pp=4, precision=bf16, dualpipev=True)}
+    times = {name: speed.step_time(setup, cluster) for name, setup in setups.items()}
+    micro = times["1F1B"]["terms"]["pipeline bubble"] / 3
+    assert times["interleaved"]["terms"]["pipeline bubble"] == pytest.approx(3 / 2 * micro)
+    assert times["dualpipev"]["terms"]["pipeline bubble"] == pytest.approx(3 / 2 * micro)
+    v = setups["dualpipev"]
+    assert v.stage_chunks(0) == [[0], [7]] and v.stage_chunks(3) == [[3], [4]]
+    parts = {p.part for p in v.stage_parameters(0)}
+    assert {"embedding", "head", "norm"} <= parts and {p.part for p in v.stage_parameters(3)} == {"layer"}
+    assert mem.in_flight_micro_batches(v, 0) == 5  # PP + 1 (DualPipe's table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from llm_pretrain.layout import paddle_has_deep_ep
 from parity_utils import (
     argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
     run_single, write_json,
@@ -81,6 +82,17 @@ def test_uneven_stages_train_like_one_process(uneven):
     (dict(PP3, virtual_pp_degree=2), ["virtual_pp_degree 2", "[0, 2, 2, 2, 2, 0]", "empty"]),  # automatic
     (dict(INTERLEAVED, per_device_train_batch_size=2, gradient_accumulation_steps=4),
      ["gradient_accumulation_steps", "4", "pipeline_parallel.py:3482"]),
+    # schedules fleet cannot run here, refused with the Paddle line that stops them
+    (dict(PP2, pipeline_parallel_config="use_dualpipev", gradient_accumulation_steps=2, per_device_train_batch_size=4),
+     ["gradient_accumulation_steps", "dualpipev.py:703"]),
+    (dict(PP3, pipeline_parallel_config="use_dualpipev", virtual_pp_degree=2, per_device_train_batch_size=1,
+          gradient_accumulation_steps=8), ["use_dualpipev", "pp_layers.py:445-447"]),
+    (dict(PP2, pipeline_parallel_config="use_dualpipev", do_eval=True), ["use_dualpipev", "pipeline_parallel.py:1383"]),
+    (dict(PP2, pipeline_parallel_config="best_unbalanced_scheduler"), ["best_unbalanced_scheduler", "model.py:148-162"]),
+] + ([] if paddle_has_deep_ep() else [  # a Paddle build without DeepEP (this CPU one) cannot run DualPipeV
+    (dict(PP2, pipeline_parallel_config="use_dualpipev"), ["use_dualpipev", "deep_ep", "dualpipev.py:28-31"]),
+]) + [
+    (dict(PP2, pipeline_parallel_config="zero_bubble"), ["pipeline_parallel_config", "'zero_bubble'", "use_dualpipev"]),
 ])
 def test_bad_split_is_one_line_before_fleet(embedded_corpus, tmp_path, monkeypatch, overrides, words):
     """A UsageError (printed as one `error:` line, exit 2, by run_pretrain: tests/test_strategy_validation.py)."""
@@ -111,3 +123,25 @@ def test_automatic_split_is_fleets_uniform_segmentation():
         assert pipeline_split(layers, stages) == [b - a for a, b in zip(decoder_before, decoder_before[1:])]
     assert pipeline_split(70, 12) == [5] + [6] * 10 + [5]  # BLOOM-176B (Megatron-DeepSpeed: 72 = 12 x 6 items)
     assert pipeline_split(8, 4, 2) == [1] * 8
+
+
+# fleet's newer schedules, chosen through pipeline_parallel_config (paddle/distributed/fleet/model.py:140-162).
+SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers)
+    # pp4 x 2 virtual stages with 4 micro-batches (pp <= micro-batches < 2 pp) and PaddleNLP's option
+    "vpp-balanced": (4, dict(pipeline_parallel_degree=4, virtual_pp_degree=2,
+                             pipeline_parallel_config="best_unbalanced_scheduler"),
+                     "VPPFhenBInBalancedMemory", [[[s], [s + 4]] for s in range(4)]),
+}
+
+
+def test_fleet_schedules_train_like_one_process(uneven):
+    """Each schedule in its own launch (its pp_configs differ: fleet is initialized once per process)."""
+    files = {"llama": uneven / "llama.json"}
+    for name, (processes, overrides, _, _) in SCHEDULES.items():
+        run_launch(processes, [argv(files["llama"], uneven / name, **overrides)], uneven, name, timeout=900)
+    for name, (_, _, cls, layers) in SCHEDULES.items():
+        diffs = assert_same_training(uneven / "single" / "llama", uneven / name)
+        diffs["every_replica"] = assert_every_replica_matches(uneven / "single" / "llama", uneven / name)
+        print(f"{name} vs single-process llama: {diffs}")
+        schedule = run_record(uneven / name)["built"]["schedule"]
+        assert schedule["class"] == cls and schedule["chunk_layers"] == layers, (name, schedule)

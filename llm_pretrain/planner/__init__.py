@@ -95,7 +95,7 @@ def setup_from(args: Arguments, layout, config, kind: str) -> Setup:
                  tp=layout.tensor_parallel_degree, pp=layout.pipeline_parallel_degree, vpp=layout.virtual_pp_degree,
                  dp=layout.data_parallel_degree, sharding_degree=layout.sharding_degree,
                  sharding_stage=layout.sharding_stage, precision=precision,
-                 layers_per_stage=layout.pipeline_layers_per_stage)
+                 layers_per_stage=layout.pipeline_layers_per_stage, dualpipev=layout.dualpipev)
 
 
 def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = None) -> dict:

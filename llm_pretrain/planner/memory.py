@@ -95,12 +95,17 @@ class Setup:
     sharding_stage: int = 0
     precision: Precision = field(default_factory=Precision)
     layers_per_stage: tuple[int, ...] | None = None  # explicit pipeline split (layout.pipeline_split)
+    dualpipev: bool = False  # fleet's DualPipeV schedule (two chunks per stage in a V)
 
     def stage_parameters(self, stage: int) -> list[Param]:
+        if self.dualpipev:  # the embedding and the head are both on stage 0 (the V starts and ends there)
+            layers = {i for chunk in self.stage_chunks(stage) for i in chunk}
+            return [p for p in stage_parameters(self.config, self.tp, 1, 1, 0)
+                    if (p.part == "layer" and p.layer in layers) or (p.part != "layer" and stage == 0)]
         return stage_parameters(self.config, self.tp, self.pp, self.vpp, stage, self.layers_per_stage)
 
     def stage_chunks(self, stage: int) -> list[list[int]]:
-        return stage_chunks(self.config, self.pp, self.vpp, stage, self.layers_per_stage)
+        return stage_chunks(self.config, self.pp, self.vpp, stage, self.layers_per_stage, self.dualpipev)
 
     @property
     def world_size(self) -> int:
@@ -257,6 +262,10 @@ def in_flight_micro_batches(setup: Setup, stage: int) -> int:
     pp, vpp, acc = setup.pp, setup.vpp, setup.accumulation
     if pp == 1:
         return 1
+    if setup.dualpipev:
+        # DualPipeV keeps PP + 1 micro-batches' activations of a device (deepseek-ai/DualPipe README's table:
+        # 1F1B PP, DualPipeV PP + 1), here counted on every stage
+        return min(pp + 1, acc)
     if vpp == 1:
         return min(pp - stage, acc)
     steps = acc * vpp
@@ -360,7 +369,7 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
 
     # Activations of the in-flight micro-batches at the start of backward.
     layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else list(range(c.num_hidden_layers))
-    last = stage == setup.pp - 1
+    last = stage == setup.pp - 1 or (setup.dualpipev and stage == 0)  # DualPipeV's V ends on stage 0
     first = stage == 0
     if setup.vpp > 1:
         # Chunks of one micro-batch count separately (bounded by this stage's heaviest chunk).
@@ -430,7 +439,8 @@ def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
     # interleaved schedule: as many), so the first, second and last stages bound every stage.
     # With uneven stages (pipeline_split) every stage is checked.
-    even = setup.layers_per_stage is None and setup.config.num_hidden_layers % (setup.pp * setup.vpp) == 0
+    even = (setup.layers_per_stage is None and not setup.dualpipev
+            and setup.config.num_hidden_layers % (setup.pp * setup.vpp) == 0)
     stages = range(setup.pp) if setup.pp <= 3 or not even else (0, 1, setup.pp - 1)
     for stage in stages:
         for sharding_rank in _sharding_ranks_to_check(setup, stage):

@@ -84,11 +84,13 @@ def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_
     return [layer for chunk in stage_chunks(config, pp, vpp, stage, layers_per_stage) for layer in chunk]
 
 
-def stage_chunks(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[list[int]]:
-    """The decoder layers of each of this stage's chunks (one chunk without interleaving)."""
+def stage_chunks(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None,
+                 dualpipev: bool = False) -> list[list[int]]:
+    """The decoder layers of each of this stage's chunks (one chunk without interleaving, two in DualPipeV's V)."""
     from llm_pretrain.layout import pipeline_split, stage_layer_indices
 
-    return stage_layer_indices(pipeline_split(config.num_hidden_layers, pp, vpp, layers_per_stage), pp, stage)
+    split = pipeline_split(config.num_hidden_layers, pp, 2 if dualpipev else vpp, layers_per_stage)
+    return stage_layer_indices(split, pp, stage, dualpipev)
 
 
 def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[Param]:

@@ -117,7 +117,13 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
 
     micro = compute_mb + tp_mb + pp_mb
     pipeline = m * micro
-    bubble = (pp - 1) / vpp * micro if pp > 1 else 0.0
+    # Bubble: 1F1B fills and drains the pipeline in (p - 1) micro-batch times; the interleaved schedules
+    # (PipelineParallelWithInterleave, its FthenB and VPPFhenBInBalancedMemory variants) in (p - 1) chunk
+    # times of 1/v of a stage; DualPipeV's V runs two chunks of half a stage per device, so its fill and
+    # drain also take (p - 1) half-stage times. Weight-gradient splitting (zero bubble) needs fleet's
+    # SplitBWLinear layers, which this decoder does not use: no W term.
+    chunks = 2 if setup.dualpipev else vpp
+    bubble = (pp - 1) / chunks * micro if pp > 1 else 0.0
 
     # Gradient traffic of the rank holding the most parameters (the first stage).
     params = sum(q.numel for q in setup.stage_parameters(0))
