@@ -436,12 +436,13 @@ def largest_activation_tensor(config: ModelConfig, setup: Setup, last_stage: boo
 def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     """(the rank with the highest peak, every distinct rank)."""
     ranks = []
-    # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
-    # interleaved schedule: as many), so the first, second and last stages bound every stage.
-    # With uneven stages (pipeline_split) every stage is checked.
-    even = (setup.layers_per_stage is None and not setup.dualpipev
-            and setup.config.num_hidden_layers % (setup.pp * setup.vpp) == 0)
-    stages = range(setup.pp) if setup.pp <= 3 or not even else (0, 1, setup.pp - 1)
+    # A middle stage's parameters and activations depend only on how many decoder layers its chunks hold, and an
+    # earlier stage has at least as many micro-batches in flight (1F1B: fewer further on; interleaved and
+    # DualPipeV: as many): the first stage, the last, and the earliest middle stage of each layer count bound
+    # every stage (an even split: stages 0, 1 and pp - 1).
+    shapes = [tuple(sorted(map(len, setup.stage_chunks(s)))) for s in range(setup.pp)] if setup.pp > 1 else [()]
+    middle = {shape: min(s for s in range(1, setup.pp - 1) if shapes[s] == shape) for shape in shapes[1:-1]}
+    stages = sorted({0, setup.pp - 1, *middle.values()})
     for stage in stages:
         for sharding_rank in _sharding_ranks_to_check(setup, stage):
             ranks.append(rank_memory(setup, stage, sharding_rank))
