@@ -175,6 +175,12 @@ class Arguments:
     sharding_degree: int = _key(-1, "Deprecated PaddleNLP alias of sharding_parallel_degree.")
     tensor_parallel_config: str = _key("", "PaddleNLP tensor-parallel option string.")
     pipeline_parallel_config: str = _key("", "PaddleNLP pipeline-parallel option string.")
+    pipeline_layers_per_stage: Optional[list] = _key(
+        None, "Decoder layers of each pipeline stage, e.g. [3, 5] (pipeline_parallel_degree entries; under "
+        "interleaving pipeline_parallel_degree x virtual_pp_degree entries, virtual stage v of stage s at "
+        "position v x pipeline_parallel_degree + s). The first stage also holds the embedding, the last the "
+        "final norm and head (Megatron-LM's --decoder-first/last-pipeline-num-layers: give them fewer). "
+        "Default: even, or fleet's 'uniform' split when the layers do not divide (as PaddleNLP).")
     sharding_parallel_config: str = _key("", "PaddleNLP sharding option string.")
     distributed_timeout_minutes: Optional[float] = _key(
         None, "GPU: timeout of NCCL collectives, so that a hung rank ends the job (Megatron's "

@@ -5,6 +5,7 @@
     check_strategy           combinations fleet cannot run (pipeline, sequence parallelism, sharding
                              stages, option strings via parallel_config_settings)
     strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
+    pipeline_split           decoder layers of each pipeline chunk (even, PaddleNLP's uniform, or explicit)
 
 Every check raises a one-line UsageError before any process group exists
 (llm_pretrain/preflight.py runs them before fleet.init; llm_pretrain/planner uses the same
@@ -34,6 +35,8 @@ class Layout:
     virtual_pp_degree: int = 1
     sep_parallel_degree: int = 1  # segment parallelism (PaddleNLP's sep_parallel_degree): ranks share samples
     context_parallel_degree: int = 1  # ring attention, on the same fleet group as sep (never both)
+    pipeline_layers_per_stage: tuple[int, ...] | None = None  # as asked for; pipeline_split() decides
+    dualpipev: bool = False  # fleet's DualPipeV schedule: two chunks per stage in a V
     data_parallel_rank: int = 0
     tensor_parallel_rank: int = 0
     pipeline_parallel_rank: int = 0
@@ -106,7 +109,63 @@ def plan_layout(args: Arguments, world_size: int) -> Layout:
         virtual_pp_degree=args.virtual_pp_degree,
         sep_parallel_degree=sep,
         context_parallel_degree=cp,
+        pipeline_layers_per_stage=tuple(args.pipeline_layers_per_stage) if args.pipeline_layers_per_stage else None,
+        dualpipev="use_dualpipev" in args.pipeline_parallel_config.replace(",", " ").split(),
     )
+
+
+def pipeline_chunks(layout: Layout) -> int:
+    """Model chunks per pipeline stage: virtual_pp_degree, or 2 for DualPipeV's V."""
+    return 2 if layout.dualpipev else layout.virtual_pp_degree
+
+
+def pipeline_split(num_layers: int, pp: int, vpp: int = 1, layers_per_stage=None) -> list[int]:
+    """Decoder layers of each pipeline chunk, in fleet's chunk order (virtual stage v of stage s is chunk
+    v * pp + s; without interleaving one chunk per stage). The embedding goes with chunk 0, the final norm
+    and head with the last chunk.
+
+    Explicit (`pipeline_layers_per_stage`): used as given. Otherwise even when pp x vpp divides the layers
+    (fleet's seg_method "layer:DecoderLayer"), else PaddleNLP's fallback (paddlenlp/transformers/llama/
+    modeling_pp.py:253-255, seg_method "uniform"): fleet's SegmentLayers.uniform (paddle/distributed/fleet/
+    meta_parallel/parallel_layers/pp_layers.py:265-273) cuts all num_layers + 3 pipeline items (embedding,
+    decoder layers, final norm, head) into parts of equal size, the last parts one item larger; the
+    embedding and head thus count as a layer each (BLOOM-176B's 70 layers on 12 stages: 5, 6 x 10, 5).
+    """
+    chunks = pp * vpp
+    key = "pipeline_layers_per_stage"
+    if layers_per_stage is not None:
+        split = list(layers_per_stage)
+        if len(split) != chunks:
+            raise UsageError(f"{key}: {split} has {len(split)} entries; pipeline_parallel_degree {pp} x "
+                             f"virtual_pp_degree {vpp} needs {chunks}")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split):
+            raise UsageError(f"{key}: {split} leaves a stage empty or is not whole numbers; every stage needs "
+                             "at least one decoder layer")
+        if sum(split) != num_layers:
+            raise UsageError(f"{key}: {split} sums to {sum(split)}, the model has num_hidden_layers {num_layers}")
+        return split
+    if num_layers % chunks == 0:
+        return [num_layers // chunks] * chunks
+    items = num_layers + 3
+    size, extra = divmod(items, chunks)
+    bounds = [0] + [min(size * i + max(0, i - (chunks - extra)), items) for i in range(1, chunks)] + [items]
+    # items before bound i that are decoder layers: all but the embedding (item 0), capped at num_layers
+    decoder_before = [min(max(b - 1, 0), num_layers) for b in bounds]
+    split = [decoder_before[i + 1] - decoder_before[i] for i in range(chunks)]
+    if min(split) < 1:
+        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: fleet's uniform split of "
+                         f"num_hidden_layers {num_layers} gives {split} decoder layers per stage, an empty stage; "
+                         f"use fewer stages or set {key}")
+    return split
+
+
+def stage_layer_indices(split: list[int], pp: int, stage: int, dualpipev: bool = False) -> list[list[int]]:
+    """The decoder layer indices of each chunk of pipeline stage `stage` under `split` (pipeline_split):
+    chunks stage, stage + pp, ... (interleaved); under DualPipeV chunks stage and 2 pp - 1 - stage (the V,
+    pp_layers.py _segment_network_for_dualpipev)."""
+    starts = [sum(split[:c]) for c in range(len(split))]
+    chunks = (stage, 2 * pp - 1 - stage) if dualpipev else range(stage, len(split), pp)
+    return [list(range(starts[c], starts[c] + split[c])) for c in chunks]
 
 
 def strategy_name(tensor_parallel_degree: int = 1, pipeline_parallel_degree: int = 1, sharding_degree: int = 1,
@@ -158,6 +217,11 @@ PARALLEL_CONFIG_OPTIONS: dict[str, dict[str, tuple[str, str, bool]]] = {
         "disable_batch_p2p_comm": ("pp_configs", "use_batch_p2p_comm", False),
         "disable_p2p_cache_shape": ("pipeline_configs", "p2p_cache_shape", False),
         "disable_partial_send_recv": ("pipeline_configs", "enable_partial_send_recv", False),
+        # fleet's newer schedules (paddle/distributed/fleet/model.py:140-162 picks the class): PaddleNLP's
+        # option for VPPFhenBInBalancedMemory (its training_args "best_unbalanced_scheduler"), and DualPipeV
+        # (fleet/meta_parallel/dualpipev.py) under the name of its fleet field.
+        "best_unbalanced_scheduler": ("pp_configs", "best_unbalanced_scheduler", True),
+        "use_dualpipev": ("pp_configs", "use_dualpipev", True),
     },
     "sharding_parallel_config": {
         "enable_stage1_tensor_fusion": ("sharding_configs", "tensor_fusion", True),
@@ -276,12 +340,32 @@ def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None
     tp, pp, vpp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.virtual_pp_degree
     check_segment_parallel(args, config, layout)
     check_context_parallel(args, config, layout)
-    if pp * vpp > 1 and config.num_hidden_layers % (pp * vpp):
-        raise UsageError(f"pipeline_parallel_degree {pp} x virtual_pp_degree {vpp}: num_hidden_layers "
-                         f"{config.num_hidden_layers} must be divisible by {pp * vpp}")
+    if layout.pipeline_layers_per_stage and pp == 1:
+        raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} needs "
+                         "pipeline_parallel_degree > 1")
+    if layout.dualpipev:
+        check_dualpipev(args, layout)
+    if pp > 1:
+        pipeline_split(config.num_hidden_layers, pp, pipeline_chunks(layout), layout.pipeline_layers_per_stage)
+    if "best_unbalanced_scheduler" in args.pipeline_parallel_config.replace(",", " ").split() and not (vpp > 1 and pp == args.gradient_accumulation_steps):
+        # fleet reads it only for an interleaved pipeline with pp <= micro-batches < 2 pp (fleet/model.py:153-157),
+        # where PipelineParallelWithInterleaveFthenB needs a multiple of pp (pipeline_parallel.py:3482)
+        raise UsageError("pipeline_parallel_config: best_unbalanced_scheduler (fleet's VPPFhenBInBalancedMemory) needs "
+                         f"virtual_pp_degree > 1 and gradient_accumulation_steps == pipeline_parallel_degree {pp}; "
+                         f"got virtual_pp_degree {vpp}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
+                         "(paddle/distributed/fleet/model.py:148-162 chooses the schedule)")
     if vpp > 1 and pp <= 2:
         raise UsageError(f"virtual_pp_degree: {vpp} needs pipeline_parallel_degree > 2 (Paddle's interleaved "
                          f"schedule), got pipeline_parallel_degree {pp}")
+    acc = args.gradient_accumulation_steps
+    if vpp > 1 and pp < acc < 2 * pp:
+        # fleet picks the interleaved schedule by micro-batch count (paddle/distributed/fleet/model.py:148-162):
+        # from pp to 2 pp - 1 PipelineParallelWithInterleaveFthenB, which asserts accumulate_steps % num_stages
+        # == 0 (fleet/meta_parallel/pipeline_parallel.py:3482)
+        raise UsageError(f"gradient_accumulation_steps: {acc} with pipeline_parallel_degree {pp} and virtual_pp_degree "
+                         f"{vpp}: Paddle's interleaved schedules need {pp} or at least {2 * pp} micro-batches "
+                         "(PipelineParallelWithInterleaveFthenB asserts a multiple of the stages, "
+                         "pipeline_parallel.py:3482)")
     if args.sequence_parallel and tp <= 1:
         raise UsageError("sequence_parallel: needs tensor_parallel_degree > 1 (got "
                          f"{args.tensor_parallel_degree})")
@@ -327,6 +411,37 @@ def check_master_grad(args, layout) -> None:
             f"amp_master_grad: not supported with sharding stage2 and data_parallel_degree "
             f"{layout.data_parallel_degree} (as PaddleNLP: stage-2 main grads are not reduced over the data-parallel "
             "group); use sharding over all ranks, or set amp_master_grad false")
+def check_dualpipev(args: Arguments, layout: Layout) -> None:
+    """What fleet's DualPipeV cannot run, refused before fleet.init."""
+    pp, vpp, acc = layout.pipeline_parallel_degree, layout.virtual_pp_degree, args.gradient_accumulation_steps
+    if pp < 2 or vpp > 1:
+        raise UsageError(f"pipeline_parallel_config: use_dualpipev needs pipeline_parallel_degree > 1 and no "
+                         f"virtual_pp_degree (got {pp} and {vpp}; pp_layers.py:445-447: 'dualpipev is not compatible "
+                         "with virtual pipeline')")
+    if acc < 2 * pp:
+        raise UsageError(f"gradient_accumulation_steps: {acc} is fewer than the 2 x pipeline_parallel_degree = "
+                         f"{2 * pp} micro-batches DualPipeV needs (fleet/meta_parallel/dualpipev.py:703)")
+    if args.do_eval or args.do_predict:
+        raise UsageError("pipeline_parallel_config: use_dualpipev cannot evaluate (do_eval/do_predict): "
+                         "DualPipeVParallel defines no eval_batch and inherits PipelineParallel's "
+                         "(pipeline_parallel.py:1383), which runs one chunk per stage in order, not the V; "
+                         "set do_eval and do_predict false")
+    if not paddle_has_deep_ep():
+        raise UsageError("pipeline_parallel_config: use_dualpipev needs paddle.distributed.communication.deep_ep, "
+                         "which this Paddle build lacks: DualPipeVParallel waits on deep_ep events between its "
+                         "passes (paddle/distributed/fleet/meta_parallel/dualpipev.py:28-31 imports it or sets None, "
+                         ":390 calls deep_ep.get_event_from_custom_stream)")
+
+
+def paddle_has_deep_ep() -> bool:
+    """Whether the installed Paddle ships DeepEP's module (GPU builds), found without importing Paddle."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("paddle")
+    return spec is not None and any(
+        os.path.exists(os.path.join(location, "distributed", "communication", "deep_ep"))
+        for location in spec.submodule_search_locations or [])
 
 
 def pipeline_eval_micro_batches(args: Arguments, iterations: int, virtual_pp_degree: int = 1) -> tuple[int, int]:

@@ -86,13 +86,18 @@ def describe_schedule(model) -> dict | None:
     """The pipeline schedule fleet built: its class, virtual stages and this rank's chunks."""
     from paddle.distributed.fleet.meta_parallel import PipelineParallel, PipelineParallelWithInterleave
 
+    from paddle.distributed.fleet.meta_parallel import DualPipeVParallel
+
     wrapper = next((m for m in model_chain(model) if isinstance(m, PipelineParallel)), None)
     if wrapper is None:
         return None
     interleaved = isinstance(wrapper, PipelineParallelWithInterleave)
+    dualpipev = isinstance(wrapper, DualPipeVParallel)
     layers = unwrap_model(model)
-    chunks = layers.get_model_chunks() if interleaved else [layers]
-    return {"class": type(wrapper).__name__, "kind": "interleaved" if interleaved else "1F1B",
+    # get_model_chunks() answers None with one virtual stage, DualPipeV's two chunks included (pp_layers.py:560)
+    chunks = layers.get_model_chunks() if interleaved else layers._model_chunks if dualpipev else [layers]
+    return {"class": type(wrapper).__name__,
+            "kind": "interleaved" if interleaved else "DualPipeV" if dualpipev else "1F1B",
             "virtual_stages": len(chunks) if interleaved else 1,
             "chunk_layers": [decoder_layer_indices(chunk) for chunk in chunks]}
 

@@ -33,7 +33,7 @@ from llm_pretrain.distributed import (
 from llm_pretrain.data.integrity import damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
 from llm_pretrain.flops import training_flops_per_token
-from llm_pretrain.layout import Layout, pipeline_eval_micro_batches, predict_iterations
+from llm_pretrain.layout import Layout, pipeline_chunks, pipeline_eval_micro_batches, pipeline_split, predict_iterations
 from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.optim import build_optimizer, build_schedule
 from llm_pretrain import run_record
@@ -363,7 +363,10 @@ def build_model(config: ModelConfig, layout: Layout):
     if layout.pipeline_parallel_degree > 1:
         from models.pipeline import CausalLMPipeline
 
-        return CausalLMPipeline(config, layout.virtual_pp_degree, config.pp_recompute_interval)
+        split = pipeline_split(config.num_hidden_layers, layout.pipeline_parallel_degree, pipeline_chunks(layout),
+                               layout.pipeline_layers_per_stage)
+        return CausalLMPipeline(config, layout.virtual_pp_degree, config.pp_recompute_interval, split,
+                                use_dualpipev=layout.dualpipev)
     return CausalLM(config)
 
 

@@ -3,8 +3,9 @@
     [Embeddings] [DecoderLayer 0] ... [DecoderLayer N-1] [FinalNorm] [LMHead]   loss: CausalLMLoss
 
 fleet assigns the decoder layers evenly to pipeline_parallel_degree stages
-(times virtual_pp_degree chunks for the interleaved schedule); the embedding
-goes with the first chunk, the norm and head with the last. A head tied to
+(times virtual_pp_degree chunks for the interleaved schedule), or as many to each
+chunk as `layers_per_chunk` says (uneven stages); the embedding goes with the
+first chunk, the norm and head with the last. A head tied to
 the word embedding is a `SharedLayerDesc`: the first and last stage each hold
 a copy of the embedding, fleet keeps the copies equal by summing their
 gradients.
@@ -49,8 +50,30 @@ def _tied_head(embeddings: Embeddings, hidden):
     return output_logits(embeddings.config, hidden, embeddings.word_embeddings.weight, tied=True)
 
 
+class ChunkBoundaries(str):
+    """An explicit segmentation in the form fleet's PipelineLayer accepts under interleaving: there
+    seg_method must be a "layer:" string (pp_layers.py:432-437), and SegmentLayers' "layer:" method needs
+    the layers to divide evenly (pp_layers.py:218). The string keeps that form; `parts` holds the first
+    layer description of every chunk (and the end), read by `_segment_network_for_interleave` below."""
+
+    def __new__(cls, parts: list[int]):
+        boundaries = super().__new__(cls, "layer:DecoderLayer")
+        boundaries.parts = list(parts)
+        return boundaries
+
+
+def chunk_boundaries(layers_per_chunk: list[int], num_descs: int) -> list[int]:
+    """Layer-description indices where each chunk starts (and the end): the embedding (description 0)
+    joins chunk 0, the final norm and head the last chunk."""
+    starts = [1 + sum(layers_per_chunk[:c]) for c in range(1, len(layers_per_chunk))]
+    return [0] + starts + [num_descs]
+
+
 class CausalLMPipeline(PipelineLayer):
-    def __init__(self, config: ModelConfig, virtual_pp_degree: int = 1, pp_recompute_interval: int = 1):
+    def __init__(self, config: ModelConfig, virtual_pp_degree: int = 1, pp_recompute_interval: int = 1,
+                 layers_per_chunk: list[int] | None = None, use_dualpipev: bool = False):
+        """layers_per_chunk: decoder layers of each chunk in fleet's order (stage s holds chunks s, s + pp, ...;
+        under DualPipeV's V, 2 x pp chunks: stage s holds chunks s and 2 pp - 1 - s)."""
         hcg = fleet.get_hybrid_communicate_group()
         tied = config.tie_word_embeddings
         if tied:
@@ -62,14 +85,20 @@ class CausalLMPipeline(PipelineLayer):
         descs = [first] + [LayerDesc(DecoderLayer, config, i) for i in range(config.num_hidden_layers)]
         descs += [LayerDesc(FinalNorm, config), last]
         full_recompute = config.recompute and config.recompute_granularity == "full"
+        seg_method = "layer:DecoderLayer"  # even: fleet's own segmentation
+        if layers_per_chunk is not None and len(set(layers_per_chunk)) > 1:
+            parts = chunk_boundaries(layers_per_chunk, len(descs))
+            # 1F1B takes a list of boundaries (SegmentLayers.do_segment, pp_layers.py:176-195)
+            seg_method = ChunkBoundaries(parts) if virtual_pp_degree > 1 else parts
         super().__init__(
             layers=descs,
             topology=hcg.topology(),
             loss_fn=CausalLMLoss(config),
-            seg_method="layer:DecoderLayer",
+            seg_method=seg_method,
             recompute_interval=pp_recompute_interval if full_recompute else 0,
             recompute_ctx={"mp_group": hcg.get_model_parallel_group(), "offload": False, "partition": False},
             num_virtual_pipeline_stages=virtual_pp_degree if virtual_pp_degree > 1 else None,
+            use_dualpipev=use_dualpipev,
         )
         self.config = config
         self.is_first_stage = hcg.get_stage_id() == 0
@@ -86,6 +115,16 @@ class CausalLMPipeline(PipelineLayer):
                     delattr(copy, unused)
             for param in copy.parameters():
                 param.is_firstly_shared = False
+
+    def _segment_network_for_interleave(self, seg_method):
+        if not isinstance(seg_method, ChunkBoundaries):
+            return super()._segment_network_for_interleave(seg_method)
+        # As fleet's own (pp_layers.py:813-842), from the given boundaries: chunk
+        # stage_id + v * num_stages is this stage's virtual stage v.
+        self.segment_parts = seg_method.parts
+        for chunk in range(self._stage_id, self._total_stages_with_virtual_stages, self._num_stages):
+            self._start_poss.append(self.segment_parts[chunk])
+            self._end_poss.append(self.segment_parts[chunk + 1])
 
     def canonical_named_parameters(self):
         """(name in the single-process CausalLM, parameter) for the parameters of this stage.

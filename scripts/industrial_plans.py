@@ -23,12 +23,13 @@ from llm_pretrain.errors import UsageArgumentParser, UsageError
 PUBLISHED = [
     {"model": "BLOOM-176B", "name": "bigscience/bloom", "gpus": 384, "device": "A100-80G", "seq": 2048, "batch": 2048,
      "published": "DP 8 x TP 4 x PP 12, ZeRO-1, micro-batch 2, bf16 (Le Scao et al. 2022, BigScience)",
-     "tflops": "156 (Le Scao et al. 2022)",
+     "tflops": "156 in the fastest configuration (Le Scao et al. 2022, sec. 3.4); about 150 during training, "
+               "~60 GB used per GPU (BigScience 176B training page, bigscience.notion.site)",
      "layout": {"tensor_parallel_degree": 4, "pipeline_parallel_degree": 12, "sharding": "stage1",
                 "sharding_parallel_degree": 8, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 128,
                 "bf16": True},
-     "note": "Megatron-DeepSpeed counts the embedding and head as pipeline layers (72 for 70 decoder layers); "
-             "our pipeline splits decoder layers evenly"},
+     "note": "70 decoder layers on 12 stages: fleet's uniform split as PaddleNLP, [5, 6 x 10, 5] (Megatron-"
+             "DeepSpeed likewise counts the embedding and head as pipeline layers: 72 = 12 x 6)"},
     {"model": "GPT-3 175B", "name": "gpt3-175B-en", "gpus": 1024, "device": "A100-80G", "seq": 2048, "batch": 1536,
      "published": "TP 8 x PP 8 x DP 16 on 1024 A100-80G, batch 1536 (Narayanan et al. 2021, the 175B estimate; "
                   "degrees of Table 1's 145.6B row)",

@@ -13,7 +13,8 @@ CASES = [
     # (world size, overrides, words the message must contain)
     (3, {"tensor_parallel_degree": 2}, ["world size 3", "tensor_parallel_degree 2"]),
     (3, {"tensor_parallel_degree": 3}, ["tensor_parallel_degree", "num_attention_heads 4"]),
-    (3, {"pipeline_parallel_degree": 3, "gradient_accumulation_steps": 3}, ["num_hidden_layers 8", "3"]),
+    (3, {"pipeline_parallel_degree": 3, "gradient_accumulation_steps": 3, "pipeline_layers_per_stage": [2, 2, 2]},
+     ["pipeline_layers_per_stage", "num_hidden_layers 8"]),
     (4, {"pipeline_parallel_degree": 4, "virtual_pp_degree": 4}, ["virtual_pp_degree", "num_hidden_layers 8"]),
     (2, {"pipeline_parallel_degree": 2, "virtual_pp_degree": 2}, ["virtual_pp_degree", "pipeline_parallel_degree 2"]),
     (1, {"sequence_parallel": True}, ["sequence_parallel", "tensor_parallel_degree"]),

@@ -103,7 +103,7 @@ def cmd_search(argv: list[str]) -> int:
     parser.add_argument("--write", default=None, help="write the best layout's argument file (a .json path or a directory)")
     opts = parser.parse_args(argv)
     from llm_pretrain.planner import check_device, device_kind
-    from llm_pretrain.planner.search import search, write_arguments
+    from llm_pretrain.planner.search import explain, search, write_arguments
     from models.registry import resolve_model
 
     check_device(opts.device)
@@ -135,6 +135,7 @@ def cmd_search(argv: list[str]) -> int:
             print(f"wrote {written}")
         if not result["top"]:
             print("no layout fits")
+            print("\n".join(explain(result)))
     return 0 if result["top"] else 1
 
 

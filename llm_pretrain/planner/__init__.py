@@ -25,10 +25,26 @@ DEVICE_MEMORY_GIB = {"A100": 80, "A800": 80, "H100 SXM": 80, "H100 PCIE": 80, "H
                      "H100 NVL": 94, "H200": 141, "H20": 96, "A30": 24, "A10": 24, "V100": 32, "V100S": 32,
                      "V100-PCIE": 32, "T4": 16}
 
-# Paddle's GPU allocator (auto_growth best fit) reserves more than it hands out: a freed block is reused
-# only by a request that fits in it. Not measured here (no GPU); taken as one more copy of the largest
-# transient of the peak phase (the block freed just before a slightly larger request).
-RESERVED_NOTE = "reserved = allocated + the largest transient of the peak phase (fragmentation; an assumption, not measured)"
+# Reserved memory (what Paddle's GPU allocator holds from the device) at the peak = allocated + one block of
+# the largest short-lived tensor (RankMemory.largest_transient_block). Why, from the allocator's source
+# (paddle/phi/core/memory/allocation/auto_growth_best_fit_allocator.cc, the default allocator:
+# FLAGS_allocator_strategy "auto_growth", paddle/common/flags.cc): a request takes the smallest free block
+# that fits (best fit), else a new device chunk of exactly its size (FLAGS_auto_growth_chunk_size_in_mb
+# defaults to 0, so chunk_size_ is the 256-byte alignment); a freed block merges with free neighbours; free
+# chunks stay cached, but when the device refuses a new chunk every wholly free chunk is released and the
+# request retried (AllocateImpl's BadAlloc branch, FreeIdleChunks). So memory the peak cannot use is the free
+# part of partly used chunks: a block freed before a larger request, bounded by the largest short-lived
+# tensor. Check, not calibration: PaddleNLP's published pretraining table (planner/data/
+# paddlenlp_pretrain_memory.csv) reports max_memory_allocated and physical use about 2-3 GB above it, which
+# also counts the CUDA context and library workspaces that no allocator statistic includes (search keeps
+# DEFAULT_HEADROOM free for them).
+RESERVED_NOTE = ("reserved = allocated + one block of the largest short-lived tensor (Paddle's auto-growth "
+                 "best-fit allocator; the CUDA context is not included)")
+
+
+def reserved_mb(worst) -> float:
+    """Predicted max_memory_reserved (MiB) of the rank with the highest allocated peak (see RESERVED_NOTE)."""
+    return (worst.peak_bytes + worst.largest_transient_block) / MB
 
 
 def device_kind(device: str) -> str:
@@ -69,7 +85,8 @@ def setup_from(args: Arguments, layout, config, kind: str) -> Setup:
                  tp=layout.tensor_parallel_degree, pp=layout.pipeline_parallel_degree, vpp=layout.virtual_pp_degree,
                  dp=layout.data_parallel_degree, sharding_degree=layout.sharding_degree,
                  sharding_stage=layout.sharding_stage, precision=precision,
-                 sep=layout.sep_parallel_degree, cp=layout.context_parallel_degree)
+                 sep=layout.sep_parallel_degree, cp=layout.context_parallel_degree,
+                 layers_per_stage=layout.pipeline_layers_per_stage, dualpipev=layout.dualpipev)
 
 
 def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = None) -> dict:
@@ -81,7 +98,7 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
     kind = device_kind(device)
     reserved = None
     if kind == "gpu":
-        reserved = allocated + max(worst.phases[worst.peak_phase].values()) / MB
+        reserved = reserved_mb(worst)
     capacity = device_memory_mb(device)
     breakdown = [dict(row, kind="memory") for row in worst.breakdown()]
     result = {
@@ -108,7 +125,7 @@ def estimate_setup(setup: Setup, device: str, cluster_options: dict | None = Non
         speed = step_time(setup, Cluster(device, **(cluster_options or {})))
         result.update({key: speed[key] for key in ("step_time_s", "tokens_per_card_per_sec", "mfu",
                                                    "tflops_per_card", "hardware_tflops_per_card", "bottleneck")})
-        slowest = "pipeline stage 0" if setup.pp > 1 else "every rank"
+        slowest = f"pipeline stage {speed['slowest_stage']}" if setup.pp > 1 else "every rank"
         result["breakdown"] += [{"term": term, "s": seconds, "rank": slowest, "kind": "time"}
                                 for term, seconds in speed["terms"].items()]
     return result

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from llm_pretrain.planner.params import Param, stage_layers, stage_parameters
+from llm_pretrain.planner.params import Param, stage_chunks, stage_parameters
 from models.config import ModelConfig
 
 MB = 2**20
@@ -100,6 +100,18 @@ class Setup:
     precision: Precision = field(default_factory=Precision)
     sep: int = 1  # segment parallelism: 1/sep of the tokens per rank, all-to-all around attention
     cp: int = 1  # context parallelism: 1/cp of the tokens per rank, ring attention
+    layers_per_stage: tuple[int, ...] | None = None  # explicit pipeline split (layout.pipeline_split)
+    dualpipev: bool = False  # fleet's DualPipeV schedule (two chunks per stage in a V)
+
+    def stage_parameters(self, stage: int) -> list[Param]:
+        if self.dualpipev:  # the embedding and the head are both on stage 0 (the V starts and ends there)
+            layers = {i for chunk in self.stage_chunks(stage) for i in chunk}
+            return [p for p in stage_parameters(self.config, self.tp, 1, 1, 0)
+                    if (p.part == "layer" and p.layer in layers) or (p.part != "layer" and stage == 0)]
+        return stage_parameters(self.config, self.tp, self.pp, self.vpp, stage, self.layers_per_stage)
+
+    def stage_chunks(self, stage: int) -> list[list[int]]:
+        return stage_chunks(self.config, self.pp, self.vpp, stage, self.layers_per_stage, self.dualpipev)
 
     @property
     def world_size(self) -> int:
@@ -111,11 +123,24 @@ class Setup:
         return self.micro_batch * self.config.seq_length // (self.sep * self.cp)
 
 
+# Transient terms that are each one tensor (one allocator block); the others are sums of many tensors.
+SINGLE_BLOCK_TERMS = ("weight gradient before accumulation", "embedding gradient before accumulation",
+                      "squared gradient (grad norm)", "data-parallel fused group in flight")
+
+
 @dataclass
 class RankMemory:
     rank: str  # which rank (e.g. "pipeline stage 0, sharding rank 1")
     persistent: dict[str, float]  # bytes
     phases: dict[str, dict[str, float]]  # phase -> transient terms (bytes)
+    largest_activation_tensor: float = 0.0  # bytes: the largest single tensor the forward keeps
+
+    @property
+    def largest_transient_block(self) -> float:
+        """The largest short-lived single tensor of any phase: what the allocator may hold free but unusable
+        at the peak (see planner.reserved_mb)."""
+        blocks = [v for terms in self.phases.values() for k, v in terms.items() if k in SINGLE_BLOCK_TERMS]
+        return max(blocks + [self.largest_activation_tensor])
 
     @property
     def peak_phase(self) -> str:
@@ -291,6 +316,10 @@ def in_flight_micro_batches(setup: Setup, stage: int) -> int:
     pp, vpp, acc = setup.pp, setup.vpp, setup.accumulation
     if pp == 1:
         return 1
+    if setup.dualpipev:
+        # DualPipeV keeps PP + 1 micro-batches' activations of a device (deepseek-ai/DualPipe README's table:
+        # 1F1B PP, DualPipeV PP + 1), here counted on every stage
+        return min(pp + 1, acc)
     if vpp == 1:
         return min(pp - stage, acc)
     steps = acc * vpp
@@ -328,7 +357,7 @@ def stage2_owned(params: tuple[Param, ...], degree: int) -> list[list[Param]]:
 # ----------------------------------------------------------------------------- one rank
 def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_process: bool | None = None) -> RankMemory:
     c, p = setup.config, setup.precision
-    params = tuple(stage_parameters(c, setup.tp, setup.pp, setup.vpp, stage))
+    params = tuple(setup.stage_parameters(stage))
     numel = sum(q.numel for q in params)
     pb, gb = p.param_bytes, p.grad_bytes
     name = []
@@ -393,14 +422,13 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
         persistent["data-parallel fused gradient buffers"] = numel * gb
 
     # Activations of the in-flight micro-batches at the start of backward.
-    layers = stage_layers(c, setup.pp, setup.vpp, stage) if setup.pp > 1 else list(range(c.num_hidden_layers))
-    last = stage == setup.pp - 1
+    layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else list(range(c.num_hidden_layers))
+    last = stage == setup.pp - 1 or (setup.dualpipev and stage == 0)  # DualPipeV's V ends on stage 0
     first = stage == 0
     if setup.vpp > 1:
-        # Chunks of one micro-batch count separately: a chunk holds len(layers) / vpp layers.
-        chunk_layers = len(layers) // setup.vpp
+        # Chunks of one micro-batch count separately (bounded by this stage's heaviest chunk).
         in_flight = in_flight_micro_batches(setup, stage)
-        per_chunk = sum(layer_activation_bytes(c, setup, i) for i in layers[:chunk_layers])
+        per_chunk = max(sum(layer_activation_bytes(c, setup, i) for i in chunk) for chunk in setup.stage_chunks(stage))
         activations = in_flight * (per_chunk + stage_output_bytes(c, setup))
         if last:  # the micro-batches in flight in the last chunk went through the head and loss
             last_chunk = max(1, in_flight - setup.accumulation * (setup.vpp - 1))
@@ -445,15 +473,33 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
     if single_process:
         # trainer.global_grad_norm squares each gradient (one at a time) before the step.
         phases["optimizer step"] = {"squared gradient (grad norm)": largest * gb}
-    return RankMemory(rank, persistent, phases)
+    return RankMemory(rank, persistent, phases, largest_activation_tensor(c, setup, last))
+
+
+def largest_activation_tensor(config: ModelConfig, setup: Setup, last_stage: bool) -> float:
+    """The largest single tensor a micro-batch's forward keeps: the loss's float32 softmax [tokens, vocab / tp]
+    on the last stage, the MLP's intermediate [tokens, ffn / tp], or the attention scores [b, heads, s, s]
+    without flash attention (layer_activation_bytes)."""
+    c, a = config, setup.precision.activation_bytes
+    tokens = setup.micro_batch * c.seq_length
+    sizes = [tokens * (c.intermediate_size // setup.tp) * a]
+    if last_stage:
+        sizes.append(tokens * (c.vocab_size // setup.tp) * 4)
+    if not c.use_flash_attention or c.position_embedding == "alibi":
+        sizes.append(tokens * c.num_attention_heads // setup.tp * c.seq_length * 4)
+    return float(max(sizes))
 
 
 def peak_memory(setup: Setup) -> tuple[RankMemory, list[RankMemory]]:
     """(the rank with the highest peak, every distinct rank)."""
     ranks = []
-    # Middle stages hold the same parameters as stage 1 and no more in-flight micro-batches (1F1B: fewer; the
-    # interleaved schedule: as many), so the first, second and last stages bound every stage.
-    stages = range(setup.pp) if setup.pp <= 3 else (0, 1, setup.pp - 1)
+    # A middle stage's parameters and activations depend only on how many decoder layers its chunks hold, and an
+    # earlier stage has at least as many micro-batches in flight (1F1B: fewer further on; interleaved and
+    # DualPipeV: as many): the first stage, the last, and the earliest middle stage of each layer count bound
+    # every stage (an even split: stages 0, 1 and pp - 1).
+    shapes = [tuple(sorted(map(len, setup.stage_chunks(s)))) for s in range(setup.pp)] if setup.pp > 1 else [()]
+    middle = {shape: min(s for s in range(1, setup.pp - 1) if shapes[s] == shape) for shape in shapes[1:-1]}
+    stages = sorted({0, setup.pp - 1, *middle.values()})
     for stage in stages:
         for sharding_rank in _sharding_ranks_to_check(setup, stage):
             ranks.append(rank_memory(setup, stage, sharding_rank))
@@ -469,7 +515,7 @@ def _sharding_ranks_to_check(setup: Setup, stage: int) -> list[int]:
         return [0]
     if degree <= 8:
         return list(range(degree))
-    params = tuple(stage_parameters(setup.config, setup.tp, setup.pp, setup.vpp, stage))
+    params = tuple(setup.stage_parameters(stage))
     owned = (stage1_owned if setup.sharding_stage == 1 else stage2_owned)(params, degree)
     largest = max(range(degree), key=lambda r: sum(q.numel for q in owned[r]))
     with_embedding = [r for r in range(degree) if any(q.part == "embedding" for q in owned[r])]

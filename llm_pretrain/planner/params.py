@@ -100,20 +100,28 @@ def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> lis
     return out
 
 
-def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int) -> list[int]:
-    """Decoder layers on pipeline stage `stage`: PipelineLayer(seg_method="layer:DecoderLayer") cuts the
-    layers evenly into pp * vpp chunks and gives chunk c to stage c % pp (models/pipeline.py)."""
-    per_chunk = config.num_hidden_layers // (pp * vpp)
-    return [layer for chunk in range(stage, pp * vpp, pp) for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
+def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[int]:
+    """Decoder layers on pipeline stage `stage`, as models/pipeline.py's PipelineLayer cuts them: chunk c of
+    llm_pretrain.layout.pipeline_split (even, PaddleNLP's uniform fallback, or explicit) goes to stage c % pp."""
+    return [layer for chunk in stage_chunks(config, pp, vpp, stage, layers_per_stage) for layer in chunk]
 
 
-def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int) -> list[Param]:
+def stage_chunks(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None,
+                 dualpipev: bool = False) -> list[list[int]]:
+    """The decoder layers of each of this stage's chunks (one chunk without interleaving, two in DualPipeV's V)."""
+    from llm_pretrain.layout import pipeline_split, stage_layer_indices
+
+    split = pipeline_split(config.num_hidden_layers, pp, 2 if dualpipev else vpp, layers_per_stage)
+    return stage_layer_indices(split, pp, stage, dualpipev)
+
+
+def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[Param]:
     """This stage's parameters: its layers, the embedding on the first stage, norm and head on the last;
     a tied head is a second copy of the word embedding on the last stage (SharedLayerDesc)."""
     params = parameter_list(config, tp)
     if pp == 1:
         return params
-    layers = set(stage_layers(config, pp, vpp, stage))
+    layers = set(stage_layers(config, pp, vpp, stage, layers_per_stage))
     first, last = stage == 0, stage == pp - 1
     out = [p for p in params if (p.part == "layer" and p.layer in layers) or (p.part == "embedding" and first)
            or (p.part in ("norm", "head") and last)]

@@ -12,7 +12,9 @@ memory minus the headroom are kept and ranked.
 
 from __future__ import annotations
 
+import heapq
 import json
+import re
 
 from llm_pretrain.arguments import Arguments, validate_arguments
 from llm_pretrain.errors import UsageError
@@ -56,8 +58,9 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
         splits = [("", 1)] + [(key, d) for d in _divisors(gpus // tp) if d > 1
                               for key in ("sep_parallel_degree", "context_parallel_degree")]
         for split_key, split in splits:
-            # (pipeline degrees that do not divide the layers are refused by check_strategy; not generated)
-            for pp in [p for p in _divisors(gpus // (tp * split)) if layers % p == 0]:
+            # Pipeline degrees that do not divide the layers split them unevenly (layout.pipeline_split); one
+            # that would leave a stage empty is refused by check_strategy.
+            for pp in [p for p in _divisors(gpus // (tp * split)) if p <= layers]:
                 for vpp in ([1] if pp <= 2 else [1, 2, 4]):
                     rest = gpus // (tp * pp * split)
                     for stage in (0, 1, 2, 3):
@@ -91,23 +94,42 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                                         micro *= 2
 
 
+def refusal_reason(message: str) -> str:
+    """A refusal message with its numbers and lists replaced by N: one reason for many layouts."""
+    return re.sub(r"\[[^\]]*\]|\d[\d,.]*", "N", message)
+
+
 def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus_per_node: int = 8,
            top: int = 5, headroom: float = DEFAULT_HEADROOM, cluster_options: dict | None = None,
-           allow_inter_node_tp: bool = False) -> dict:
+           allow_inter_node_tp: bool = False, closest: int = 5) -> dict:
+    """The fitting layouts, fastest first; and why the others were left out: `refusals` (the trainer's
+    reasons, counted) and `closest` (the `closest` layouts that validate but miss the memory limit by the
+    least: reserved and limit in MiB)."""
     capacity = device_memory_mb(device)
     options = dict(cluster_options or {}, gpus_per_node=gpus_per_node)
     fitting, examined, refused = [], 0, 0
+    reasons: dict[str, dict] = {}
+    too_large: list[tuple[float, int, dict]] = []  # heap of (-excess, order, entry): the `closest` smallest
     for values in candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp):
         examined += 1
         try:
             args = Arguments(**values)
             validate_arguments(args)
             setup, layout, _ = validated_setup(args, gpus, device)
-        except UsageError:
+        except UsageError as error:
             refused += 1
+            reason = reasons.setdefault(refusal_reason(str(error)), {"count": 0, "example": str(error)})
+            reason["count"] += 1
             continue
         result = estimate_setup(setup, device, options)
-        if capacity is not None and result["peak_mem_reserved_mb"] > capacity * (1 - headroom):
+        limit = capacity * (1 - headroom) if capacity is not None else None
+        if limit is not None and result["peak_mem_reserved_mb"] > limit:
+            excess = result["peak_mem_reserved_mb"] - limit
+            entry = {"strategy": layout.strategy, "arguments": values, "reserved_mb": result["peak_mem_reserved_mb"],
+                     "limit_mb": limit, "over_mb": excess, "peak_rank": result["peak_rank"]}
+            heapq.heappush(too_large, (-excess, examined, entry))
+            if len(too_large) > closest:
+                heapq.heappop(too_large)
             continue
         result["strategy"] = layout.strategy + (f"ep{values['expert_parallel_degree']}"
                                                 if values.get("expert_parallel_degree", 1) > 1 else "")
@@ -115,8 +137,26 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
         fitting.append(result)
     # Fastest first; among equally fast layouts the one with the most memory left.
     fitting.sort(key=lambda r: (-r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"]))
+    refusals = sorted(({"reason": k, **v} for k, v in reasons.items()), key=lambda r: -r["count"])
     return {"examined": examined, "refused_by_trainer": refused, "fitting": len(fitting), "headroom": headroom,
-            "top": fitting[:top]}
+            "too_large": examined - refused - len(fitting), "top": fitting[:top], "refusals": refusals,
+            "closest": [entry for _, _, entry in sorted(too_large, key=lambda item: -item[0])]}
+
+
+def explain(result: dict) -> list[str]:
+    """Lines saying why no layout was kept: the trainer's reasons with counts, then the closest misses."""
+    lines = [f"{result['refused_by_trainer']} refused by the trainer's validation:"] if result["refusals"] else []
+    lines += [f"  {r['count']:>6} x {r['example']}" for r in result["refusals"]]
+    if result["closest"]:
+        lines.append(f"{result['too_large']} valid but over the memory limit ({100 * (1 - result['headroom']):.0f} % "
+                     "of the card); the closest:")
+        for c in result["closest"]:
+            a = c["arguments"]
+            recompute = a["recompute_granularity"] if a["recompute"] else "none"
+            lines.append(f"  {c['strategy']} micro-batch {a['per_device_train_batch_size']}, recompute {recompute}: "
+                         f"reserved {c['reserved_mb']:,.0f} MB > {c['limit_mb']:,.0f} MB by {c['over_mb']:,.0f} MB "
+                         f"({100 * c['over_mb'] / c['limit_mb']:.1f} %) on {c['peak_rank']}")
+    return lines
 
 
 def file_strategy_name(arguments: dict) -> str:

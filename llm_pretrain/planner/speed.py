@@ -37,7 +37,6 @@ from pathlib import Path
 
 from llm_pretrain.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
 from llm_pretrain.planner.memory import Setup
-from llm_pretrain.planner.params import stage_parameters
 
 CALIBRATION_SOURCE = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
                       "Megatron-LM (SC21), Table 1: GPT 1.7B-1T, seq 2048, vocab 51200, fp16, A100-80GB DGX nodes")
@@ -107,7 +106,13 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
 
     hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c))
     flops_rate = peak * 1e12 * matmul_efficiency(c.hidden_size / tp)
-    compute_mb = hardware_flops * tokens_mb / (tp * pp) / flops_rate
+    # The slowest stage sets the pace: the one with the most decoder layers (layout.pipeline_split; an even
+    # split gives every stage num_hidden_layers / pp, the calibrated case).
+    stage_layer_counts = [sum(map(len, setup.stage_chunks(stage))) for stage in range(pp)] if pp > 1 else [c.num_hidden_layers]
+    slowest_stage = max(range(len(stage_layer_counts)), key=stage_layer_counts.__getitem__)
+    layers_per_stage = stage_layer_counts[slowest_stage]
+    imbalance = layers_per_stage * pp / c.num_hidden_layers
+    compute_mb = hardware_flops * tokens_mb / (tp * pp) * imbalance / flops_rate
     sequence_mb = sequence_split_time(setup, cluster, tokens_mb, flops_rate)
 
     # Tensor parallelism: per layer 2 all-reduces forward (attention, MLP outputs) and 2 backward (their
@@ -115,7 +120,6 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     # an all-gather + reduce-scatter (same volume). Kept inside a node when tp <= gpus_per_node.
     tp_link = intra if tp <= node else inter
     collectives = 4 + (2 if c.recompute and c.recompute_granularity in ("full", "full_attn") else 0)
-    layers_per_stage = c.num_hidden_layers / pp
     tp_mb = layers_per_stage * collectives * _ring("all_reduce", tp, tokens_mb * c.hidden_size * act_bytes, tp_link)
 
     # Pipeline: each micro-batch's activation goes forward and its gradient back across a stage boundary;
@@ -134,11 +138,17 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
 
     micro = compute_mb + tp_mb + pp_mb + ep_mb + sequence_mb
     pipeline = m * micro
-    bubble = (pp - 1) / vpp * micro if pp > 1 else 0.0
+    # Bubble: 1F1B fills and drains the pipeline in (p - 1) micro-batch times; the interleaved schedules
+    # (PipelineParallelWithInterleave, its FthenB and VPPFhenBInBalancedMemory variants) in (p - 1) chunk
+    # times of 1/v of a stage; DualPipeV's V runs two chunks of half a stage per device, so its fill and
+    # drain also take (p - 1) half-stage times. Weight-gradient splitting (zero bubble) needs fleet's
+    # SplitBWLinear layers, which this decoder does not use: no W term.
+    chunks = 2 if setup.dualpipev else vpp
+    bubble = (pp - 1) / chunks * micro if pp > 1 else 0.0
 
     # Gradient traffic of the rank holding the most parameters (the first stage).
     # (Under expert parallelism the experts' gradients are not all-reduced: each is on one rank.)
-    params = sum(q.numel for q in stage_parameters(c, tp, pp, vpp, 0) if ep == 1 or ".experts." not in q.name)
+    params = sum(q.numel for q in setup.stage_parameters(0) if ep == 1 or ".experts." not in q.name)
     grad_bytes = params * (4 if (p.master_grad or not p.half or p.level == "O1") else 2)
     replicas_link = intra if tp * pp * dp * sd * split <= node else inter
     data = _ring("all_reduce", dp, grad_bytes, replicas_link)
@@ -175,6 +185,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "mfu": model_flops * tokens_per_card / (peak * 1e12),
         "peak_tflops": peak,
         "bottleneck": bottleneck(terms),
+        "slowest_stage": slowest_stage,
     }
 
 

@@ -1,0 +1,147 @@
+"""Uneven pipeline stages (issue 24): layers that do not divide over the stages, and explicit splits.
+
+Every run trains like one process (losses, grad norms, final weights, every replica: 1e-5 fp32), and
+its run record shows each stage holding the decoder layers the split gives it (the mechanism: with the
+split ignored, fleet's even split or a refusal would show). Two launches:
+
+    2 processes  pp2 [3, 5] (llama-tiny, 8 layers); pp2 [1, 7] (gpt3-tiny, tied head: a Megatron-style
+                 first stage with the embedding and one layer); stop under [3, 5], resume under [6, 2]
+    3 processes  pp3 over 8 layers (automatic: fleet's uniform split as PaddleNLP, [2, 4, 2]); pp3 over
+                 4 layers ([1, 2, 1]); gpt3-tiny pp3 (tied head across three stages); resume under pp3
+                 of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_pretrain.layout import paddle_has_deep_ep
+from parity_utils import (
+    argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
+    run_single, write_json,
+)
+
+MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"}}
+PP2, PP3 = {"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 3}
+# 8 micro-batches of 1 (the same 8 samples per step): at least 2 x pp, fleet's PipelineParallelWithInterleave
+INTERLEAVED = dict(PP3, virtual_pp_degree=2, pipeline_layers_per_stage=[1, 2, 1, 1, 2, 1],
+                   per_device_train_batch_size=1, gradient_accumulation_steps=8)
+# name -> (model, processes, overrides, expected decoder layers of each stage's chunks)
+RUNS = {
+    "pp2-3-5": ("llama", 2, dict(PP2, pipeline_layers_per_stage=[3, 5]), [[[0, 1, 2]], [[3, 4, 5, 6, 7]]]),
+    "gpt3-pp2-1-7": ("gpt3", 2, dict(PP2, pipeline_layers_per_stage=[1, 7]), [[[0]], [[1, 2, 3, 4, 5, 6, 7]]]),
+    "pp3-8": ("llama", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
+    "pp3-4": ("llama4", 3, PP3, [[[0]], [[1, 2]], [[3]]]),
+    "gpt3-pp3": ("gpt3", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
+    "pp3vpp2": ("llama", 3, INTERLEAVED, [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
+}
+# Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints).
+RESUMES = {
+    "resume-3-5-to-6-2": ("llama", dict(PP2, pipeline_layers_per_stage=[3, 5]), 2,
+                          dict(PP2, pipeline_layers_per_stage=[6, 2]), 2, [[[0, 1, 2, 3, 4, 5]], [[6, 7]]]),
+    "resume-3-5-to-pp3": ("llama", dict(PP2, pipeline_layers_per_stage=[3, 5]), 2, PP3, 3,
+                          [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
+}
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory, embedded_corpus):
+    work = tmp_path_factory.mktemp("uneven")
+    files = {m: write_json(work / f"{m}.json", base_arguments(embedded_corpus, work, **o)) for m, o in MODELS.items()}
+    run_single([argv(files[m], work / "single" / m) for m in MODELS], work, "single")
+    for processes in (2, 3):
+        runs = [argv(files[model], work / name, **overrides)
+                for name, (model, n, overrides, _) in RUNS.items() if n == processes]
+        for name, (model, first, first_n, second, second_n, _) in RESUMES.items():
+            if first_n == processes:
+                runs.append(argv(files[model], work / name, exit_interval=2, **first))
+            if second_n == processes:
+                runs.append(argv(files[model], work / name, **second))
+        run_launch(processes, runs, work, f"pp{processes}", timeout=900)
+    return work
+
+
+def test_uneven_stages_train_like_one_process(uneven):
+    expected = {name: (model, layers) for name, (model, _, _, layers) in RUNS.items()}
+    expected.update({name: (model, layers) for name, (model, *_, layers) in RESUMES.items()})
+    for name, (model, layers) in expected.items():
+        reference, out = uneven / "single" / model, uneven / name
+        diffs = assert_same_training(reference, out)
+        diffs["every_replica"] = assert_every_replica_matches(reference, out)
+        print(f"{name} vs single-process {model}: {diffs}")
+        # The mechanism: each stage holds the layers of the split (read from the built PipelineLayer).
+        assert run_record(out)["built"]["schedule"]["chunk_layers"] == layers, name
+    assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(PP2, pipeline_layers_per_stage=[3, 4]), ["pipeline_layers_per_stage", "sums to 7", "num_hidden_layers 8"]),
+    (dict(PP2, pipeline_layers_per_stage=[0, 8]), ["pipeline_layers_per_stage", "empty"]),
+    (dict(PP2, pipeline_layers_per_stage=[2, 2, 4]), ["pipeline_layers_per_stage", "3 entries", "needs 2"]),
+    ({"pipeline_layers_per_stage": [8]}, ["pipeline_layers_per_stage", "pipeline_parallel_degree > 1"]),
+    (dict(PP3, virtual_pp_degree=2), ["virtual_pp_degree 2", "[0, 2, 2, 2, 2, 0]", "empty"]),  # automatic
+    (dict(INTERLEAVED, per_device_train_batch_size=2, gradient_accumulation_steps=4),
+     ["gradient_accumulation_steps", "4", "pipeline_parallel.py:3482"]),
+    # schedules fleet cannot run here, refused with the Paddle line that stops them
+    (dict(PP2, pipeline_parallel_config="use_dualpipev", gradient_accumulation_steps=2, per_device_train_batch_size=4),
+     ["gradient_accumulation_steps", "dualpipev.py:703"]),
+    (dict(PP3, pipeline_parallel_config="use_dualpipev", virtual_pp_degree=2, per_device_train_batch_size=1,
+          gradient_accumulation_steps=8), ["use_dualpipev", "pp_layers.py:445-447"]),
+    (dict(PP2, pipeline_parallel_config="use_dualpipev", do_eval=True), ["use_dualpipev", "pipeline_parallel.py:1383"]),
+    (dict(PP2, pipeline_parallel_config="best_unbalanced_scheduler"), ["best_unbalanced_scheduler", "model.py:148-162"]),
+] + ([] if paddle_has_deep_ep() else [  # a Paddle build without DeepEP (this CPU one) cannot run DualPipeV
+    (dict(PP2, pipeline_parallel_config="use_dualpipev"), ["use_dualpipev", "deep_ep", "dualpipev.py:28-31"]),
+]) + [
+    (dict(PP2, pipeline_parallel_config="zero_bubble"), ["pipeline_parallel_config", "'zero_bubble'", "use_dualpipev"]),
+])
+def test_bad_split_is_one_line_before_fleet(embedded_corpus, tmp_path, monkeypatch, overrides, words):
+    """A UsageError (printed as one `error:` line, exit 2, by run_pretrain: tests/test_strategy_validation.py)."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.trainer import train
+
+    args_file = write_json(tmp_path / "args.json", base_arguments(embedded_corpus, tmp_path, **overrides))
+    args, warnings = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(overrides.get("pipeline_parallel_degree", 1)))
+    with pytest.raises(UsageError) as error:
+        train(args, warnings)
+    message = str(error.value)
+    assert all(word in message for word in words) and "\n" not in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_automatic_split_is_fleets_uniform_segmentation():
+    """The automatic split (layout.pipeline_split) is what fleet's SegmentLayers "uniform" gives PaddleNLP."""
+    from paddle.distributed.fleet.meta_parallel.parallel_layers.pp_layers import SegmentLayers
+
+    from llm_pretrain.layout import pipeline_split
+
+    for layers, stages in ((4, 3), (8, 3), (70, 12), (10, 3), (13, 4), (31, 6), (30, 4)):
+        items = layers + 3  # embedding, decoder layers, final norm, head
+        bounds = SegmentLayers([None] * items, stages).uniform(items, stages)
+        decoder_before = [min(max(b - 1, 0), layers) for b in bounds]
+        assert pipeline_split(layers, stages) == [b - a for a, b in zip(decoder_before, decoder_before[1:])]
+    assert pipeline_split(70, 12) == [5] + [6] * 10 + [5]  # BLOOM-176B (Megatron-DeepSpeed: 72 = 12 x 6 items)
+    assert pipeline_split(8, 4, 2) == [1] * 8
+
+
+# fleet's newer schedules, chosen through pipeline_parallel_config (paddle/distributed/fleet/model.py:140-162).
+SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers)
+    # pp4 x 2 virtual stages with 4 micro-batches (pp <= micro-batches < 2 pp) and PaddleNLP's option
+    "vpp-balanced": (4, dict(pipeline_parallel_degree=4, virtual_pp_degree=2,
+                             pipeline_parallel_config="best_unbalanced_scheduler"),
+                     "VPPFhenBInBalancedMemory", [[[s], [s + 4]] for s in range(4)]),
+}
+
+
+def test_fleet_schedules_train_like_one_process(uneven):
+    """Each schedule in its own launch (its pp_configs differ: fleet is initialized once per process)."""
+    files = {"llama": uneven / "llama.json"}
+    for name, (processes, overrides, _, _) in SCHEDULES.items():
+        run_launch(processes, [argv(files["llama"], uneven / name, **overrides)], uneven, name, timeout=900)
+    for name, (_, _, cls, layers) in SCHEDULES.items():
+        diffs = assert_same_training(uneven / "single" / "llama", uneven / name)
+        diffs["every_replica"] = assert_every_replica_matches(uneven / "single" / "llama", uneven / name)
+        print(f"{name} vs single-process llama: {diffs}")
+        schedule = run_record(uneven / name)["built"]["schedule"]
+        assert schedule["class"] == cls and schedule["chunk_layers"] == layers, (name, schedule)
