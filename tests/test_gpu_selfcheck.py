@@ -168,6 +168,6 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
         assert key in text, key
     (overflow,) = [r for r in runs if isinstance(r, dict)]
     assert overflow["inject_overflow"] == {"rank": 1, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
-    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; 4 of 4 processes),
-    # and the overflow row alone.
-    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 4, 4, 4, 4]
+    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2; 4 of 4
+    # processes), and the overflow row alone.
+    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4]
