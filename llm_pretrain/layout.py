@@ -518,3 +518,7 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if ep > 1 and layout.sharding_stage:
         raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
                          f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")
+    if layout.sequence_group_degree > 1:
+        raise UsageError("sep_parallel_degree/context_parallel_degree: not supported with a mixture-of-experts model "
+                         "yet (the router and its load-balancing loss would see 1/sep of each sequence; not "
+                         "tested); use 1")

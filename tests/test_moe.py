@@ -261,3 +261,27 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
     path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-tp2sd4_stage2.json"
     result = estimate(parse_arguments([str(path)])[0], 8, "A100-80G")
     assert result["peak_mem_reserved_mb"] < 0.9 * 80 * 1024
+
+
+def test_moe_refuses_the_layouts_it_cannot_honour_yet():
+    """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding, and
+    segment/context parallelism (the router would see part of each sequence)."""
+    from types import SimpleNamespace
+
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.layout import Layout, check_mixture_of_experts
+
+    config = ARCHITECTURES["mixtral-tiny"]
+    args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False)
+    check_mixture_of_experts(args, config, Layout(world_size=2, data_parallel_degree=2))  # accepted
+    cases = [
+        (args, Layout(world_size=2, pipeline_parallel_degree=2), "pipeline_parallel_degree: 2 is not supported"),
+        (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False),
+         Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
+         "sharding: stage1 cannot be combined with expert_parallel_degree 2"),
+        (args, Layout(world_size=2, sep_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
+        (args, Layout(world_size=2, context_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
+    ]
+    for case_args, layout, message in cases:
+        with pytest.raises(UsageError, match=message.replace("/", ".")):
+            check_mixture_of_experts(case_args, config, layout)
