@@ -233,13 +233,13 @@ def perturbed_replica_run(run: dict) -> dict:
     target = run["perturb_replica"]
     check = trainer.check_replicas
 
-    def perturbing_check(model, optimizer, layout, step):
+    def perturbing_check(model, optimizer, layout, step, **kwargs):
         if dist.get_rank() == target["rank"]:
             param = dict(model.canonical_named_parameters())[target["parameter"]]
             with paddle.no_grad():
                 param.set_value(param * (1 + 2**-20))
         try:
-            return check(model, optimizer, layout, step)
+            return check(model, optimizer, layout, step, **kwargs)
         except Exception as error:
             probe["replica_error"] = f"{type(error).__name__}: {error}"
             raise
