@@ -106,8 +106,8 @@ MUTATIONS = [
     # issue 28: five more mechanisms no test named
     Mutation("sp_gather_seq_major", "sequence parallelism's gather reads the tokens sequence-major ([seq, batch]) "
              "instead of batch-major as they were split", "models/parallel_layers.py",
-             "return GatherOp.apply(hidden).reshape([-1, config.seq_length, hidden.shape[-1]])",
-             "return GatherOp.apply(hidden).reshape([config.seq_length, -1, hidden.shape[-1]]).transpose([1, 0, 2])",
+             "return GatherOp.apply(hidden).reshape([-1, config.tokens_per_rank, hidden.shape[-1]])",
+             "return GatherOp.apply(hidden).reshape([config.tokens_per_rank, -1, hidden.shape[-1]]).transpose([1, 0, 2])",
              (TP4,)),
     Mutation("batch_offset_per_replica", "each data replica scales the global batch's first sample by the replica "
              "count (the samples change with the data-parallel degree)", "llm_pretrain/trainer.py",
@@ -115,8 +115,8 @@ MUTATIONS = [
              "start = first_sample * self.data_replicas + self.data_replica_rank * per_replica",
              ("tests/test_training.py::test_global_batches_read_the_same_samples_at_any_data_parallel_degree",)),
     Mutation("alibi_slopes_rank0", "every tensor-parallel rank takes the ALiBi slopes of rank 0's heads",
-             "models/decoder.py", "local = slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]",
-             "local = slopes[:self.num_heads]", (TP4_ALIBI,)),
+             "models/decoder.py", "first = tp_rank * self.num_heads + sep_rank * self.attention_heads",
+             "first = sep_rank * self.attention_heads", (TP4_ALIBI,)),
     Mutation("eval_offset_one_late", "the k-th evaluation reads the (k+1)-th run of eval_iters batches of the "
              "validation split", "llm_pretrain/trainer.py",
              "return max(step // args.effective_eval_steps - 1, 0) * args.eval_iters",
