@@ -3,6 +3,7 @@ the Megatron calibration, search and scripts/plan.py."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_gpu_memory_warning_wiring(monkeypatch):
 
     monkeypatch.setattr(preflight, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
-                        lambda i: SimpleNamespace(total_memory=40 * 2**30))
+                        lambda device=None: SimpleNamespace(total_memory=40 * 2**30))
     args, _ = parse_arguments([str(REPO_ROOT / "configs" / "llama" / "pretrain-llama_13b-tp2sd4_stage2.json"),
                                "--sharding", "", "--tensor_parallel_degree", "1"])
     layout = plan_layout(args, 1)
@@ -360,7 +361,7 @@ def test_bloom_176b_published_layout_validates_and_fits():
     """DP 8 x TP 4 x PP 12, ZeRO-1, 384 A100-80G, 70 layers (Le Scao et al. 2022): fleet's uniform split
     [5, 6 x 10, 5]; BigScience's training page reports ~60 GB used per GPU and about 150 TFLOP/s."""
     from llm_pretrain.arguments import Arguments, validate_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
     from llm_pretrain.planner.search import base_arguments
 
     values = dict(base_arguments("bigscience/bloom", 2048, "A100-80G"), recompute=True, recompute_granularity="full",
@@ -390,7 +391,7 @@ def test_paddlenlp_published_runs_fit_and_allocated_agrees():
     search's headroom; predicted allocated within 10 % of the published max_memory_allocated; reserved above
     allocated by less than the 2-3 GB the table reports for physical use (which adds the CUDA context)."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.planner import estimate
+    from llm_pretrain.planner.estimate import estimate
     from llm_pretrain.planner.search import DEFAULT_HEADROOM
 
     rows = paddlenlp_rows()
