@@ -98,7 +98,7 @@ def test_bad_split_is_one_line_before_fleet(embedded_corpus, tmp_path, monkeypat
     """A UsageError (printed as one `error:` line, exit 2, by run_pretrain: tests/test_strategy_validation.py)."""
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.trainer import train
+    from llm_pretrain.run_pretrain import run as train  # the preflight, then the trainer
 
     args_file = write_json(tmp_path / "args.json", base_arguments(embedded_corpus, tmp_path, **overrides))
     args, warnings = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])
