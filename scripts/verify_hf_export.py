@@ -1,6 +1,7 @@
 """Verify the Hugging Face export with loaders no one here wrote; writes benchmarks/hf_export_verification.md.
 
     python scripts/verify_hf_export.py [--venv .cache/hf-client-venv] [--out benchmarks/hf_export_verification.md]
+                                       [--cases mixtral qwen2_moe ...]
 
 For every exported family's tiny preset (random weights, every parameter non-trivial): train-state
 checkpoint written by llm_pretrain.checkpoint -> llm_pretrain.hf_export -> loaded by
@@ -152,7 +153,8 @@ def paddlenlp_logits(class_name: str, model_dir: str, work: str, input_ids: np.n
     return logits.numpy(), f"paddlenlp {paddlenlp.__version__} ({type(model).__name__}, convert_from_torch)"
 
 
-def run(venv: str, out_file: str) -> list[dict]:
+def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
+    """Every case of CASES (or those named in `only`; a case keeps its seed either way)."""
     import paddle
 
     from llm_pretrain.hf_export import export_hf
@@ -163,6 +165,8 @@ def run(venv: str, out_file: str) -> list[dict]:
     rng = np.random.default_rng(3)
     rows, jobs = [], []
     for seed, (case, preset, changes, how, paddlenlp_class, shard_bytes) in enumerate(CASES, start=11):
+        if only and case not in only:
+            continue
         config = ARCHITECTURES[preset].replace(**changes)
         path, model = make_checkpoint(work, case, config, seed)
         export_dir = os.path.join(work, case, "hf")
@@ -265,8 +269,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--venv", default=os.path.join(REPO, ".cache", "hf-client-venv"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "hf_export_verification.md"))
+    parser.add_argument("--cases", nargs="*", default=(), choices=[case[0] for case in CASES],
+                        help="only these cases (e.g. to check one family; the report then has only their rows)")
     args = parser.parse_args(argv)
-    rows = run(args.venv, args.out)
+    rows = run(args.venv, args.out, tuple(args.cases))
     for r in rows:
         print(f"{r['case']:22s} {r['client']:70s} {r['max_abs_diff']:.2e} {'ok' if r['ok'] else 'FAIL'}")
     return 0 if all(r["ok"] for r in rows) else 1
