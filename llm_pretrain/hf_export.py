@@ -21,9 +21,10 @@ transformers' save_pretrained writes:
 Which class, parameter names and config.json each family gets is in its record
 (models/families/<family>.py, `hugging_face`): LLaMA / Llama 3 / 3.1 -> LlamaForCausalLM,
 Qwen2 -> Qwen2ForCausalLM, GPT-3 -> GPT2LMHeadModel, Bloom -> BloomForCausalLM, Baichuan ->
-Baichuan's remote-code BaichuanForCausalLM (W_pack). Qwen v1 has no Hugging Face class (its
-published models run remote code with tiktoken) and is refused. A new family (Mixtral, Qwen2-MoE)
-exports once its record has a `hugging_face` entry.
+Baichuan's remote-code BaichuanForCausalLM (W_pack), Mixtral -> MixtralForCausalLM, Qwen2-MoE ->
+Qwen2MoeForCausalLM (experts one tensor each, as the hub's files). Qwen v1 has no Hugging Face class
+(its published models run remote code with tiktoken) and is refused. A new family exports once its
+record has a `hugging_face` entry.
 
 Memory: the file headers are computed from the checkpoint index alone; then each Hugging Face
 tensor is read (the slices of its parts, memory-mapped), converted and written before the next

@@ -292,6 +292,30 @@ def test_export_refuses_what_gpt2_cannot_express(change, refused):
     assert check_exportable(ARCHITECTURES["gpt3-tiny"]).class_name == "GPT2LMHeadModel"
 
 
+@pytest.mark.parametrize("preset, change, refused", [
+    ("mixtral-tiny", dict(norm_topk_prob=False), "MixtralForCausalLM cannot express a shared expert or unnormalized"),
+    ("mixtral-tiny", dict(shared_expert_intermediate_size=64), "MixtralForCausalLM cannot express a shared expert"),
+    ("mixtral-tiny", dict(moe_intermediate_size=32), "MixtralForCausalLM cannot express moe_intermediate_size"),
+    ("mixtral-tiny", dict(tie_word_embeddings=True), "MixtralForCausalLM cannot express tie_word_embeddings=True"),
+    ("qwen2-moe-tiny", dict(shared_expert_intermediate_size=0), "Qwen2MoeForCausalLM cannot express no shared expert"),
+    ("qwen2-moe-tiny", dict(qkv_bias=False), "Qwen2MoeForCausalLM cannot express qkv_bias=False"),
+])
+def test_export_refuses_what_the_moe_classes_cannot_express(preset, change, refused):
+    """Mixtral's class has no shared expert and always renormalizes its top-k weights; Qwen2-MoE's
+    always has a shared expert: a model the class would compute differently is refused, naming what."""
+    from llm_pretrain.hf_export import check_exportable
+
+    with pytest.raises(UsageError, match=refused):
+        check_exportable(ARCHITECTURES[preset].replace(**change))
+    assert check_exportable(ARCHITECTURES[preset]).class_name == refused.split()[0]
+
+
+def test_moe_refusal_is_one_line_exit_2(tmp_path, capsys):
+    path, _ = random_checkpoint(tmp_path, ARCHITECTURES["qwen2-moe-tiny"].replace(shared_expert_intermediate_size=0))
+    assert "Qwen2MoeForCausalLM cannot express no shared expert" in _error(capsys, [path, str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
 def test_last_save_in_hf_is_refused_before_any_work(embedded_corpus, tmp_path):
     """last_save_in_hf with save_steps 0 (no final checkpoint to export) and with a family without a
     Hugging Face class: one line, exit 2, from the preflight."""

@@ -25,8 +25,9 @@ attention for now", mixtral/modeling.py); so does this decoder (full causal atte
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
-from models.families.llama import is_hugging_face, read_rope_scaling
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
+    unsupported
+from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, read_rope_scaling
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", num_experts=8,
@@ -111,14 +112,19 @@ def config_json(c) -> dict:
     )
 
 
-def check_mixtral_class(c):
-    if c.rope_scaling:
-        return "rope_scaling: PaddleNLP 2.8.1's MixtralForCausalLM has none"
+def check_mixtral_experts(c):
+    """What both MixtralForCausalLM classes (PaddleNLP's, Hugging Face's) cannot express of our experts."""
     if c.shared_expert_intermediate_size or not c.norm_topk_prob:
         return "a shared expert or unnormalized top-k weights (Qwen2-MoE): MixtralForCausalLM has neither"
     if c.moe_intermediate_size not in (None, c.intermediate_size):
         return "moe_intermediate_size differs from intermediate_size: MixtralForCausalLM's experts are intermediate_size wide"
     return None
+
+
+def check_mixtral_class(c):
+    if c.rope_scaling:
+        return "rope_scaling: PaddleNLP 2.8.1's MixtralForCausalLM has none"
+    return check_mixtral_experts(c)
 
 
 MIXTRAL_CLASS = PaddleNLPClass(
@@ -127,6 +133,28 @@ MIXTRAL_CLASS = PaddleNLPClass(
                   qkv_bias=False, embedding_layernorm=False, tie_word_embeddings=False, norm_head=False),
     export_table=lambda config: mixtral_table(config), import_table=import_table, config_json=config_json,
     check=check_mixtral_class,
+)
+
+
+# ----------------------------------------------------------------------------- Hugging Face (export)
+def hf_mixtral_config(c) -> dict:
+    """config.json of transformers' MixtralForCausalLM (MixtralConfig's keys). output_router_logits: its
+    forward with labels adds the load-balancing loss, as our training does whenever router_aux_loss_coef > 0."""
+    config = hf_llama_config(c, "MixtralForCausalLM", "mixtral")
+    for key in ("pretraining_tp", "attention_bias", "mlp_bias"):  # not MixtralConfig keys
+        del config[key]
+    return {**config, "num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+            "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": c.router_aux_loss_coef > 0,
+            "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+# The import reads the same names back (import_table: "model." names are Hugging Face's); transformers 5
+# stacks the experts in memory (MixtralExperts.gate_up_proj) but reads and writes the hub's per-expert
+# w1 / w3 / w2 (its conversion_mapping.py "mixtral" entry), which is what this table writes.
+HF_MIXTRAL_CLASS = HuggingFaceClass(
+    class_name="MixtralForCausalLM", model_type="mixtral", requires={**HF_LLAMA_REQUIRES, "tie_word_embeddings": False},
+    table=lambda c: mixtral_table(c, "model.", transpose=True), config_json=hf_mixtral_config,
+    check=check_mixtral_experts,  # rope_scaling it has (rope_parameters; hf_llama_config writes it)
 )
 
 
@@ -142,7 +170,7 @@ FAMILY = Family(
     name="mixtral", switches=SWITCHES,
     scaled_output_init=True,  # MixtralPretrainedModel._init_weights scales o_proj and every expert's w2
     architectures=ARCHITECTURES, tiny="mixtral-tiny", model_types=("mixtral",), read_config=read_config,
-    paddlenlp=MIXTRAL_CLASS,
+    paddlenlp=MIXTRAL_CLASS, hugging_face=HF_MIXTRAL_CLASS,
     reference_cases={
         "mixtral": ReferenceCase("MixtralForCausalLM", "MixtralConfig", reference_kwargs(),
                                  _config(**reference_sizes(kv_heads=2, inner=88), norm_eps=1e-5, rope_theta=1e6,

@@ -29,9 +29,11 @@ Face's model.safetensors ("model." names, PyTorch's [out, in]).
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
+    unsupported
 from models.families.llama import is_hugging_face, read_rope_scaling
 from models.families.mixtral import reference_kwargs
+from models.families.qwen2 import HF_QWEN2_CLASS, hf_qwen2_config
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True,
@@ -118,6 +120,34 @@ def config_json(c) -> dict:
     )
 
 
+# ----------------------------------------------------------------------------- Hugging Face (export)
+def hf_qwen2_moe_config(c) -> dict:
+    """config.json of transformers' Qwen2MoeForCausalLM (Qwen2MoeConfig's keys): Qwen2's and the experts'.
+    Every layer sparse (decoder_sparse_step 1, no mlp_only_layers), as this family's decoder is."""
+    config = hf_qwen2_config(c)
+    config.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", qkv_bias=True,
+                  moe_intermediate_size=c.expert_intermediate_size,
+                  shared_expert_intermediate_size=c.shared_expert_intermediate_size, num_experts=c.num_experts,
+                  num_experts_per_tok=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=c.router_aux_loss_coef,
+                  output_router_logits=c.router_aux_loss_coef > 0)
+    return config
+
+
+def check_hf_qwen2_moe_class(c):
+    if not c.shared_expert_intermediate_size:
+        return "no shared expert: Qwen2MoeForCausalLM always has one (shared_expert_intermediate_size > 0)"
+    return None
+
+
+# As Mixtral's: the import reads these names back; transformers 5 stacks the experts in memory but reads and
+# writes per-expert gate_proj / up_proj / down_proj (its conversion_mapping.py "qwen2_moe" entry).
+HF_QWEN2_MOE_CLASS = HuggingFaceClass(
+    class_name="Qwen2MoeForCausalLM", model_type="qwen2_moe", requires=HF_QWEN2_CLASS.requires,
+    table=lambda c: qwen2_moe_table(c, "model.", transpose=True), config_json=hf_qwen2_moe_config,
+    check=check_hf_qwen2_moe_class,
+)
+
 FAMILY = Family(
     name="qwen2_moe", switches=SWITCHES,
     scaled_output_init=True,  # as Qwen2 (LLaMA's initialization; the experts' down_proj too)
@@ -128,6 +158,7 @@ FAMILY = Family(
                       linear_bias=False, embedding_layernorm=False, norm_head=False),
         export_table=lambda config: qwen2_moe_table(config), import_table=import_table, config_json=config_json,
     ),
+    hugging_face=HF_QWEN2_MOE_CLASS,
     reference_cases={
         # PaddleNLP 2.8.1's MixtralForCausalLM given what Qwen2-MoE adds (tests/test_reference_parity.py):
         # q/k/v biases, a shared expert (width 64) behind a sigmoid gate, top-k weights not renormalized.
