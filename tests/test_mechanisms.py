@@ -15,7 +15,8 @@ computes the same numbers). These tests train through the real trainer with prob
           the real-size preset's large parameters are sliced in two and the peak drops below
           stage 2's; recompute in every family
     pp4   1F1B and interleaved schedule classes, chunks per rank, the order in which the
-          interleaved schedule runs micro-batches through the chunks; pipeline recompute
+          interleaved schedule runs micro-batches through the chunks, each schedule's order of
+          forwards and backwards per chunk on every stage; pipeline recompute
           (PipelineLayer's recompute_interval) in every family
 
 The run record ("built" in train_log.jsonl) is checked against the same facts: it is read
@@ -34,6 +35,7 @@ from models.families import FAMILIES as FAMILY_RECORDS
 # every dense family, Qwen2 included; the mixture-of-experts ones have their own (tests/test_expert_parallel.py)
 FAMILIES = tuple(name for name, family in FAMILY_RECORDS.items() if not family.architectures[family.tiny].is_moe)
 from parity_utils import argv, base_arguments, run_record, summary_records, write_json
+import schedule_orders
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
 GRANULARITIES = ("full", "full_attn", "core_attn")
@@ -249,6 +251,13 @@ def test_pipeline_schedules_and_recompute_under_pp4(mech):
             "recompute_granularity": granularity, "pp_recompute_interval": 1})
     ranks = mech.launch(4, "pp4", runs)
     for stage in range(4):
+        # The schedule's order of forwards and backwards (fleet's _forward_step / _backward_step, per chunk):
+        # 1F1B warms up with 3 - stage forwards then alternates; interleaved goes through the chunks in
+        # groups of 4 micro-batches, backwards in reverse chunk order.
+        order = schedule_orders.first_step(ranks[stage]["llama-1f1b"]["schedule_order"], 8)
+        assert order == schedule_orders.one_f_one_b(stage, 4, 8), f"1F1B stage {stage}: {order}"
+        order = schedule_orders.first_step(ranks[stage]["llama-interleaved"]["schedule_order"], 8, 2)
+        assert order == schedule_orders.interleaved(stage, 4, 2, 8), f"interleaved stage {stage}: {order}"
         forward = ranks[stage]["llama-1f1b"]["calls"]["forward"]
         assert forward == [2 * stage, 2 * stage + 1] * 8, f"1F1B stage {stage}: {forward}"
         assert_recomputed(ranks[stage]["gpt3-1f1b-recompute"]["calls"], "full", [2 * stage, 2 * stage + 1],

@@ -9,18 +9,24 @@ split ignored, fleet's even split or a refusal would show). Two launches:
     3 processes  pp3 over 8 layers (automatic: fleet's uniform split as PaddleNLP, [2, 4, 2]); pp3 over
                  4 layers ([1, 2, 1]); gpt3-tiny pp3 (tied head across three stages); resume under pp3
                  of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1)
+
+and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory), through the mechanism probes:
+parity, the schedule class, and each stage's order of forwards and backwards per chunk.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from launch_utils import REPO_ROOT, launch
 from llm_pretrain.layout import paddle_has_deep_ep
 from parity_utils import (
     argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
     run_single, write_json,
 )
+from schedule_orders import first_step, fthenb_balanced, interleaved
 
+MECHANISM_WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
 MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"}}
 PP2, PP3 = {"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 3}
 # 8 micro-batches of 1 (the same 8 samples per step): at least 2 x pp, fleet's PipelineParallelWithInterleave
@@ -126,22 +132,43 @@ def test_automatic_split_is_fleets_uniform_segmentation():
 
 
 # fleet's newer schedules, chosen through pipeline_parallel_config (paddle/distributed/fleet/model.py:140-162).
-SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers)
+SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers, expected order of stage s)
     # pp4 x 2 virtual stages with 4 micro-batches (pp <= micro-batches < 2 pp) and PaddleNLP's option
     "vpp-balanced": (4, dict(pipeline_parallel_degree=4, virtual_pp_degree=2,
                              pipeline_parallel_config="best_unbalanced_scheduler"),
-                     "VPPFhenBInBalancedMemory", [[[s], [s + 4]] for s in range(4)]),
+                     "VPPFhenBInBalancedMemory", [[[s], [s + 4]] for s in range(4)],
+                     lambda stage: fthenb_balanced(stage, 4, 2, 4)),
 }
 
 
 def test_fleet_schedules_train_like_one_process(uneven):
-    """Each schedule in its own launch (its pp_configs differ: fleet is initialized once per process)."""
+    """Each schedule in its own launch (its pp_configs differ: fleet is initialized once per process),
+    through the mechanism probes (tests/workers/mechanism_runs.py), which record each stage's order of
+    forwards and backwards per chunk."""
     files = {"llama": uneven / "llama.json"}
-    for name, (processes, overrides, _, _) in SCHEDULES.items():
-        run_launch(processes, [argv(files["llama"], uneven / name, **overrides)], uneven, name, timeout=900)
-    for name, (_, _, cls, layers) in SCHEDULES.items():
+    observed = {}
+    for name, (processes, overrides, _, _, _) in SCHEDULES.items():
+        spec = write_json(uneven / f"{name}.runs.json",
+                          [{"name": name, "argv": argv(files["llama"], uneven / name, **overrides)}])
+        result = launch(MECHANISM_WORKER, processes, [str(spec)], log_dir=uneven / f"{name}.log", timeout=900)
+        observed[name] = result.check().results()
+    for name, (processes, _, cls, layers, expected_order) in SCHEDULES.items():
+        # The order first: forcing another schedule class (without best_unbalanced_scheduler fleet builds
+        # PipelineParallelWithInterleaveFthenB, all forwards then all backwards) fails here.
+        for stage in range(processes):
+            order = first_step(observed[name][stage][name]["schedule_order"], 4, 2)
+            assert order == expected_order(stage), f"{name} stage {stage}: {order}"
         diffs = assert_same_training(uneven / "single" / "llama", uneven / name)
         diffs["every_replica"] = assert_every_replica_matches(uneven / "single" / "llama", uneven / name)
         print(f"{name} vs single-process llama: {diffs}")
         schedule = run_record(uneven / name)["built"]["schedule"]
         assert schedule["class"] == cls and schedule["chunk_layers"] == layers, (name, schedule)
+
+
+def test_schedule_orders_tell_the_schedules_apart():
+    """The expected orders (tests/schedule_orders.py) differ where the test above reads them: at 4
+    micro-batches over pp4 x 2, VPPFhenBInBalancedMemory differs from plain FthenB on stages 1-3 and
+    from the interleaved order on stages 1-2 (stages 0 and 3 coincide there)."""
+    fthenb = ["F0"] * 4 + ["F1"] * 4 + ["B1"] * 4 + ["B0"] * 4
+    assert [fthenb_balanced(s, 4, 2, 4) != fthenb for s in range(4)] == [False, True, True, True]
+    assert [fthenb_balanced(s, 4, 2, 4) != interleaved(s, 4, 2, 4) for s in range(4)] == [False, True, True, False]

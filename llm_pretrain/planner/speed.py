@@ -236,19 +236,55 @@ def megatron_table1_rows() -> list[dict]:
 def megatron_row_setup(row: dict, micro_batch: int = 1) -> tuple[Setup, Cluster]:
     """A Megatron Table 1 row as a Setup: GPT (GELU 4h MLP, learned positions, tied head), fp16, full
     recompute, 1F1B (the table gives neither micro-batch size nor interleaving: micro-batch 1, no vpp)."""
+    tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
+    dp = gpus // (tp * pp)
+    return published_gpt_setup(int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"]), tp, pp,
+                               micro_batch, int(row["global_batch_size"]) // (dp * micro_batch), dp=dp)
+
+
+def published_gpt_setup(hidden: int, layers: int, heads: int, tp: int, pp: int, micro_batch: int, accumulation: int,
+                        dp: int = 1, vpp: int = 1, recompute_granularity: str | None = "full",
+                        sequence_parallel: bool = False) -> tuple[Setup, Cluster]:
+    """The GPT of NVIDIA's papers (GELU 4h MLP, learned positions, tied head, vocab 51,200, seq 2048) in
+    fp16 on A100-80GB DGX nodes; recompute_granularity None: no recompute."""
     from llm_pretrain.planner.memory import Precision
     from models.registry import make_config
 
-    h, layers, heads = int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"])
-    tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
-    dp = gpus // (tp * pp)
-    config = make_config("gpt3", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                         intermediate_size=4 * h, vocab_size=51200, max_position_embeddings=2048, seq_length=2048,
-                         tensor_parallel_degree=tp, recompute=True, recompute_granularity="full")
-    accumulation = int(row["global_batch_size"]) // (dp * micro_batch)
-    setup = Setup(config, micro_batch, accumulation, tp=tp, pp=pp, dp=dp,
+    config = make_config("gpt3", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=4 * hidden, vocab_size=51200, max_position_embeddings=2048, seq_length=2048,
+                         tensor_parallel_degree=tp, sequence_parallel=sequence_parallel,
+                         recompute=recompute_granularity is not None,
+                         recompute_granularity=recompute_granularity or "full")
+    setup = Setup(config, micro_batch, accumulation, tp=tp, pp=pp, vpp=vpp, dp=dp,
                   precision=Precision("fp16", "O2", master_grad=True))
     return setup, Cluster("A100-80G")
+
+
+# Korthikanti et al. 2022's recompute timings (data/README.md): a check of the recompute terms, not fitted on.
+KORTHIKANTI_LAYER_OVERHEADS = Path(__file__).resolve().parent / "data" / "korthikanti_layer_overheads.csv"
+KORTHIKANTI_END_TO_END = Path(__file__).resolve().parent / "data" / "korthikanti_end_to_end.csv"
+
+
+def korthikanti_rows(path: Path) -> list[dict]:
+    """The rows of one of the KORTHIKANTI_* tables (strings), without its '#' source lines."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def korthikanti_setup(row: dict, recompute_granularity: str | None, sequence_parallel: bool) -> tuple[Setup, Cluster]:
+    """A row of KORTHIKANTI_END_TO_END (its Table 3 configuration: no data parallelism) as a Setup."""
+    micro = int(row["micro_batch_size"])
+    return published_gpt_setup(int(row["hidden_size"]), int(row["layers"]), int(row["attention_heads"]),
+                               int(row["tensor_parallel"]), int(row["pipeline_parallel"]), micro,
+                               int(row["global_batch_size"]) // micro, vpp=int(row["virtual_pipeline"]),
+                               recompute_granularity=recompute_granularity, sequence_parallel=sequence_parallel)
+
+
+def layer_time(setup: Setup, cluster: Cluster) -> float:
+    """Seconds of the decoder layers' work in a step: compute and tensor-parallel collectives, the part
+    that recompute lengthens (Korthikanti et al.'s Table 4 times one layer's forward + backward)."""
+    terms = step_time(setup, cluster, overlap_gradient_comm=False)["terms"]
+    return terms["compute"] + terms["tensor-parallel communication"]
 
 
 def megatron_tflops(setup: Setup, cluster: Cluster) -> float:

@@ -22,6 +22,9 @@ Before the runs, this worker wraps (counting, then calling the original):
     models.ring_attention.ring_pass
                        context parallelism's ring steps: calls from the ring attention's forward and
                        backward, with the shapes of the tensors passed
+    fleet's PipelineParallel._forward_step / _backward_step (every pipeline schedule class runs each
+                       micro-batch's forward and backward of each chunk through them)
+                       the order of a rank's forwards and backwards in training, "F<chunk>" / "B<chunk>"
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
@@ -53,7 +56,7 @@ def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
                  grad_fingerprints=[], built=None, kv_heads={}, all_to_all=defaultdict(list),
-                 ring=defaultdict(list))
+                 ring=defaultdict(list), schedule_order=[])
 
 
 def counting(owner, method):
@@ -136,6 +139,26 @@ def watch_ring():
     ring_attention.ring_pass = counted
 
 
+def watch_pipeline_schedule():
+    """Record "F<chunk>" / "B<chunk>" for each training forward / backward step fleet's schedule runs on
+    this rank (chunk: the virtual stage; 0 without interleaving). Evaluation (forward only) is left out."""
+    import inspect
+
+    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import PipelineParallel
+
+    for method, kind in (("_forward_step", "F"), ("_backward_step", "B")):
+        original = getattr(PipelineParallel, method)
+        signature = inspect.signature(original)
+
+        def recorded(self, *args, _original=original, _kind=kind, _signature=signature, **kwargs):
+            if not getattr(self, "_forward_only", False):
+                chunk = _signature.bind(self, *args, **kwargs).arguments.get("chunk_id")
+                probe["schedule_order"].append(f"{_kind}{chunk or 0}")
+            return _original(self, *args, **kwargs)
+
+        setattr(PipelineParallel, method, recorded)
+
+
 def grad_fingerprint(model) -> float | None:
     """Sum of one decoder weight's gradient (None before the first backward of a step)."""
     try:
@@ -210,6 +233,7 @@ def observations() -> dict:
         "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
         "all_to_all": {k: v for k, v in probe["all_to_all"].items()},
         "ring": {k: v for k, v in probe["ring"].items()},
+        "schedule_order": probe["schedule_order"],
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
         "model_parameters": parameter_count(inner.config),
@@ -262,6 +286,7 @@ if __name__ == "__main__":
     watch_kv_heads()
     watch_all_to_all()
     watch_ring()
+    watch_pipeline_schedule()
     watch_data_parallel()
     catch_built_run()
     with open(sys.argv[1]) as f:
