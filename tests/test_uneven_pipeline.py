@@ -138,6 +138,11 @@ SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers, ex
                              pipeline_parallel_config="best_unbalanced_scheduler"),
                      "VPPFhenBInBalancedMemory", [[[s], [s + 4]] for s in range(4)],
                      lambda stage: fthenb_balanced(stage, 4, 2, 4)),
+    # the same without the option: fleet's PipelineParallelWithInterleaveFthenB (model.py:153-163), every
+    # micro-batch forward through both chunks, then every backward
+    "vpp-fthenb": (4, dict(pipeline_parallel_degree=4, virtual_pp_degree=2),
+                   "PipelineParallelWithInterleaveFthenB", [[[s], [s + 4]] for s in range(4)],
+                   lambda stage: ["F0"] * 4 + ["F1"] * 4 + ["B1"] * 4 + ["B0"] * 4),
 }
 
 
