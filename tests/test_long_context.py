@@ -20,6 +20,10 @@ accumulation steps of one process).
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2, sep2 x stage-1 sharding 2; cp2 x tp2 (+SP), cp2 x dp2, cp2 x stage-1
                         sharding 2; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+    4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
+                        (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
+                        every layer of both stages, ring / all-to-all steps counted
+    8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction
@@ -224,15 +228,6 @@ def test_pipeline_with_cp2_and_sep2(runs):
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 4,
                     [str(write_json(runs.work / "pp2.runs.json", spec))], log_dir=runs.work / "pp2.log",
                     timeout=1800).check()
-    runs.check([("llama-cp2pp2", "llama"), ("bloom-cp2pp2", "bloom"), ("gpt3-cp2pp2-recompute", "gpt3"),
-                ("llama-sep2pp2", "llama")])
-    ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
-    assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
-    assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
-    record = run_record(runs.out("bloom-cp2pp2"))
-    assert record["strategy"] == "pp2cp2" and record["global_batch_size"] == 8
-    assert run_record(runs.out("llama-sep2pp2"))["strategy"] == "pp2sep2"
-
     steps, micro_batches, layers_per_stage = 5, 4, 4
     calls = steps * micro_batches * layers_per_stage
     ranks = result.results()
@@ -256,3 +251,38 @@ def test_pipeline_with_cp2_and_sep2(runs):
         assert not observed["llama-sep2pp2"]["ring"] and not observed["llama-cp2pp2"]["all_to_all"]
         to_heads = observed["llama-sep2pp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
+    runs.check([("llama-cp2pp2", "llama"), ("bloom-cp2pp2", "bloom"), ("gpt3-cp2pp2-recompute", "gpt3"),
+                ("llama-sep2pp2", "llama")])
+    ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
+    assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
+    assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+    record = run_record(runs.out("bloom-cp2pp2"))
+    assert record["strategy"] == "pp2cp2" and record["global_batch_size"] == 8
+    assert run_record(runs.out("llama-sep2pp2"))["strategy"] == "pp2sep2"
+
+
+def test_interleaved_pipeline_with_cp2_and_sep2(runs):
+    """8 processes, pp4 x cp2 and pp4 x sep2 with 2 virtual stages (fleet's interleaved schedule needs
+    pp > 2; 8 micro-batches of 1 = 2 x pp, so PipelineParallelWithInterleave runs, not its FthenB
+    variant): LLaMA under cp2, Bloom (ALiBi, tied embedding) under sep2, each chunk of one layer
+    receiving 16 of the 32 tokens from the previous stage."""
+    interleaved = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "per_device_train_batch_size": 1,
+                   "gradient_accumulation_steps": 8}
+    spec = [{"name": "llama-cp2pp4vpp2", "argv": runs.run("llama-cp2pp4vpp2", **CP2, **interleaved)},
+            {"name": "bloom-sep2pp4vpp2", "argv": runs.run("bloom-sep2pp4vpp2", "bloom", **SEP2, **interleaved)}]
+    result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 8,
+                    [str(write_json(runs.work / "pp4vpp2.runs.json", spec))], log_dir=runs.work / "pp4vpp2.log",
+                    timeout=1800).check()
+    calls = 5 * 8 * 2  # steps x micro-batches x layers (chunks of one layer) per rank
+    for rank, observed in result.results().items():
+        for name, seen in observed.items():
+            shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+            assert shapes == {(1, 16, 64)}, f"rank {rank} {name}: hidden states entering its layers {shapes}"
+            assert "PipelineParallelWithInterleave" in seen["model_classes"]
+        ring = observed["llama-cp2pp4vpp2"]["ring"]
+        assert len(ring.get("forward", [])) == calls and len(ring.get("backward", [])) == 2 * calls
+        to_heads = observed["bloom-sep2pp4vpp2"]["all_to_all"]
+        assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
+    runs.check([("llama-cp2pp4vpp2", "llama"), ("bloom-sep2pp4vpp2", "bloom")])
+    assert run_record(runs.out("llama-cp2pp4vpp2"))["strategy"] == "pp4vpp2cp2"
+    assert run_record(runs.out("bloom-sep2pp4vpp2"))["strategy"] == "pp4vpp2sep2"
