@@ -258,6 +258,8 @@ def test_pipeline_with_cp2_and_sep2(runs):
     assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
     record = run_record(runs.out("bloom-cp2pp2"))
     assert record["strategy"] == "pp2cp2" and record["global_batch_size"] == 8
+    assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],
+                                                   "model_wrappers": ["PipelineParallel"]}
     assert run_record(runs.out("llama-sep2pp2"))["strategy"] == "pp2sep2"
 
 
