@@ -297,10 +297,9 @@ def check_segment_parallel(args: Arguments, config: ModelConfig, layout: Layout)
         raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / sep_parallel_degree = "
                          f"{args.per_device_train_batch_size * args.max_seq_length // sep} must be divisible by "
                          f"tensor_parallel_degree {tp}")
-    if layout.pipeline_parallel_degree > 1:
-        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_degree "
-                         f"{layout.pipeline_parallel_degree} yet (not proven against one process); use tp, dp or stage-1 "
-                         "sharding with sep")
+    if layout.dualpipev:
+        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_config use_dualpipev "
+                         "(not proven against one process); use the 1F1B or interleaved pipeline")
     if layout.sharding_stage in (2, 3):
         raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with sharding stage{layout.sharding_stage} "
                          "(the group-sharded wrapper does not sum gradients over the sep group); use stage1")
@@ -327,9 +326,9 @@ def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if config.attention_probs_dropout_prob:
         raise UsageError(f"attention_probs_dropout_prob: {config.attention_probs_dropout_prob} is not supported with "
                          "context_parallel_degree > 1 (ring attention has no attention dropout); set it to 0")
-    if layout.pipeline_parallel_degree > 1:
-        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_degree "
-                         f"{layout.pipeline_parallel_degree} yet (not proven against one process)")
+    if layout.dualpipev:
+        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_config "
+                         "use_dualpipev (not proven against one process); use the 1F1B or interleaved pipeline")
     if layout.sharding_stage in (2, 3):
         raise UsageError(f"context_parallel_degree: {cp} cannot be combined with sharding stage{layout.sharding_stage} "
                          "(the group-sharded wrapper does not sum gradients over the context-parallel group); use stage1")

@@ -116,6 +116,9 @@ class Embeddings(nn.Layer):
         return self.word_embeddings.weight
 
     def forward(self, input_ids):
+        # Segment / context parallelism: this rank's part of every sequence (whole sequences come in,
+        # in one process as in the pipeline's first stage; the loss splits the labels alike).
+        input_ids = pl.split_segment(self.config, input_ids)
         hidden = self.word_embeddings(input_ids)
         if self.config.position_embedding == "learned":
             positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
@@ -417,7 +420,7 @@ class CausalLM(nn.Layer):
         self.router_metrics = RouterMetrics(config) if config.is_moe else None
 
     def forward(self, input_ids, labels=None):
-        hidden = self.embeddings(pl.split_segment(self.config, input_ids))
+        hidden = self.embeddings(input_ids)
         router_stats = []
         for layer in self.layers:
             if layer._recompute("full"):

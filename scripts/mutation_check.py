@@ -43,6 +43,7 @@ TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_s
 ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
+LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 
 
 @dataclass
@@ -128,6 +129,17 @@ MUTATIONS = [
              "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
              "dist.all_reduce(sliced, group=clip._group)", "pass",
              ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
+    # issue 22: sep / cp under the pipeline
+    Mutation("pipeline_without_sep_cp", "the pipeline model built without sep/cp (fleet's sep group still there: "
+             "every rank of it computes whole sequences)", "llm_pretrain/trainer.py",
+             "return CausalLMPipeline(config, layout.virtual_pp_degree,",
+             "return CausalLMPipeline(config.replace(sep_parallel_degree=1, context_parallel_degree=1), "
+             "layout.virtual_pp_degree,", (LONG_PP2,)),
+    Mutation("pipeline_loss_not_gathered", "the pipeline's last stage takes the loss of its own chunk of each "
+             "sequence (not gathered over the sep group)", "models/pipeline.py",
+             "return causal_lm_loss(self.config, logits, labels)",
+             "return pl.cross_entropy_per_token(self.config, logits, pl.split_segment(self.config, labels)).mean()",
+             (LONG_PP2,)),
 ]
 
 

@@ -20,6 +20,10 @@ accumulation steps of one process).
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2, sep2 x stage-1 sharding 2; cp2 x tp2 (+SP), cp2 x dp2, cp2 x stage-1
                         sharding 2; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+    4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
+                        (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
+                        every layer of both stages, ring / all-to-all steps counted
+    8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction
@@ -32,6 +36,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+import json
 
 from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES
@@ -46,6 +52,8 @@ MODELS = tuple(name for name, family in FAMILIES.items() if not family.architect
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 STOP = 3  # resume pairs stop after this step
+# Two evaluations of 2 batches of 4 (the pipeline runs each as 4 training-sized micro-batches of 2).
+EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
 
 
 class Runs:
@@ -77,6 +85,7 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
+    references.append(argv(setup.files["llama"], setup.reference("llama-eval"), **EVALUATION))
     run_single(references, setup.work, "single")
     return setup
 
@@ -193,3 +202,89 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     before_step = [[value for kind, value in ranks[r]["cp2"]["grad_fingerprints"] if kind == "step"][0] for r in (0, 1)]
     assert before_step[0] != pytest.approx(before_step[1], rel=1e-6), "gradients equal before the cp reduction"
     assert run_record(tmp_path / "cp2")["built"]["context_parallel"]["chunks_of_2cp"] == [0, 3]
+
+
+def eval_losses(output_dir: Path) -> list[tuple]:
+    with open(output_dir / "train_log.jsonl", encoding="utf-8") as f:
+        return [(r["split"], r["step"], r["loss"]) for r in map(json.loads, f) if r["event"] == "eval"]
+
+
+def test_pipeline_with_cp2_and_sep2(runs):
+    """4 processes, pp2 x cp2 and pp2 x sep2 (fleet's 1F1B pipeline over the sep group), in one launch of
+    the mechanism worker, so that each training is both compared with one process and watched:
+    LLaMA (global RoPE positions; also evaluates), Bloom (ALiBi, tied embedding on both pipeline ends),
+    GPT-3 (learned positions; full recompute of 2-layer segments, the ring again in backward), and
+    LLaMA under sep2. The first stage splits the token ids, the last stage splits the labels and
+    gathers the chunks' losses (models/decoder.py Embeddings, causal_lm_loss); between the stages
+    each rank sends its own 16 of the 32 tokens (the hidden states entering every layer, stage 1's
+    first layer's being what the p2p brought); the ring (cp) and the all-to-all (sep) run in
+    forward and backward on every stage."""
+    pp2 = {"pipeline_parallel_degree": 2}
+    spec = [{"name": "llama-cp2pp2", "argv": runs.run("llama-cp2pp2", **CP2, **pp2, **EVALUATION)},
+            {"name": "bloom-cp2pp2", "argv": runs.run("bloom-cp2pp2", "bloom", **CP2, **pp2)},
+            {"name": "gpt3-cp2pp2-recompute", "argv": runs.run("gpt3-cp2pp2-recompute", "gpt3", **CP2, **pp2,
+                                                                  recompute=True, pp_recompute_interval=2)},
+            {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", **SEP2, **pp2)}]
+    result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 4,
+                    [str(write_json(runs.work / "pp2.runs.json", spec))], log_dir=runs.work / "pp2.log",
+                    timeout=1800).check()
+    steps, micro_batches, layers_per_stage = 5, 4, 4
+    calls = steps * micro_batches * layers_per_stage
+    ranks = result.results()
+    for rank, observed in ranks.items():
+        for name, seen in observed.items():
+            shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+            assert shapes == {(2, 16, 64)}, f"rank {rank} {name}: hidden states entering its layers {shapes}"
+            assert len(seen["decoder_input_shapes"]) == layers_per_stage
+            assert "PipelineParallel" in seen["model_classes"]
+        first_stage = "0" in observed["bloom-cp2pp2"]["decoder_input_shapes"]  # holds decoder layer 0
+        kv = [[2, 16, 4, 16]] * 2  # Bloom: k and v of 16 tokens, 4 heads of 16 (no grouped kv heads)
+        ring = observed["bloom-cp2pp2"]["ring"]
+        assert ring.get("forward") == [kv] * calls and ring.get("backward") == [kv + kv, kv] * calls, \
+            f"rank {rank}: ring passes {[(k, len(v)) for k, v in ring.items()]}"
+        # Full recompute: each layer's forward runs again in backward, but for layer 0 (in one segment
+        # with the embedding, whose input needs no gradient: PipelineLayer does not recompute it).
+        ring = observed["gpt3-cp2pp2-recompute"]["ring"]
+        assert len(ring.get("forward", [])) == 2 * calls - (steps * micro_batches if first_stage else 0), \
+            f"rank {rank}: {len(ring.get('forward', []))} forward ring passes"
+        assert len(ring.get("backward", [])) == 2 * calls
+        assert not observed["llama-sep2pp2"]["ring"] and not observed["llama-cp2pp2"]["all_to_all"]
+        to_heads = observed["llama-sep2pp2"]["all_to_all"]
+        assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
+    runs.check([("llama-cp2pp2", "llama"), ("bloom-cp2pp2", "bloom"), ("gpt3-cp2pp2-recompute", "gpt3"),
+                ("llama-sep2pp2", "llama")])
+    ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
+    assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
+    assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+    record = run_record(runs.out("bloom-cp2pp2"))
+    assert record["strategy"] == "pp2cp2" and record["global_batch_size"] == 8
+    assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],
+                                                   "model_wrappers": ["PipelineParallel"]}
+    assert run_record(runs.out("llama-sep2pp2"))["strategy"] == "pp2sep2"
+
+
+def test_interleaved_pipeline_with_cp2_and_sep2(runs):
+    """8 processes, pp4 x cp2 and pp4 x sep2 with 2 virtual stages (fleet's interleaved schedule needs
+    pp > 2; 8 micro-batches of 1 = 2 x pp, so PipelineParallelWithInterleave runs, not its FthenB
+    variant): LLaMA under cp2, Bloom (ALiBi, tied embedding) under sep2, each chunk of one layer
+    receiving 16 of the 32 tokens from the previous stage."""
+    interleaved = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "per_device_train_batch_size": 1,
+                   "gradient_accumulation_steps": 8}
+    spec = [{"name": "llama-cp2pp4vpp2", "argv": runs.run("llama-cp2pp4vpp2", **CP2, **interleaved)},
+            {"name": "bloom-sep2pp4vpp2", "argv": runs.run("bloom-sep2pp4vpp2", "bloom", **SEP2, **interleaved)}]
+    result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 8,
+                    [str(write_json(runs.work / "pp4vpp2.runs.json", spec))], log_dir=runs.work / "pp4vpp2.log",
+                    timeout=1800).check()
+    calls = 5 * 8 * 2  # steps x micro-batches x layers (chunks of one layer) per rank
+    for rank, observed in result.results().items():
+        for name, seen in observed.items():
+            shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+            assert shapes == {(1, 16, 64)}, f"rank {rank} {name}: hidden states entering its layers {shapes}"
+            assert "PipelineParallelWithInterleave" in seen["model_classes"]
+        ring = observed["llama-cp2pp4vpp2"]["ring"]
+        assert len(ring.get("forward", [])) == calls and len(ring.get("backward", [])) == 2 * calls
+        to_heads = observed["bloom-sep2pp4vpp2"]["all_to_all"]
+        assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
+    runs.check([("llama-cp2pp4vpp2", "llama"), ("bloom-sep2pp4vpp2", "bloom")])
+    assert run_record(runs.out("llama-cp2pp4vpp2"))["strategy"] == "pp4vpp2cp2"
+    assert run_record(runs.out("bloom-sep2pp4vpp2"))["strategy"] == "pp4vpp2sep2"
