@@ -22,6 +22,7 @@ supported (refused by llm_pretrain/layout.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import paddle
@@ -102,7 +103,7 @@ class PlainBlocks:
         grad_probs = paddle.matmul(grad_out, _repeat_heads(v, groups), transpose_y=True)
         del grad_out
         grad_scores = probs * (grad_probs - delta)
-        del probs, grad_probs  # 3, not 5, block-sized tensors alive from here
+        del probs, grad_probs  # from here grad_scores is the only block-sized tensor
         grad_q = paddle.matmul(grad_scores, _repeat_heads(k, groups)) * scale
         qt = q.transpose([0, 2, 1, 3]).astype("float32") * scale
         grad_k = _sum_groups(paddle.matmul(grad_scores, qt, transpose_x=True), kv_heads)
@@ -178,8 +179,8 @@ def merge_blocks(out, lse, block_out, block_lse):
 
 def _alibi(slopes, q_positions, k_positions):
     """[1, heads, queries, keys] float32: slope x (key position - query position), or None. Softmax is
-    invariant to a per-query constant, so this is the dense path's slope x key position; relative
-    distances stay small where they matter when the flash kernel rounds the mask to bf16."""
+    invariant to a per-query constant, so this gives the dense path's attention (slope x key
+    position); the distances stay small near the diagonal when the flash kernel's mask is bf16."""
     if not slopes:
         return None
     distance = k_positions.astype("float32")[None, :] - q_positions.astype("float32")[:, None]
@@ -224,10 +225,23 @@ def _sum_groups(grad, kv_heads):
 #                        between ours)
 # so no block ever needs more than the diagonal's causal mask.
 
+def _without_autocast(method):
+    """Run `method` with the run's autocast off: the merge, the plain blocks and the gradient sums are
+    float32 by design, and under O2 autocast would round them to bf16 (Paddle's update_out_and_lse
+    turns it off the same way, ring_attention.py:168; the flash kernel gets q, k, v as they come).
+    The method keeps its own frame (tests/workers/mechanism_runs.py names ring_pass's caller)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with paddle.amp.auto_cast(enable=False):
+            return method(*args, **kwargs)
+    return run
+
+
 class RingAttention(paddle.autograd.PyLayer):
     """softmax(q k^T / sqrt(d) + ALiBi + causal mask) v over the whole ring; [batch, local seq, heads, d]."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, q, k, v, seq_length, slopes, group, blocks=PlainBlocks):
         rank, size = group.rank, group.nranks
         half = q.shape[1] // 2
@@ -257,6 +271,7 @@ class RingAttention(paddle.autograd.PyLayer):
         return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensor()
         group, seq_length, slopes, blocks = ctx.group, ctx.seq_length, ctx.slopes, ctx.blocks
