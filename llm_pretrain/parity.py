@@ -363,7 +363,7 @@ class LayoutCheck:
 
 
 LAUNCH_DEGREE_KEYS = ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree",
-                      "sharding_parallel_degree", "sep_parallel_degree")
+                      "sharding_parallel_degree", "sep_parallel_degree", "context_parallel_degree")
 _TP2, _PP2 = {"tensor_parallel_degree": 2}, {"pipeline_parallel_degree": 2}
 _HALF, _QUARTER = {"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 1}
 LAYOUTS = {layout.name: layout for layout in [
@@ -377,6 +377,7 @@ LAYOUTS = {layout.name: layout for layout in [
     *[LayoutCheck(f"tp2sd2_stage{stage}", 4, {**_TP2, "sharding": f"stage{stage}", **_HALF}) for stage in (1, 2)],
     LayoutCheck("dp2sd2_stage1", 4, {"sharding": "stage1", "sharding_parallel_degree": 2, **_QUARTER}),
     LayoutCheck("sep2", 2, {"sep_parallel_degree": 2}),  # sep ranks share samples: accumulation unchanged
+    LayoutCheck("cp2", 2, {"context_parallel_degree": 2}),  # so do cp ranks (ring attention)
 ]}
 SAVE_STEP = 2
 

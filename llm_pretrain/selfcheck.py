@@ -6,8 +6,9 @@ rows, on CPU processes too):
     parity      a layout (dp2, tp2_sp, pp2, sd2 stages 1-3, tp2 x sd2 stage 2, ...) trains like
                 one process with the same options: fp32 within 1e-5 (per-step loss, grad norm,
                 final weights); bf16 O2 with amp_master_grad, flash attention and the fused rope,
-                RMSNorm and swiglu kernels, and bf16 O1, within a bound derived from bf16's
-                precision. Each layout run stops with a checkpoint after SAVE_STEP and resumes.
+                RMSNorm and swiglu kernels (sep2 and cp2: flash attention in the all-to-all's local
+                attention and in every block of the ring), and bf16 O1, within a bound derived from
+                bf16's precision. Each layout run stops with a checkpoint after SAVE_STEP and resumes.
     overflow    fp16 O2 with loss scaling; an infinite gradient on rank 1 alone at step 2: every
                 rank skips that optimizer step and keeps the same loss scale.
     checkpoint  one process, bf16 O2: stopped after SAVE_STEP and resumed (fp32 master weights,
@@ -49,7 +50,9 @@ PRECISIONS = {
     "fp16-o2": {"fp16": True, "fp16_opt_level": "O2", "amp_master_grad": True, "scale_loss": 1024, **KERNEL_OPTIONS},
 }
 DTYPE_OF = {"fp32": "fp32", "bf16-o2": "bf16", "bf16-o1": "bf16", "fp16-o2": "fp16"}
-PRODUCTION_LAYOUTS = ("dp2", "tp2_sp", "pp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage2")
+# sep2 and cp2: the local attention of Ulysses and each block of the ring run the flash kernel
+# (models/ring_attention.py FlashBlocks), checked nowhere else against one process.
+PRODUCTION_LAYOUTS = ("dp2", "tp2_sp", "pp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage2", "sep2", "cp2")
 O1_LAYOUT = "tp2"
 OVERFLOW = {"layout": "sd2_stage1", "rank": 1, "step": 2}
 PERF_LAYOUTS = ("tp2sd2_stage2", "sd2_stage2")  # the first one the node has GPUs for
@@ -115,7 +118,8 @@ def _layout_arguments(options: dict):
     from llm_pretrain.arguments import Arguments
 
     keys = ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding",
-            "sequence_parallel", "gradient_accumulation_steps", "virtual_pp_degree")
+            "sequence_parallel", "gradient_accumulation_steps", "virtual_pp_degree", "sep_parallel_degree",
+            "context_parallel_degree")
     return Arguments(**{k: v for k, v in options.items() if k in keys})
 
 

@@ -267,11 +267,12 @@ class Attention(nn.Layer):
 
     def ring_attention(self, q, k, v):
         """Context parallelism: the attention of this rank's queries over every rank's keys
-        (models/ring_attention.py; the plain float32 block path on every device)."""
+        (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU)."""
         from models.ring_attention import ring_attention
 
         slopes = self.alibi_slopes.tolist() if self.config.position_embedding == "alibi" else None
-        return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group())
+        return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group(),
+                              self.config.use_flash_attention)
 
     def forward(self, hidden):
         q, k, v = self.project_qkv(hidden)

@@ -3,27 +3,34 @@
 Each rank holds 1/cp of the tokens of every sequence, balanced for the causal mask: the sequence is
 cut into 2 x cp chunks and rank i holds chunks i and 2cp-1-i (an early and a late one, so every rank
 has the same amount of visible keys). Key/value blocks travel around the ring; each rank combines
-the attention of its queries over every block with the online softmax (running max and sum,
-merged through the log-sum-exp). Backward is written out: it recomputes each block's probabilities
-from the saved log-sum-exp and sends the key/value gradients around the ring with their blocks, so
-that after cp steps each block's gradient arrives back at its owner.
+the attention of its queries over every block through the blocks' log-sum-exp (online softmax).
+Backward is written out: each block's gradients come from the saved output and log-sum-exp, and
+the key/value gradients travel around the ring with their blocks, so that after cp steps each
+block's gradient arrives back at its owner.
 
 The same algorithm as Paddle 3.3.1's paddle/distributed/auto_parallel/ring_attention.py
-(RingFlashAttention: chunks `get_chunk_id(rank) = rank, 2cp-1-rank`, `update_out_and_lse`, dk/dv
-passed along the ring in its backward), Megatron-LM's and torchtitan's context parallelism. Here
-each block is plain float32 math (the CPU path): masks come from the global positions of the
-query and key tokens, so any chunk layout is exact. Attention-probability dropout is not
+(RingFlashAttention: chunks `get_chunk_id(rank) = rank, 2cp-1-rank`; per step the own block causal,
+an earlier rank's block as all queries over its first chunk, a later rank's as the second query
+chunk over the whole block; `update_out_and_lse`; dk/dv passed along the ring in its backward),
+Megatron-LM's and torchtitan's context parallelism. (PaddleNLP 2.8.1 has no ring attention.)
+
+One block computation, two implementations with the same contract (`attention_blocks` chooses):
+FlashBlocks, Paddle's flash attention kernel (GPU, bf16/fp16), and PlainBlocks, float32 matmul and
+softmax (CPU, and any run without use_flash_attention). Attention-probability dropout is not
 supported (refused by llm_pretrain/layout.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import paddle
 import paddle.distributed as dist
+import paddle.nn.functional as F
+from paddle import _C_ops
 
-MASKED = -1e30  # finite: a block that hides every key of a row adds exp(-1e30 - max) = 0, never NaN
+MASKED = -1e30  # the causal mask: finite in float32 (and bf16), exp(-1e30 - lse) = 0
 
 
 def chunk_ids(rank: int, degree: int) -> tuple[int, int]:
@@ -63,18 +70,139 @@ def ring_pass(tensors: list, group) -> list:
     return received
 
 
-def _scores(q, k, q_positions, k_positions, slopes, scale):
-    """[batch, heads, queries, keys] float32: q k^T * scale + ALiBi (slope x key position) + causal mask."""
-    groups = q.shape[2] // k.shape[2]
+# ----------------------------------------------------------------------------- blocks
+# A block is the attention of some queries over some keys, [batch, tokens, heads, head_dim] in (k and
+# v with their kv heads: grouped-query attention), scaled by 1/sqrt(head_dim):
+#   forward(q, k, v, causal, bias) -> out [batch, queries, heads, d], lse [batch, heads, queries] float32
+#   backward(q, k, v, out, lse, grad_out, causal, bias) -> grad q, grad k, grad v (shapes of q, k, v)
+# `lse` is the log-sum-exp of each query's scores (the flash kernel's softmax_lse layout); backward
+# takes the ring's final out and lse, so that softmax(scores) = exp(scores - lse) over the whole
+# ring. `causal`: the block on the diagonal (square: query i sees keys 0..i). `bias`: None or float32
+# [1, heads, queries, keys] added to the scores (ALiBi).
+
+class PlainBlocks:
+    """Float32 matmul and softmax: every device, the only path on CPU."""
+
+    @staticmethod
+    def forward(q, k, v, causal, bias):
+        scores = _scores(q, k, causal, bias)
+        lse = paddle.logsumexp(scores, axis=-1)
+        probs = paddle.exp(scores - lse.unsqueeze(-1))
+        out = paddle.matmul(probs, _repeat_heads(v, q.shape[2] // v.shape[2]))
+        return out.transpose([0, 2, 1, 3]), lse
+
+    @staticmethod
+    def backward(q, k, v, out, lse, grad_out, causal, bias):
+        kv_heads = k.shape[2]
+        groups = q.shape[2] // kv_heads
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        probs = paddle.exp(_scores(q, k, causal, bias) - lse.unsqueeze(-1))
+        grad_out = grad_out.transpose([0, 2, 1, 3]).astype("float32")  # [batch, heads, queries, d]
+        delta = (grad_out * out.transpose([0, 2, 1, 3]).astype("float32")).sum(-1, keepdim=True)  # rowsum(dO * O)
+        grad_v = _sum_groups(paddle.matmul(probs, grad_out, transpose_x=True), kv_heads)
+        grad_probs = paddle.matmul(grad_out, _repeat_heads(v, groups), transpose_y=True)
+        del grad_out
+        grad_scores = probs * (grad_probs - delta)
+        del probs, grad_probs  # from here grad_scores is the only block-sized tensor
+        grad_q = paddle.matmul(grad_scores, _repeat_heads(k, groups)) * scale
+        qt = q.transpose([0, 2, 1, 3]).astype("float32") * scale
+        grad_k = _sum_groups(paddle.matmul(grad_scores, qt, transpose_x=True), kv_heads)
+        return grad_q.transpose([0, 2, 1, 3]), grad_k, grad_v
+
+
+class FlashBlocks:
+    """Paddle 3.3.1's flash attention kernel (GPU), called as its ring attention calls it
+    (paddle/distributed/auto_parallel/ring_attention.py:218-235 and 347-364):
+
+        out, softmax, softmax_lse, seed_offset = _C_ops.flash_attn(
+            q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name)
+        dq, dk, dv = _C_ops.flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, dout,
+                                            dropout, causal)
+
+    (the argument order of paddle/phi/kernels/flash_attn_kernel.h FlashAttnKernel and
+    flash_attn_grad_kernel.h FlashAttnGradKernel). q, k, v, out, dout are [batch, seq, heads, d] in
+    one half-precision dtype; k and v keep their kv heads (the kernel shares each among its query
+    heads, as sdpa.py calls it for grouped-query attention). softmax_lse is float32
+    [batch, heads, seqlen_q] (paddle/phi/kernels/gpu/flash_attn_utils.h FlashAttnParamsBase:
+    softmax_lse_dims); the scale is 1/sqrt(head_dim). `causal` masks a square block's upper
+    triangle. An additive mask goes in attn_mask, in q's dtype, with causal false (ALiBi, as
+    PaddleNLP's llama/modeling.py and this repository's dense flash path pass it)."""
+
+    @staticmethod
+    def _mask(q, k, causal, bias):
+        if bias is None:
+            return None, causal
+        if causal:
+            bias = bias + _causal_mask(q.shape[1], k.shape[1])
+        return bias.astype(q.dtype).expand([q.shape[0], q.shape[2], q.shape[1], k.shape[1]]), False
+
+    @staticmethod
+    def forward(q, k, v, causal, bias):
+        mask, causal = FlashBlocks._mask(q, k, causal, bias)
+        q, k, v = (t.contiguous() for t in (q, k, v))  # the ring hands in halves of its blocks
+        out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, mask, 0.0, causal, False, False, "")
+        return out, lse
+
+    @staticmethod
+    def backward(q, k, v, out, lse, grad_out, causal, bias):
+        mask, causal = FlashBlocks._mask(q, k, causal, bias)
+        q, k, v, out, lse, grad_out = (t.contiguous() for t in (q, k, v, out, lse, grad_out))
+        # No dropout, so no random state to replay: Paddle's ring passes this [0, 0] on the host
+        # when it has no fixed seed (ring_attention.py:495-498).
+        seed_offset = paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace())
+        return _C_ops.flash_attn_grad(q, k, v, out, lse, seed_offset, mask, grad_out, 0.0, causal)
+
+
+FLASH_DTYPES = ("float16", "bfloat16")
+
+
+def attention_blocks(use_flash_attention: bool, place, dtype, head_dim: int):
+    """FlashBlocks where the run asks for flash attention (config.use_flash_attention, as the dense
+    path) and the kernel takes the inputs: a GPU place, a half-precision dtype, head_dim a multiple
+    of 8 up to 256 (the checks of paddle/nn/functional/sdpa.py before it calls flash_attn:
+    check_head_dim_size_flash, check_dtypes_low_precision_fa); PlainBlocks otherwise."""
+    dtype = str(dtype).replace("paddle.", "")
+    if use_flash_attention and place.is_gpu_place() and dtype in FLASH_DTYPES and head_dim % 8 == 0 \
+            and head_dim <= 256:
+        return FlashBlocks
+    return PlainBlocks
+
+
+def merge_blocks(out, lse, block_out, block_lse):
+    """The attention over the keys of both: out [batch, queries, heads, d] float32, lse [batch, heads,
+    queries]. Paddle's update_out_and_lse (ring_attention.py:151-171): new lse = log(e^lse + e^block_lse),
+    and out moves toward block_out by the block's share sigmoid(block_lse - lse), in float32."""
+    share = F.sigmoid(block_lse - lse).transpose([0, 2, 1]).unsqueeze(-1)
+    out = out - (out - block_out.astype("float32")) * share
+    return out, lse - F.log_sigmoid(lse - block_lse)
+
+
+def _alibi(slopes, q_positions, k_positions):
+    """[1, heads, queries, keys] float32: slope x (key position - query position), or None. Softmax is
+    invariant to a per-query constant, so this gives the dense path's attention (slope x key
+    position); the distances stay small near the diagonal when the flash kernel's mask is bf16."""
+    if not slopes:
+        return None
+    distance = k_positions.astype("float32")[None, :] - q_positions.astype("float32")[:, None]
+    return paddle.to_tensor(slopes, dtype="float32")[None, :, None, None] * distance[None, None]
+
+
+def _causal_mask(queries, keys):
+    """Query i sees keys 0..i + keys - queries: flash attention 2's alignment (bottom right), which
+    on the ring's only causal block, the square diagonal one, is the plain causal mask."""
+    return paddle.triu(paddle.full([queries, keys], MASKED, "float32"), diagonal=1 + keys - queries)
+
+
+def _scores(q, k, causal, bias):
+    """[batch, heads, queries, keys] float32: q k^T / sqrt(d) + bias (+ the causal mask)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
     qt = q.transpose([0, 2, 1, 3]).astype("float32") * scale
-    kt = paddle.repeat_interleave(k, groups, axis=2).transpose([0, 2, 1, 3]).astype("float32")
-    scores = paddle.matmul(qt, kt, transpose_y=True)
-    keys = k_positions.astype("float32")
-    if slopes:  # ALiBi: one slope per head of q (a list of floats)
-        slopes = paddle.to_tensor(slopes, dtype="float32")
-        scores = scores + slopes[None, :, None, None] * keys[None, None, None, :]
-    visible = q_positions[:, None] >= k_positions[None, :]
-    return scores + paddle.where(visible, paddle.zeros([], "float32"), paddle.full([], MASKED, "float32"))
+    scores = paddle.matmul(qt, _repeat_heads(k, q.shape[2] // k.shape[2]), transpose_y=True)
+    if bias is not None:
+        scores = scores + bias
+    if causal:
+        scores = scores + _causal_mask(q.shape[1], k.shape[1])
+    return scores
 
 
 def _repeat_heads(x, groups):
@@ -87,78 +215,107 @@ def _sum_groups(grad, kv_heads):
     return grad.reshape([batch, kv_heads, heads // kv_heads, keys, d]).sum(2).transpose([0, 2, 1, 3])
 
 
+# ----------------------------------------------------------------------------- the ring
+# With the balanced chunks, what rank's queries (chunks i, 2cp-1-i) see of owner's keys (chunks j,
+# 2cp-1-j) is one whole rectangle (ring_attention.py:243-296):
+#   own block (step 0)   square, causal: the chunks in the same order on both sides
+#   owner j < i          every query over the owner's first chunk (j precedes both of ours, 2cp-1-j
+#                        follows both)
+#   owner j > i          our second chunk over the whole block (both of the owner's chunks lie
+#                        between ours)
+# so no block ever needs more than the diagonal's causal mask.
+
+def _without_autocast(method):
+    """Run `method` with the run's autocast off: the merge, the plain blocks and the gradient sums are
+    float32 by design, and under O2 autocast would round them to bf16 (Paddle's update_out_and_lse
+    turns it off the same way, ring_attention.py:168; the flash kernel gets q, k, v as they come).
+    The method keeps its own frame (tests/workers/mechanism_runs.py names ring_pass's caller)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with paddle.amp.auto_cast(enable=False):
+            return method(*args, **kwargs)
+    return run
+
+
 class RingAttention(paddle.autograd.PyLayer):
     """softmax(q k^T / sqrt(d) + ALiBi + causal mask) v over the whole ring; [batch, local seq, heads, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq_length, slopes, group):
+    @_without_autocast
+    def forward(ctx, q, k, v, seq_length, slopes, group, blocks=PlainBlocks):
         rank, size = group.rank, group.nranks
+        half = q.shape[1] // 2
         q_positions = balanced_positions(seq_length, rank, size)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        groups = q.shape[2] // k.shape[2]
         block_k, block_v = k, v
         for step in range(size):
             if step < size - 1:  # the next block, while (on GPU, overlapping) this one is computed
                 following = ring_pass([block_k, block_v], group)
             owner = (rank - step) % size
-            scores = _scores(q, block_k, q_positions, balanced_positions(seq_length, owner, size), slopes, scale)
-            block_max = scores.max(-1, keepdim=True)
-            if step == 0:  # the own block holds every query's own position: finite maxima from here on
-                running_max = block_max
-                probs = paddle.exp(scores - running_max)
-                total = probs.sum(-1, keepdim=True)
-                out = paddle.matmul(probs, _repeat_heads(block_v, groups))
+            k_positions = balanced_positions(seq_length, owner, size)
+            if step == 0:
+                out, lse = blocks.forward(q, block_k, block_v, True, _alibi(slopes, q_positions, k_positions))
+                out = out.astype("float32")
+            elif owner < rank:
+                out, lse = merge_blocks(out, lse, *blocks.forward(
+                    q, block_k[:, :half], block_v[:, :half], False, _alibi(slopes, q_positions, k_positions[:half])))
             else:
-                new_max = paddle.maximum(running_max, block_max)
-                correction = paddle.exp(running_max - new_max)
-                probs = paddle.exp(scores - new_max)
-                total = total * correction + probs.sum(-1, keepdim=True)
-                out = out * correction + paddle.matmul(probs, _repeat_heads(block_v, groups))
-                running_max = new_max
+                second_out, second_lse = merge_blocks(out[:, half:], lse[:, :, half:], *blocks.forward(
+                    q[:, half:], block_k, block_v, False, _alibi(slopes, q_positions[half:], k_positions)))
+                out = paddle.concat([out[:, :half], second_out], axis=1)
+                lse = paddle.concat([lse[:, :, :half], second_lse], axis=2)
             if step < size - 1:
                 block_k, block_v = following
-        out = out / total
-        lse = running_max + paddle.log(total)  # [batch, heads, queries, 1]
+        out = out.astype(q.dtype)  # the flash kernel's backward takes out in q's dtype
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.seq_length, ctx.slopes, ctx.group = seq_length, slopes, group
-        return out.transpose([0, 2, 1, 3]).astype(q.dtype)
+        ctx.seq_length, ctx.slopes, ctx.group, ctx.blocks = seq_length, slopes, group, blocks
+        return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensor()
-        group, seq_length, slopes = ctx.group, ctx.seq_length, ctx.slopes
+        group, seq_length, slopes, blocks = ctx.group, ctx.seq_length, ctx.slopes, ctx.blocks
         rank, size = group.rank, group.nranks
+        half = q.shape[1] // 2
         q_positions = balanced_positions(seq_length, rank, size)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        kv_heads = k.shape[2]
-        groups = q.shape[2] // kv_heads
-        grad_out = grad_out.transpose([0, 2, 1, 3]).astype("float32")  # [batch, heads, queries, d]
-        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O)
-        qt = q.transpose([0, 2, 1, 3]).astype("float32") * scale
-        grad_q = paddle.zeros(qt.shape, "float32")
+        grad_out = grad_out.astype(q.dtype)
+        grad_q = paddle.zeros(q.shape, "float32")
         block_k, block_v = k, v
         grad_k, grad_v = paddle.zeros(k.shape, "float32"), paddle.zeros(v.shape, "float32")  # travel with the block
         for step in range(size):
             owner = (rank - step) % size
-            scores = _scores(q, block_k, q_positions, balanced_positions(seq_length, owner, size), slopes, scale)
-            probs = paddle.exp(scores - lse)
-            grad_v += _sum_groups(paddle.matmul(probs, grad_out, transpose_x=True), kv_heads)
-            grad_probs = paddle.matmul(grad_out, _repeat_heads(block_v, groups), transpose_y=True)
-            grad_scores = probs * (grad_probs - delta)
-            grad_q += paddle.matmul(grad_scores, _repeat_heads(block_k, groups))
-            grad_k += _sum_groups(paddle.matmul(grad_scores, qt, transpose_x=True), kv_heads)
-            del scores, probs, grad_probs, grad_scores  # before the next block's: 5, not 9, block-sized tensors alive
+            k_positions = balanced_positions(seq_length, owner, size)
+            if step == 0:
+                dq, dk, dv = blocks.backward(q, block_k, block_v, out, lse, grad_out, True,
+                                             _alibi(slopes, q_positions, k_positions))
+                grad_q += dq.astype("float32")
+                grad_k += dk.astype("float32")
+                grad_v += dv.astype("float32")
+            elif owner < rank:
+                dq, dk, dv = blocks.backward(q, block_k[:, :half], block_v[:, :half], out, lse, grad_out, False,
+                                             _alibi(slopes, q_positions, k_positions[:half]))
+                grad_q += dq.astype("float32")
+                grad_k[:, :half] = grad_k[:, :half] + dk.astype("float32")
+                grad_v[:, :half] = grad_v[:, :half] + dv.astype("float32")
+            else:
+                dq, dk, dv = blocks.backward(q[:, half:], block_k, block_v, out[:, half:], lse[:, :, half:],
+                                             grad_out[:, half:], False, _alibi(slopes, q_positions[half:], k_positions))
+                grad_q[:, half:] = grad_q[:, half:] + dq.astype("float32")
+                grad_k += dk.astype("float32")
+                grad_v += dv.astype("float32")
+            del dq, dk, dv
             if step < size - 1:  # the block and its gradient so far go on to the next rank
                 block_k, block_v, grad_k, grad_v = ring_pass([block_k, block_v, grad_k, grad_v], group)
             else:  # the last holder is the owner's predecessor: one more hop home
                 grad_k, grad_v = ring_pass([grad_k, grad_v], group)
-        grad_q = (grad_q * scale).transpose([0, 2, 1, 3])
         return grad_q.astype(q.dtype), grad_k.astype(k.dtype), grad_v.astype(v.dtype)
 
 
-def ring_attention(q, k, v, seq_length: int, slopes, group):
+def ring_attention(q, k, v, seq_length: int, slopes, group, use_flash_attention: bool = False):
     """[batch, local seq, heads, d] q and [batch, local seq, kv heads, d] k, v -> [batch, local seq, heads x d].
 
-    slopes: the ALiBi slopes of q's heads (floats) or None."""
-    out = RingAttention.apply(q, k, v, seq_length, slopes, group)
+    slopes: the ALiBi slopes of q's heads (floats) or None. use_flash_attention: the run's flag
+    (config.use_flash_attention); the flash kernel runs where `attention_blocks` finds it can."""
+    blocks = attention_blocks(use_flash_attention, q.place, q.dtype, q.shape[-1])
+    out = RingAttention.apply(q, k, v, seq_length, slopes, group, blocks)
     return out.reshape([out.shape[0], out.shape[1], -1])

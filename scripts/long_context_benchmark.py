@@ -6,8 +6,8 @@ with the planner's prediction beside each, and the planner's GPU table of config
 Each run trains llama-tiny (hidden 64, 4 heads, 2 layers: attention dominates from ~1K tokens) for 2
 steps of 2 micro-batches of 1 sequence on the embedded corpus; peak = Paddle's host allocator peak of
 the run (max over ranks, train_log.jsonl peak_mem_allocated_mb), tokens/s = the global tokens of the
-second step / its time (one core per process: 1 process uses 1 core, sep2/cp2 use 2). The CPU ring
-attention computes every block in full (masked), so cp2 does twice the attention arithmetic of sep2.
+second step / its time (one core per process: 1 process uses 1 core, sep2/cp2 use 2). Per rank, cp2's
+ring computes its own block in full (masked) and half of the other, 3/4 of sep2's attention scores.
 Regenerates the tables; the "## Findings" section of an existing file is kept.
 """
 
@@ -82,8 +82,8 @@ def render(rows: list[dict], gpu: list[dict]) -> str:
                      f"| {error:+.1%} | {r['tokens_per_s']:,.0f} |")
     lines += ["", "## The planner's GPU table for configs/long_context/ (8 GPUs, chosen by `scripts/plan.py search`)",
               "", "Predictions, not measurements (no GPU here). Global batch ~1M tokens "
-              "(2^20 / max_seq_length sequences); ring attention's blocks are the plain path on every device "
-              "(no flash-attention blocks yet), so the search prefers sep where cp's block scores do not fit.", "",
+              "(2^20 / max_seq_length sequences); on GPU ring attention's blocks are flash attention (no block "
+              "scores kept), as the dense path's.", "",
               "| file | device | tokens | reserved MiB | tokens/card/s | MFU | bottleneck |",
               "|---|---|---:|---:|---:|---:|---|"]
     for r in gpu:

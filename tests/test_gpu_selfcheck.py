@@ -2,8 +2,8 @@
 
 - The plan (`--print-plan --json`): every row on device gpu, the production options on in the rows
   that claim them (bf16 O2, amp_master_grad where the trainer allows it, flash attention, fused
-  rope/RMSNorm and, through the device, swiglu), and every row's arguments accepted by the trainer's
-  checks for its layout.
+  rope/RMSNorm and, through the device, swiglu; sep2 and cp2 too, whose ring attention then takes
+  the flash blocks), and every row's arguments accepted by the trainer's checks for its layout.
 - Rows that need more GPUs than the node has are skipped with a line; GPUs are named by their
   CUDA_VISIBLE_DEVICES labels; in-process GPU tests get the launched processes' environment.
 - The fp16 overflow row's injection (llm_pretrain/parity_worker.py): on CPU, without a loss scaler,
@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -41,6 +42,7 @@ def test_the_plan_runs_production_options_on_gpus(plan):
     from llm_pretrain.arguments import Arguments
     from llm_pretrain.layout import check_strategy, plan_layout
     from llm_pretrain.precision import check_master_grad
+    from models.ring_attention import FlashBlocks, attention_blocks
     try:  # where main keeps it since the preflight moved out of the trainer
         from llm_pretrain.preflight import build_model_config
     except ImportError:
@@ -54,7 +56,7 @@ def test_the_plan_runs_production_options_on_gpus(plan):
         assert options["bf16"] and options["fp16_opt_level"] == "O2" and row["dtype"] == "bf16"
         assert all(options[key] for key in ("use_flash_attention", "use_fused_rope", "use_fused_rms_norm")), name
         # amp_master_grad is on unless the trainer refuses it there, and then the row says why.
-        assert options["amp_master_grad"] == (name not in ("dp2", "sd2_stage3")), name
+        assert options["amp_master_grad"] == (name not in ("dp2", "sd2_stage3", "sep2", "cp2")), name
         assert bool(row["notes"]) == (not options["amp_master_grad"]), name
     assert plan["bf16-o2:tp2_sp"]["options"]["sequence_parallel"] and plan["bf16-o2:tp2sd2_stage2"]["processes"] == 4
     assert plan["bf16-o1:tp2"]["options"]["fp16_opt_level"] == "O1"
@@ -65,6 +67,7 @@ def test_the_plan_runs_production_options_on_gpus(plan):
     # Every row's arguments pass the trainer's own checks for its layout, and on a GPU the model is
     # built with all four fused kernels (swiglu has no key: the device turns it on).
     base = parity.real_size_arguments({"tokenizer": "t", "input_dir": "d"}, REPO_ROOT, "gpu")
+    gpu = SimpleNamespace(is_gpu_place=lambda: True)  # a CPU build has no CUDAPlace
     for name, row in plan.items():
         if row["kind"] == "kernels":
             continue
@@ -76,6 +79,10 @@ def test_the_plan_runs_production_options_on_gpus(plan):
         if row["dtype"] != "fp32":
             assert config.use_flash_attention and config.use_fused_rope and config.use_fused_rms_norm, name
             assert config.use_fused_swiglu, name
+            # Ring attention's blocks on a GPU in bf16 with this model: the flash kernel's.
+            assert attention_blocks(config.use_flash_attention, gpu, "bfloat16", config.head_dim) is FlashBlocks, name
+    assert plan["bf16-o2:cp2"]["options"]["context_parallel_degree"] == 2
+    assert plan["bf16-o2:sep2"]["options"]["sep_parallel_degree"] == 2
 
 
 def test_cpu_plan_is_the_fp32_layout_rows():
@@ -166,8 +173,11 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
                 "--use_fused_rope true", "--use_fused_rms_norm true", "--sharding stage2", "--tensor_parallel_degree 2",
                 f"--exit_interval {parity.SAVE_STEP}"):
         assert key in text, key
+    for layout, degree in (("cp2", "--context_parallel_degree 2"), ("sep2", "--sep_parallel_degree 2")):
+        text = " ".join(next(r for r in runs if isinstance(r, list) and f"bf16-o2/{layout}" in " ".join(r)))
+        assert "--bf16 true" in text and "--use_flash_attention true" in text and degree in text, layout
     (overflow,) = [r for r in runs if isinstance(r, dict)]
     assert overflow["inject_overflow"] == {"rank": 1, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
-    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2; 4 of 4
-    # processes), and the overflow row alone.
-    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4]
+    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2; cp2; 4 of
+    # 4 processes), and the overflow row alone.
+    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4]

@@ -216,10 +216,10 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     tables = 2 * s * d * 4 if c.position_embedding == "rope" else 0.0
     gqa = kv_heads != heads
     if setup.cp > 1:
-        # models/ring_attention.py RingAttention saves q, k, v (the rotary outputs), its float32 output
-        # [b, heads, s / cp, d] and the log-sum-exp per head and token; no scores are kept. Its
-        # transposed, cast output is the o_proj input (`out`). The tables are indexed per rank.
-        core = tokens * (a * (q_size + 2 * kv_size) + 4 * q_size + 4 * heads)
+        # models/ring_attention.py RingAttention saves q, k, v (the rotary outputs), its output (in
+        # the compute dtype, which is also the o_proj input, `out`) and the float32 log-sum-exp per
+        # head and token; no scores are kept. The tables are indexed per rank.
+        core = tokens * (a * (q_size + 2 * kv_size) + 4 * heads)
         gqa_saved = 0.0
         core_inputs = tokens * a * (q_size + 2 * kv_size)
         tables += 2 * tokens / setup.micro_batch * d * 4
@@ -265,16 +265,17 @@ def attention_backward_bytes(config: ModelConfig, setup: Setup) -> float:
     """Short-lived tensors of one layer's core-attention backward, at long sequences the peak.
 
     Plain attention: the gradients of the softmax output and of the scores, [b, heads / tp (/ sep),
-    s, s] float32 each (flash attention: none of that size). Ring attention (models/ring_attention.py
-    backward): per block the scores, probabilities, their gradients and the mask, [b, heads / tp,
-    s / cp, s / cp] float32 each."""
+    s, s] float32 each (flash attention: none of that size, in the ring's flash blocks neither).
+    Ring attention's plain blocks (models/ring_attention.py PlainBlocks.backward), at the largest
+    block (the own one, [b, heads / tp, s / cp, s / cp] float32): the probabilities, their gradient,
+    that gradient minus rowsum(dO * O) and the scores' gradient."""
     c = config
     heads = c.num_attention_heads // setup.tp
     tokens = setup.tokens_per_micro_batch  # queries this rank attends with (x heads / sep under sep)
-    if setup.cp > 1:
-        return 5 * tokens * heads * (tokens / setup.micro_batch) * 4
     if c.use_flash_attention and c.position_embedding != "alibi":
         return 0.0
+    if setup.cp > 1:
+        return 4 * tokens * heads * (tokens / setup.micro_batch) * 4
     return 2 * tokens * heads * c.seq_length * 4
 
 

@@ -1,0 +1,252 @@
+"""Ring attention's blocks (models/ring_attention.py), checked in this process on CPU.
+
+The ring computes each block with one interface: PlainBlocks (float32 matmul/softmax, the CPU path)
+or FlashBlocks (Paddle's flash_attn / flash_attn_grad kernels, GPU only). Without a GPU this file
+checks every part of the flash wiring that needs no kernel:
+  - the plain block keeps the kernel's contract (out [b, s, h, d], log-sum-exp [b, h, s] float32,
+    exp(scores - lse) are the probabilities) and two blocks merged through their lse are the
+    attention over both;
+  - the dispatch: flash on a GPU place in half precision when the run asks for it, plain otherwise;
+  - FlashBlocks' calls are accepted by Paddle's bindings of the two kernels (argument count and
+    types), which then find no CPU kernel;
+  - the whole ring (cp2, cp4; GQA; ALiBi) against one attention over the whole sequence, forward and
+    q/k/v gradients, with PlainBlocks and with FlashBlocks whose kernels are `PlainMathFlashKernels`:
+    the two kernels' arguments, layouts, checks and causal rule (bottom-right aligned, as flash
+    attention 2 for a non-square block) in plain math written apart from PlainBlocks. So the
+    flash-layout conversions, the lse slicing and the causal flag of every block are proven; the
+    kernel's own numbers are the GPU self-check's (scripts/gpu_selfcheck.py, bf16-o2:cp2).
+The ranks of a ring run as threads here: ring_pass goes through queues instead of gloo.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from models import ring_attention
+from models.ring_attention import (
+    FlashBlocks, PlainBlocks, RingAttention, attention_blocks, balanced_positions, balanced_split, merge_blocks,
+)
+
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 16, 4, 2, 8
+SLOPES = [0.5, 0.25, 0.125, 0.0625]
+
+
+def _random(*shape, seed):
+    return paddle.to_tensor(np.random.RandomState(seed).randn(*shape).astype("float32"))
+
+
+# ----------------------------------------------------------------------------- the flash kernels, in plain math
+class PlainMathFlashKernels:
+    """`_C_ops.flash_attn` and `_C_ops.flash_attn_grad` of Paddle 3.3.1 (argument order of
+    paddle/phi/kernels/flash_attn_kernel.h and flash_attn_grad_kernel.h) computed in float64 numpy,
+    with the checks the kernels make on what FlashBlocks hands them."""
+
+    @staticmethod
+    def _probabilities(q, k, attn_mask, causal, lse=None):
+        b, sq, h, d = q.shape
+        _, sk, hk, dk = k.shape
+        assert q.ndim == 4 and k.ndim == 4 and dk == d and h % hk == 0 and k.shape[0] == b
+        q64 = q.numpy().astype("float64").transpose(0, 2, 1, 3)
+        k64 = np.repeat(k.numpy().astype("float64"), h // hk, axis=2).transpose(0, 2, 1, 3)
+        scores = q64 @ k64.transpose(0, 1, 3, 2) / math.sqrt(d)
+        if attn_mask is not None:  # flash_attn_utils.h: "attn_mask is expected to have the same data type with q"
+            assert attn_mask.dtype == q.dtype and attn_mask.shape in ([b, h, sq, sk], [b, 1, sq, sk]), attn_mask.shape
+            scores = scores + attn_mask.numpy().astype("float64")
+        if causal:  # flash attention 2: bottom-right aligned, query i sees keys j <= i + sk - sq
+            hidden = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+            scores = np.where(hidden, -np.inf, scores)
+        if lse is None:
+            top = scores.max(-1, keepdims=True)
+            lse = (top + np.log(np.exp(scores - top).sum(-1, keepdims=True)))[..., 0]
+        return np.exp(scores - lse[..., None]), lse, k64, q64
+
+    @staticmethod
+    def flash_attn(q, k, v, fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name):
+        assert fixed_seed_offset is None and dropout == 0.0 and not return_softmax and isinstance(rng_name, str)
+        assert q.dtype == k.dtype == v.dtype and k.shape == v.shape
+        probs, lse, _, _ = PlainMathFlashKernels._probabilities(q, k, attn_mask, causal)
+        hk = k.shape[2]
+        v64 = np.repeat(v.numpy().astype("float64"), q.shape[2] // hk, axis=2).transpose(0, 2, 1, 3)
+        out = (probs @ v64).transpose(0, 2, 1, 3)
+        seed_offset = paddle.to_tensor([0, 0], dtype="int64")
+        return (paddle.to_tensor(out.astype("float32")).astype(q.dtype), None,
+                paddle.to_tensor(lse.astype("float32")), seed_offset)
+
+    @staticmethod
+    def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, dout, dropout, causal):
+        b, sq, h, d = q.shape
+        hk = k.shape[2]
+        assert out.shape == q.shape and dout.shape == q.shape and out.dtype == q.dtype == dout.dtype
+        assert softmax_lse.shape == [b, h, sq] and softmax_lse.dtype == paddle.float32, softmax_lse.shape
+        assert seed_offset.shape == [2] and seed_offset.dtype == paddle.int64 and dropout == 0.0
+        lse = softmax_lse.numpy().astype("float64")
+        probs, _, k64, q64 = PlainMathFlashKernels._probabilities(q, k, attn_mask, causal, lse)
+        v64 = np.repeat(v.numpy().astype("float64"), h // hk, axis=2).transpose(0, 2, 1, 3)
+        do = dout.numpy().astype("float64").transpose(0, 2, 1, 3)
+        delta = (do * out.numpy().astype("float64").transpose(0, 2, 1, 3)).sum(-1, keepdims=True)
+        grad_scores = probs * (do @ v64.transpose(0, 1, 3, 2) - delta) / math.sqrt(d)
+        dq = (grad_scores @ k64).transpose(0, 2, 1, 3)
+        dk = (grad_scores.transpose(0, 1, 3, 2) @ q64).reshape(b, hk, h // hk, -1, d).sum(2).transpose(0, 2, 1, 3)
+        dv = (probs.transpose(0, 1, 3, 2) @ do).reshape(b, hk, h // hk, -1, d).sum(2).transpose(0, 2, 1, 3)
+        return tuple(paddle.to_tensor(g.astype("float32")).astype(q.dtype) for g in (dq, dk, dv))
+
+
+@pytest.fixture
+def flash_in_plain_math(monkeypatch):
+    monkeypatch.setattr(ring_attention, "_C_ops", PlainMathFlashKernels)
+
+
+# ----------------------------------------------------------------------------- one block
+def _block_inputs(queries=8, keys=8, seed=0):
+    q = _random(BATCH, queries, HEADS, HEAD_DIM, seed=seed)
+    k = _random(BATCH, keys, KV_HEADS, HEAD_DIM, seed=seed + 1)
+    v = _random(BATCH, keys, KV_HEADS, HEAD_DIM, seed=seed + 2)
+    bias = _random(1, HEADS, queries, keys, seed=seed + 3)
+    return q, k, v, bias
+
+
+@pytest.mark.parametrize("causal, with_bias", [(True, False), (False, True), (True, True)])
+def test_plain_block_keeps_the_flash_kernels_contract(causal, with_bias, flash_in_plain_math):
+    q, k, v, bias = _block_inputs()
+    bias = bias if with_bias else None
+    out, lse = PlainBlocks.forward(q, k, v, causal, bias)
+    assert out.shape == [BATCH, 8, HEADS, HEAD_DIM] and lse.shape == [BATCH, HEADS, 8] and lse.dtype == paddle.float32
+    flash_out, flash_lse = FlashBlocks.forward(q, k, v, causal, bias)
+    assert flash_out.shape == out.shape and flash_lse.shape == lse.shape
+    np.testing.assert_allclose(out.numpy(), flash_out.numpy(), atol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), flash_lse.numpy(), atol=1e-5)
+    grad_out = _random(*out.shape, seed=9)
+    plain_grads = PlainBlocks.backward(q, k, v, out, lse, grad_out, causal, bias)
+    flash_grads = FlashBlocks.backward(q, k, v, out, lse, grad_out, causal, bias)
+    for plain, flash, like in zip(plain_grads, flash_grads, (q, k, v)):
+        assert plain.shape == flash.shape == like.shape
+        np.testing.assert_allclose(plain.numpy(), flash.numpy(), atol=1e-5)
+
+
+def test_the_causal_flag_of_a_block_that_is_not_square_changes_it(flash_in_plain_math):
+    """The oracle sees a causal flag on an off-diagonal block (the ring sets it on the diagonal only)."""
+    q, k, v, _ = _block_inputs(queries=4, keys=8)
+    plain, _ = FlashBlocks.forward(q, k, v, False, None)
+    masked, _ = FlashBlocks.forward(q, k, v, True, None)
+    assert np.abs(plain.numpy() - masked.numpy()).max() > 1e-2
+
+
+def test_blocks_merged_through_their_lse_are_attention_over_both():
+    q, k, v, bias = _block_inputs(keys=12)
+    whole_out, whole_lse = PlainBlocks.forward(q, k, v, False, bias)
+    first = PlainBlocks.forward(q, k[:, :5], v[:, :5], False, bias[..., :5])
+    second = PlainBlocks.forward(q, k[:, 5:], v[:, 5:], False, bias[..., 5:])
+    out, lse = merge_blocks(first[0], first[1], *second)
+    np.testing.assert_allclose(out.numpy(), whole_out.numpy(), atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), whole_lse.numpy(), atol=1e-5)
+
+
+def test_flash_runs_on_a_gpu_in_half_precision_when_asked():
+    gpu, cpu = SimpleNamespace(is_gpu_place=lambda: True), paddle.ones([1]).place  # no CUDAPlace in a CPU build
+    assert attention_blocks(True, gpu, paddle.bfloat16, 128) is FlashBlocks
+    assert attention_blocks(True, gpu, paddle.float16, 64) is FlashBlocks
+    assert attention_blocks(True, cpu, paddle.bfloat16, 128) is PlainBlocks
+    assert attention_blocks(False, gpu, paddle.bfloat16, 128) is PlainBlocks  # the run's flag, as the dense path
+    assert attention_blocks(True, gpu, paddle.float32, 128) is PlainBlocks  # the kernel takes fp16/bf16 only
+    assert attention_blocks(True, gpu, paddle.bfloat16, 260) is PlainBlocks  # nor head_dim above 256
+
+
+def test_flash_blocks_calls_are_accepted_by_the_kernels_bindings():
+    """Paddle's bindings check the number and types of the arguments before looking up the kernel: on a
+    CPU tensor the calls get as far as "kernel not registered" (a wrong argument list is a TypeError)."""
+    q, k, v, bias = _block_inputs()
+    for call in (lambda: FlashBlocks.forward(q, k, v, True, None), lambda: FlashBlocks.forward(q, k, v, True, bias)):
+        with pytest.raises(RuntimeError, match="flash_attn"):
+            call()
+    out, lse = PlainBlocks.forward(q, k, v, True, None)
+    with pytest.raises(RuntimeError, match="flash_attn_grad"):
+        FlashBlocks.backward(q, k, v, out, lse, out, True, bias)
+
+
+# ----------------------------------------------------------------------------- the ring
+class _Context:
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
+
+    def saved_tensor(self):
+        return self.saved
+
+
+def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
+    """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv."""
+    inboxes = [queue.Queue() for _ in range(degree)]
+
+    def ring_pass(tensors, group):
+        inboxes[(group.rank + 1) % group.nranks].put([t.clone() for t in tensors])
+        return inboxes[group.rank].get(timeout=120)
+
+    monkeypatch.setattr(ring_attention, "ring_pass", ring_pass)
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            group = SimpleNamespace(rank=rank, nranks=degree, ranks=list(range(degree)))
+            local = [balanced_split(t, rank, degree) for t in (q, k, v, grad_out)]
+            ctx = _Context()
+            with paddle.no_grad():
+                out = RingAttention.forward(ctx, *local[:3], SEQ, slopes, group, blocks)
+                results[rank] = (out, *RingAttention.backward(ctx, local[3]))
+        except Exception as error:  # noqa: BLE001 -- re-raised in the test's thread
+            errors.append(error)
+            for inbox in inboxes:  # let the other ranks stop waiting
+                inbox.put([paddle.zeros([1])] * 4)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(degree)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    whole = []
+    for i, like in enumerate((q, q, k, v)):
+        full = np.zeros(like.shape, "float32")
+        for rank in range(degree):
+            full[:, balanced_positions(SEQ, rank, degree).numpy()] = results[rank][i].numpy()
+        whole.append(full)
+    return whole
+
+
+def _whole_attention(q, k, v, grad_out, slopes):
+    """One causal attention over the whole sequence (paddle autograd): out, dq, dk, dv."""
+    q, k, v = (paddle.to_tensor(t.numpy(), stop_gradient=False) for t in (q, k, v))
+    groups = HEADS // KV_HEADS
+    qt = q.transpose([0, 2, 1, 3]) / math.sqrt(HEAD_DIM)
+    kt, vt = (paddle.repeat_interleave(t, groups, axis=2).transpose([0, 2, 1, 3]) for t in (k, v))
+    scores = paddle.matmul(qt, kt, transpose_y=True)
+    positions = paddle.arange(SEQ, dtype="float32")
+    if slopes:
+        scores = scores + paddle.to_tensor(slopes)[None, :, None, None] * positions[None, None, None, :]
+    scores = scores + paddle.triu(paddle.full([SEQ, SEQ], float("-inf")), diagonal=1)
+    out = paddle.matmul(F.softmax(scores, axis=-1), vt).transpose([0, 2, 1, 3])
+    (out * grad_out).sum().backward()
+    return [t.numpy() for t in (out, q.grad, k.grad, v.grad)]
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("kind", ["plain", "flash"])
+@pytest.mark.parametrize("slopes", [None, SLOPES], ids=["rope", "alibi"])
+def test_ring_of_blocks_is_attention_over_the_whole_sequence(degree, kind, slopes, monkeypatch):
+    if kind == "flash":
+        monkeypatch.setattr(ring_attention, "_C_ops", PlainMathFlashKernels)
+    q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
+    k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
+    grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
+    blocks = FlashBlocks if kind == "flash" else PlainBlocks
+    got = _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks)
+    expected = _whole_attention(q, k, v, grad_out, slopes)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
