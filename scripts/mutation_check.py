@@ -128,6 +128,11 @@ MUTATIONS = [
              "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
              "dist.all_reduce(sliced, group=clip._group)", "pass",
              ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
+    Mutation("moe_sep_stats_local", "mixture of experts under sep/cp: each rank's router statistics (and so its "
+             "load-balancing and z losses and metrics) not summed over the sep group", "models/moe.py",
+             "    if not pl.splits_sequence(config):\n        return stats\n    experts",
+             "    if True:\n        return stats\n    experts",
+             ("tests/test_long_context.py::test_sep2_mechanism",)),
 ]
 
 

@@ -242,6 +242,12 @@ def test_planner_counts_experts_per_rank_and_the_all_to_all():
     intra = cluster.links()[0]
     expected = 8 * 32 * 4 * (4096 * 2 * 4096 * 4 * 7 / 8) / (intra * 1e9)  # fp32 activations (no AMP here)
     assert ep8["terms"]["expert-parallel all-to-all"] == pytest.approx(expected)
+    # under sequence parallelism the MoE block adds an all-gather forward and one backward per layer (and micro-batch)
+    tp2 = config.replace(tensor_parallel_degree=2)
+    sp = step_time(Setup(tp2.replace(sequence_parallel=True), 1, 8, tp=2, dp=4), cluster)["terms"]
+    no_sp = step_time(Setup(tp2, 1, 8, tp=2, dp=4), cluster)["terms"]
+    gather = 32 * 2 * (4096 * 4096 * 4 / 2) / (intra * 1e9)  # 32 layers x 2 x (tp-1)/tp of the tokens' fp32 rows
+    assert sp["tensor-parallel communication"] - no_sp["tensor-parallel communication"] == pytest.approx(8 * gather)
 
 
 def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
