@@ -20,9 +20,13 @@ accumulation steps of one process).
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2, sep2 x stage-1 sharding 2; cp2 x tp2 (+SP), cp2 x dp2, cp2 x stage-1
                         sharding 2; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+    mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
+                        sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
+                        metrics of train_log.jsonl equal one process's
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
-                        before the optimizer's sep reduction
+                        before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per
+                        rank but its losses use statistics of all s (summed over the sep group)
     mechanism (cp2)     each rank holds s/2 tokens between layers; per layer the ring passes k/v
                         once in forward and k/v + dk/dv once, dk/dv once more, in backward
 """
