@@ -507,9 +507,6 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
         raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
                          f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")
-    if args.sequence_parallel:
-        raise UsageError("sequence_parallel: not supported with a mixture-of-experts model (the router needs "
-                         "whole tokens; its expert blocks have uneven lengths); set sequence_parallel false")
     if layout.pipeline_parallel_degree > 1:
         raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
                          "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
@@ -517,7 +514,7 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if ep > 1 and layout.sharding_stage:
         raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
                          f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")
-    if layout.sequence_group_degree > 1:
-        raise UsageError("sep_parallel_degree/context_parallel_degree: not supported with a mixture-of-experts model "
-                         "yet (the router and its load-balancing loss would see 1/sep of each sequence; not "
-                         "tested); use 1")
+    if ep > 1 and layout.sequence_group_degree > 1:
+        key = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
+        raise UsageError(f"{key}: {layout.sequence_group_degree} cannot be combined with expert_parallel_degree {ep} "
+                         "yet (not proven against one process); use expert_parallel_degree 1 with sep/cp")

@@ -8,7 +8,11 @@
 
 Every expert is the decoder's SwiGLU MLP at width moe_intermediate_size (split like the dense MLP
 under tensor parallelism: gate/up column-parallel, down row-parallel, as PaddleNLP's MixtralMLP);
-the router and the shared expert's gate are replicated.
+the router and the shared expert's gate are replicated. Under sequence parallelism the block first
+gathers the tensor-parallel ranks' chunks (the router needs whole tokens, and the experts' blocks
+have uneven lengths, which fleet's sequence-parallel linears cannot take): inside it every rank
+holds every token of the micro-batch, as under tensor parallelism without SP, and afterwards keeps
+its own chunk of the (already summed) output.
 
 Dispatch: the (token, slot) pairs are sorted by expert (stable: token order within an expert),
 so each expert's tokens are one contiguous block. With a capacity factor each expert keeps its
@@ -24,6 +28,11 @@ language-model loss by the model (`router_losses`):
     the layers concatenated):  E x sum_e f_e x P_e, f_e = share of the top-k picks that chose e,
     P_e = mean router probability of e, both over all layers and tokens; x router_aux_loss_coef
     z-loss (ST-MoE, optional): mean over tokens and layers of logsumexp(router logits)^2; x router_z_loss_coef
+Both are functions of sums over every token of the micro-batch. Under segment or context
+parallelism (sep/cp) each rank routes part of every sequence, so each layer's sums are added over
+the sep group (`whole_sequence_stats`): every rank then computes the single-process losses and
+metrics, and the gradient of each rank's own probabilities follows from them unchanged (the
+parameter gradients are summed over the group by fleet's optimizer, as the language-model loss's).
 """
 
 from __future__ import annotations
@@ -49,6 +58,22 @@ class RouterStats:
     z_sum: paddle.Tensor       # []  float32: sum over tokens of logsumexp(logits)^2 (carries gradient)
     dropped: paddle.Tensor     # []  int64: pairs over capacity
     tokens: int
+
+
+def whole_sequence_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
+    """One layer's statistics over the whole sequences: this rank's summed with those of the other ranks
+    of its sep group (identity without sep or cp), in one all-reduce. The probability and z sums keep
+    their gradient (pl.sum_over_segments: backward unchanged, since every rank computes the same loss)."""
+    if not pl.splits_sequence(config):
+        return stats
+    experts = config.num_experts
+    packed = paddle.concat([stats.picks, stats.prob_sum, stats.z_sum.reshape([1]),
+                            stats.dropped.astype("float32").reshape([1])])  # counts: exact in float32
+    total = pl.sum_over_segments(config, packed)
+    degree = config.sep_parallel_degree * config.context_parallel_degree
+    return RouterStats(picks=total[:experts].detach(), prob_sum=total[experts:2 * experts],
+                       z_sum=total[2 * experts], dropped=total[2 * experts + 1].detach().astype("int64"),
+                       tokens=stats.tokens * degree)
 
 
 def router_losses(config: ModelConfig, stats: list[RouterStats]):
@@ -202,7 +227,9 @@ class MoE(nn.Layer):
         self.num_local_experts = experts // self.ep_degree
         self.first_expert = self.ep_rank * self.num_local_experts
         self.gate = pl.replicated_linear(hidden, experts, bias=False)
-        expert_config = config.replace(intermediate_size=config.expert_intermediate_size, fuse_attention_ffn=False)
+        # The experts and the shared expert take the gathered tokens (see forward): plain tensor parallelism.
+        expert_config = config.replace(intermediate_size=config.expert_intermediate_size, fuse_attention_ffn=False,
+                                       sequence_parallel=False)
         # Keyed by the global expert index: the parameter names are the single-process model's
         # (layers.{i}.mlp.experts.{e}.gate_proj.weight) on every rank.
         self.experts = nn.LayerDict({str(self.first_expert + j): mlp_class(expert_config)
@@ -225,7 +252,7 @@ class MoE(nn.Layer):
                 param.register_hook(lambda grad, dp=data_replicas: grad / dp)
         if config.shared_expert_intermediate_size:
             self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
-                                                          fuse_attention_ffn=False))
+                                                          fuse_attention_ffn=False, sequence_parallel=False))
             self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
         self.last_stats: RouterStats | None = None
         # rows this rank's dispatching all-to-alls sent in forward and got back in backward (tests count them)
@@ -247,19 +274,22 @@ class MoE(nn.Layer):
         return selected, weights.astype(x.dtype), stats
 
     def forward(self, hidden):
+        # Sequence parallelism: every token of the micro-batch (fleet's GatherOp; its backward keeps this
+        # rank's chunk of the gradient, which is whole and the same on every rank, as the output's below).
+        hidden = pl.gather_sequence(self.config, hidden)
         shape = hidden.shape
         x = hidden.reshape([-1, shape[-1]])
         selected, weights, stats = self.route(x)
         k = self.config.num_experts_per_tok
         flat = selected.flatten()  # pair p = token p // k, slot p % k
         order = paddle.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
-        counts = np.bincount(flat.numpy(), minlength=self.config.num_experts)
-        kept = self._capacity_keep(counts)
-        if kept is not None:
-            keep_mask = np.concatenate([np.arange(n) < m for n, m in zip(counts, kept)])
-            stats.dropped = paddle.to_tensor(int((~keep_mask).sum()), dtype="int64")
-            order = paddle.masked_select(order, paddle.to_tensor(keep_mask))
-            counts = kept
+        flat_ids = flat.numpy()
+        counts = np.bincount(flat_ids, minlength=self.config.num_experts)
+        keep = self._capacity_keep(flat_ids.reshape([shape[0], -1, k]))
+        if keep is not None:
+            stats.dropped = paddle.to_tensor(int((~keep).sum()), dtype="int64")
+            order = paddle.masked_select(order, paddle.to_tensor(keep[order.numpy()]))
+            counts = np.bincount(flat_ids[keep], minlength=self.config.num_experts)
         expert_in = paddle.gather(x, order // k)
         expert_out, idle_zero = self.run_experts(expert_in, counts)
         pair_out = paddle.scatter(paddle.zeros([flat.shape[0], shape[-1]], dtype=x.dtype), order, expert_out)
@@ -268,17 +298,27 @@ class MoE(nn.Layer):
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if idle_zero is not None:
             out = out + idle_zero.astype(out.dtype)
-        self.last_stats = stats
-        return out.reshape(shape)
+        self.last_stats = whole_sequence_stats(self.config, stats)
+        # Sequence parallelism: this rank's chunk of the output, summed over the tensor-parallel ranks by the
+        # experts' row-parallel layers (fleet's ScatterOp; backward gathers the chunks' gradients).
+        return pl.split_sequence(self.config, out.reshape(shape))
 
-    def _capacity_keep(self, counts):
-        """Pairs each expert keeps under the capacity factor (None: dropless)."""
+    def _capacity_keep(self, expert_ids: np.ndarray):
+        """Which of this rank's pairs (expert_ids [batch, tokens, k] -> [pairs] bool) the capacity factor keeps
+        (None: dropless): each expert keeps its first ceil(factor x pairs / E) pairs of the micro-batch, in the
+        order of its tokens. Under sep/cp the ranks' parts of the sequences are gathered first, so that
+        every rank drops what one process drops."""
         factor = self.config.moe_capacity_factor
         if not factor:
             return None
-        pairs = int(counts.sum())
-        capacity = math.ceil(factor * pairs / self.config.num_experts)
-        return np.minimum(counts, capacity)
+        whole, mine = pl.whole_sequences(self.config, expert_ids)
+        flat = whole.reshape(-1)
+        capacity = math.ceil(factor * flat.size / self.config.num_experts)
+        order = np.argsort(flat, kind="stable")
+        first_of_expert = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=self.config.num_experts))])
+        place = np.empty(flat.size, dtype="int64")  # each pair's place among its expert's pairs
+        place[order] = np.arange(flat.size) - first_of_expert[flat[order]]
+        return (place < capacity).reshape(whole.shape)[:, mine].reshape(-1)
 
     def run_experts(self, expert_in, counts):
         """Each expert on its block of rows (rows sorted by expert; counts[e] rows for expert e) ->

@@ -305,6 +305,11 @@ def _splits_sequence(config: ModelConfig) -> bool:
     return _segment_parallel(config) or _context_parallel(config)
 
 
+def splits_sequence(config: ModelConfig) -> bool:
+    """Whether each rank holds part of every sequence (sep or cp)."""
+    return _splits_sequence(config)
+
+
 def sequence_group():
     """Fleet's sep group: the ranks that hold the parts of the same sequences (sep or cp)."""
     from paddle.distributed import fleet
@@ -411,3 +416,46 @@ def gather_segments(config: ModelConfig, per_token):
     if not _splits_sequence(config):
         return per_token
     return _GatherSegments.apply(per_token, sequence_group())
+
+
+class _SumOverGroup(paddle.autograd.PyLayer):
+    """The sum of every rank's x; backward the gradient unchanged. Each rank computes the same loss from
+    the sum, so the gradient reaching it is the same on every rank and is the gradient of this rank's
+    own term (summing it over the group as well would count it degree times)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import paddle.distributed as dist
+
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def sum_over_segments(config: ModelConfig, x):
+    """Statistics of this rank's tokens summed with those of the other parts of the same sequences
+    (identity without sep or cp): the router's load-balancing statistics (models/moe.py)."""
+    if not _splits_sequence(config):
+        return x
+    return _SumOverGroup.apply(x, sequence_group())
+
+
+def whole_sequences(config: ModelConfig, local):
+    """This rank's part of every sequence (numpy [batch, seq / degree, ...]) -> (every rank's parts in
+    sequence order [batch, seq, ...], the positions of this rank's part); without sep or cp (local, all)."""
+    import numpy as np
+
+    if not _splits_sequence(config):
+        return local, np.arange(local.shape[1])
+    import paddle.distributed as dist
+
+    group = sequence_group()
+    parts, positions = [], []
+    dist.all_gather(parts, paddle.to_tensor(local), group=group)
+    dist.all_gather(positions, token_positions(config, local.shape[1]), group=group)
+    order = np.argsort(np.concatenate([p.numpy() for p in positions]))
+    return np.concatenate([p.numpy() for p in parts], axis=1)[:, order], token_positions(config, local.shape[1]).numpy()

@@ -140,6 +140,11 @@ MUTATIONS = [
              "return causal_lm_loss(self.config, logits, labels)",
              "return pl.cross_entropy_per_token(self.config, logits, pl.split_segment(self.config, labels)).mean()",
              (LONG_PP2,)),
+    Mutation("moe_sep_stats_local", "mixture of experts under sep/cp: each rank's router statistics (and so its "
+             "load-balancing and z losses and metrics) not summed over the sep group", "models/moe.py",
+             "    if not pl.splits_sequence(config):\n        return stats\n    experts",
+             "    if True:\n        return stats\n    experts",
+             ("tests/test_long_context.py::test_sep2_mechanism",)),
 ]
 
 

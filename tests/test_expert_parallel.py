@@ -7,7 +7,8 @@ and stops an ep2 run at step 2 for one process to resume; then it watches the me
     k x tokens (token, expert) pairs per layer in forward and their gradients in backward;
     its loss and its experts' gradients equal the whole model's on both ranks' tokens.
 A second launch trains ep2 x tp2 (4 processes: the experts split like the dense MLP over the
-tensor-parallel pair, the all-to-all between the data-parallel pair), a third ep2 within dp4 (two
+tensor-parallel pair, the all-to-all between the data-parallel pair), the same with sequence
+parallelism, and Qwen2-MoE with capacity and z-loss under tp2 x dp2 + SP; a third ep2 within dp4 (two
 expert groups; each expert's gradient summed over its two holders), and the first one also trains
 mixtral-real (expert matrices 1024 x 2816 = 2.9M elements, above 2**20; embedding and head 8.5M,
 above 2**23). Everything is compared with one process training the same global batch (8 samples: 4
@@ -27,6 +28,7 @@ from parity_utils import (
 )
 
 STEPS, STOP = 4, 2
+QWEN_CAPPED = {"model_name_or_path": "qwen2-moe-tiny", "moe_capacity_factor": 0.5, "router_z_loss_coef": 0.001}
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
 
@@ -38,7 +40,8 @@ def trained(tmp_path_factory, embedded_corpus):
         save_steps=STEPS, logging_steps=1))
     ep2 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 2}
     run_single([argv(args_file, work / "single"), argv(args_file, work / "single-to-ep2", exit_interval=STOP),
-                argv(args_file, work / "single-real", model_name_or_path="mixtral-real")], work, "single")
+                argv(args_file, work / "single-real", model_name_or_path="mixtral-real"),
+                argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
@@ -48,8 +51,14 @@ def trained(tmp_path_factory, embedded_corpus):
     result.check()
     run_single([argv(args_file, work / "ep2-to-single")], work, "resume")
     # ep2 x tp2: the experts split like the dense MLP over the tensor-parallel pair, the all-to-all between
-    # the data-parallel pair (4 processes)
-    plan = {"ep": 0, "runs": [argv(args_file, work / "ep2tp2", **ep2, tensor_parallel_degree=2)]}
+    # the data-parallel pair (4 processes); also with sequence parallelism (the MoE block gathers the
+    # tensor-parallel ranks' chunks: the router sees whole tokens), and Qwen2-MoE (shared expert, capacity
+    # and z-loss) under tp2 x dp2 with sequence parallelism
+    sp = {"tensor_parallel_degree": 2, "sequence_parallel": True}
+    plan = {"ep": 0, "runs": [argv(args_file, work / "ep2tp2", **ep2, tensor_parallel_degree=2),
+                              argv(args_file, work / "ep2tp2-sp", **ep2, **sp),
+                              argv(args_file, work / "qwen-capped-tp2dp2-sp", **QWEN_CAPPED, **sp,
+                                   gradient_accumulation_steps=2)]}
     launch(str(WORKER), 4, [str(write_json(work / "ep2tp2.plan.json", plan))], log_dir=work / "ep2tp2.log",
            timeout=900, device=DEVICE).check()
     # ep2 within dp4: two expert groups (ranks 0-1, 2-3), each expert on two ranks (0 and 2, or 1 and 3)
@@ -62,10 +71,17 @@ def trained(tmp_path_factory, embedded_corpus):
 def test_ep2_trains_like_one_process(trained):
     work, _ = trained
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
-                            ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real")):
+                            ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real"),
+                            ("single", "ep2tp2-sp"), ("single-qwen-capped", "qwen-capped-tp2dp2-sp")):
         diffs = assert_same_training(work / reference, work / name, step=STEPS)
         print(f"{name}: {diffs}")
         assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]
+        # the load-balancing loss logged (mean over the data replicas; the load ratio and the pairs dropped are
+        # rank 0's tokens under data parallelism)
+        for a, b in zip(train_records(work / reference), train_records(work / name)):
+            assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], abs=1e-5)
+    assert train_records(work / "qwen-capped-tp2dp2-sp")[0]["tokens_dropped"] > 0
+    assert run_record(work / "ep2tp2-sp")["built"]["sequence_parallel"]["enabled"]
     assert run_record(work / "ep2")["layout"]["world_size"] == 2
     assert run_record(work / "single-to-ep2")["start_step"] == STOP
     assert run_record(work / "ep2-to-single")["start_step"] == STOP

@@ -24,9 +24,13 @@ accumulation steps of one process).
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted
     8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
+    mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
+                        sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
+                        metrics of train_log.jsonl equal one process's
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
-                        before the optimizer's sep reduction
+                        before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per
+                        rank but its losses use statistics of all s (summed over the sep group)
     mechanism (cp2)     each rank holds s/2 tokens between layers; per layer the ring passes k/v
                         once in forward and k/v + dk/dv once, dk/dv once more, in backward
 """
@@ -43,12 +47,16 @@ from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES
 from parity_utils import (
     argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record, run_single,
-    write_json,
+    train_records, write_json,
 )
 
-# Every dense family record (mixture-of-experts models refuse sep and cp: llm_pretrain/layout.py
-# check_mixture_of_experts) and llama3-tiny (Llama 3.1's rotary scaling).
+# Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
+# MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
 MODELS = tuple(name for name, family in FAMILIES.items() if not family.architectures[family.tiny].is_moe) + ("llama3",)
+MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
+              "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
+                                 "router_z_loss_coef": 0.001},
+              "qwen2_moe": {"model_name_or_path": "qwen2-moe-tiny"}}
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 STOP = 3  # resume pairs stop after this step
@@ -61,6 +69,8 @@ class Runs:
         self.work = work
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, model_name_or_path=f"{model}-tiny")) for model in MODELS}
+        self.files.update({model: write_json(work / f"{model}.json", base_arguments(
+            corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
 
     def reference(self, model: str) -> Path:
         return self.work / "single" / model
@@ -75,13 +85,26 @@ class Runs:
         for name, model in names_and_models:
             diffs = assert_same_training(self.reference(model), self.out(name))
             diffs["every_replica"] = assert_every_replica_matches(self.reference(model), self.out(name))
+            if model in MOE_MODELS:
+                assert_same_router_metrics(self.reference(model), self.out(name))
             print(f"{name} vs single-process {model}: {diffs}")
+
+
+def assert_same_router_metrics(reference: Path, other: Path) -> None:
+    """train_log.jsonl's router metrics at every step equal one process's: the load-balancing loss, the ratio
+    of the most to the least loaded expert, the pairs dropped (each rank's router sees part of the sequences)."""
+    ref, got = train_records(reference), train_records(other)
+    for a, b in zip(ref, got, strict=True):
+        assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], abs=1e-5), (other, b, a)
+        assert b["expert_load_max_min_ratio"] == pytest.approx(a["expert_load_max_min_ratio"], rel=1e-6), (other, b, a)
+        assert b["tokens_dropped"] == a["tokens_dropped"], (other, b, a)
+    assert any(r["tokens_dropped"] for r in ref) == ("capped" in reference.name)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
-    references = [argv(setup.files[model], setup.reference(model)) for model in MODELS]
+    references = [argv(setup.files[model], setup.reference(model)) for model in (*MODELS, *MOE_MODELS)]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
@@ -100,13 +123,15 @@ def test_sep2_every_family_and_resume(runs):
         runs.run("llama-cp2-recompute", recompute=True, recompute_granularity="core_attn", **CP2),
         runs.run("single-to-cp2", **CP2),
         runs.run("cp2-to-single", exit_interval=STOP, **CP2),
-    ], runs.work, "sep2", timeout=1800)
+    ] + [runs.run(f"{model}-{name}", model, **degrees) for model in MOE_MODELS
+         for name, degrees in (("sep2", SEP2), ("cp2", CP2))], runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
         ("llama-sep2-recompute", "llama"), ("bloom-sep2-recompute", "bloom"),
         ("single-to-sep2", "llama"), ("sep2-to-single", "llama")])
     runs.check([(f"{model}-cp2", model) for model in MODELS] + [
         ("llama-cp2-recompute", "llama"), ("single-to-cp2", "llama"), ("cp2-to-single", "llama")])
+    runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
     assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],
@@ -127,10 +152,13 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                    runs.run("bloom-sep2tp2", "bloom", **tp2),
                    runs.run("gpt3-sep2tp2-sp", "gpt3", **tp2, sequence_parallel=True),
                    runs.run("llama-cp2tp2-sp", **cp2tp2, sequence_parallel=True),
-                   runs.run("bloom-cp2tp2", "bloom", **cp2tp2)],
+                   runs.run("bloom-cp2tp2", "bloom", **cp2tp2),
+                   runs.run("mixtral-capped-sep2tp2-sp", "mixtral-capped", **tp2, sequence_parallel=True),
+                   runs.run("qwen2_moe-cp2tp2-sp", "qwen2_moe", **cp2tp2, sequence_parallel=True)],
                runs.work, "sep2tp2", timeout=1800)
     runs.check([("llama-sep2tp2-sp", "llama"), ("bloom-sep2tp2", "bloom"), ("gpt3-sep2tp2-sp", "gpt3"),
-                ("llama-cp2tp2-sp", "llama"), ("bloom-cp2tp2", "bloom")])
+                ("llama-cp2tp2-sp", "llama"), ("bloom-cp2tp2", "bloom"),
+                ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe")])
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
     assert run_record(runs.out("bloom-sep2tp2"))["strategy"] == "tp2sep2"
     run_launch(4, [runs.run("llama-sep2dp2", **SEP2, gradient_accumulation_steps=2),
@@ -160,14 +188,19 @@ def test_cp4(runs):
 def test_sep2_mechanism(tmp_path, embedded_corpus):
     """Each rank holds 16 of the 32 tokens between layers; the all-to-all runs in forward (q, k, v
     to heads, the output back) and in backward (the same four, reversed); before the optimizer's
-    sep reduction each rank's gradient covers only its own tokens (they differ)."""
+    sep reduction each rank's gradient covers only its own tokens (they differ). A mixture of experts
+    routes each rank's tokens and sums the router statistics over the sep group."""
     layers = 8
     # The key in the argument file itself, as a PaddleNLP file gives it (no override).
     args = write_json(tmp_path / "llama.json", base_arguments(embedded_corpus, tmp_path, max_steps=1, save_steps=0,
                                                               sep_parallel_degree=2))
     spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2")},
                                                {"name": "cp2", "argv": argv(args, tmp_path / "cp2", sep_parallel_degree=1,
-                                                                            **CP2)}])
+                                                                            **CP2)},
+                                               {"name": "mixtral", "argv": argv(args, tmp_path / "mixtral",
+                                                                                model_name_or_path="mixtral-tiny",
+                                                                                num_hidden_layers=2,
+                                                                                moe_capacity_factor=0.5)}])
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 2, [str(spec)], log_dir=tmp_path / "log",
                     timeout=600).check()
     ranks = result.results()
@@ -202,6 +235,17 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     before_step = [[value for kind, value in ranks[r]["cp2"]["grad_fingerprints"] if kind == "step"][0] for r in (0, 1)]
     assert before_step[0] != pytest.approx(before_step[1], rel=1e-6), "gradients equal before the cp reduction"
     assert run_record(tmp_path / "cp2")["built"]["context_parallel"]["chunks_of_2cp"] == [0, 3]
+
+    # Mixture of experts under sep2: each rank routes its 2 x 16 tokens, but its router losses (and the
+    # metrics) come from statistics of all 2 x 32 tokens of the micro-batch (k = 2 picks each), summed over
+    # the sep group once per layer and micro-batch; that sum's backward carries the aux and z losses'
+    # gradient to this rank's router probabilities ([8 picks, 8 probability sums, z, dropped]).
+    for rank, observed in ranks.items():
+        router = observed["mixtral"]["router"]
+        forwards = 2 * 4  # layers x micro-batches
+        assert router["routed_tokens"] == [32] * forwards, router
+        assert router["stats"] == [[32, 64, 128.0]] * forwards, router
+        assert router["sum_backward"] == [[18]] * forwards, router
 
 
 def eval_losses(output_dir: Path) -> list[tuple]:

@@ -108,6 +108,8 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
     # Replica check (llm_pretrain/replica_check.py): rank 1's copy of a norm weight made to differ
     # by a last bit before the end-of-training check (run last: it fails on purpose).
     runs["llama-replica-differs"] = ("llama", {**tp, "sequence_parallel": True})
+    runs["mixtral-sp"] = ("mixtral", {**tp, "sequence_parallel": True})  # (before the failing run)
+    runs["llama-replica-differs"] = runs.pop("llama-replica-differs")
     perturbed = {"rank": 1, "parameter": "layers.3.post_attention_layernorm.weight"}
     spec_extra = {"llama-replica-differs": {"perturb_replica": perturbed}}
     ranks = mech.launch(2, "tp2", runs, extra=spec_extra)
@@ -130,6 +132,13 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
             assert_recomputed(seen["calls"], GRANULARITIES[i % 3], list(range(LAYERS)), micro_batches=4)
         assert observed["llama-long-sp"]["peak_allocated"] < observed["llama-long-tp"]["peak_allocated"], \
             "sequence parallelism did not lower the allocator's peak"
+        # Mixture of experts under SP: 32 of the 64 tokens of a micro-batch between layers, but the router
+        # routes all 64 (the MoE block gathers the chunks), in each of the 8 layers and 4 micro-batches.
+        seen = observed["mixtral-sp"]
+        shapes = {tuple(s) for shapes in seen["decoder_input_shapes"].values() for s in shapes}
+        assert shapes == {(32, 64)}, f"mixtral rank {rank}: hidden states {shapes}"
+        assert seen["router"]["routed_tokens"] == [64] * (LAYERS * 4), seen["router"]
+        assert seen["router"]["stats"] == [[64, 64, 128.0]] * (LAYERS * 4) and "sum_backward" not in seen["router"]
     for i, family in enumerate(FAMILIES):
         built = mech.built("tp2", f"{family}-sp")
         assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 2

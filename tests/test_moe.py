@@ -206,8 +206,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
         num_hidden_layers=2, vocab_size=run["model_config"]["vocab_size"]), 32)
 
     bad = {"expert_parallel_degree": (3, "expert_parallel_degree: 3 does not divide the model's num_experts 8"),
-           "expert_parallel_degree ": (2, "expert_parallel_degree: 2 must divide the data-parallel degree (1)"),
-           "sequence_parallel": (True, "sequence_parallel")}
+           "expert_parallel_degree ": (2, "expert_parallel_degree: 2 must divide the data-parallel degree (1)")}
     for key, (value, message) in bad.items():
         result = run_cli(args_file, "--output_dir", tmp_path / "bad", f"--{key.strip()}", json.dumps(value))
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
@@ -243,6 +242,12 @@ def test_planner_counts_experts_per_rank_and_the_all_to_all():
     intra = cluster.links()[0]
     expected = 8 * 32 * 4 * (4096 * 2 * 4096 * 4 * 7 / 8) / (intra * 1e9)  # fp32 activations (no AMP here)
     assert ep8["terms"]["expert-parallel all-to-all"] == pytest.approx(expected)
+    # under sequence parallelism the MoE block adds an all-gather forward and one backward per layer (and micro-batch)
+    tp2 = config.replace(tensor_parallel_degree=2)
+    sp = step_time(Setup(tp2.replace(sequence_parallel=True), 1, 8, tp=2, dp=4), cluster)["terms"]
+    no_sp = step_time(Setup(tp2, 1, 8, tp=2, dp=4), cluster)["terms"]
+    gather = 32 * 2 * (4096 * 4096 * 4 / 2) / (intra * 1e9)  # 32 layers x 2 x (tp-1)/tp of the tokens' fp32 rows
+    assert sp["tensor-parallel communication"] - no_sp["tensor-parallel communication"] == pytest.approx(8 * gather)
 
 
 def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
@@ -265,7 +270,7 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
 
 def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding, and
-    segment/context parallelism (the router would see part of each sequence)."""
+    expert parallelism with segment/context parallelism. Sequence parallelism, sep and cp are accepted."""
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
@@ -274,13 +279,19 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     config = ARCHITECTURES["mixtral-tiny"]
     args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False)
     check_mixture_of_experts(args, config, Layout(world_size=2, data_parallel_degree=2))  # accepted
+    for accepted in (Layout(world_size=2, sep_parallel_degree=2), Layout(world_size=2, context_parallel_degree=2),
+                     Layout(world_size=2, tensor_parallel_degree=2)):
+        check_mixture_of_experts(SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=True), config, accepted)
+    ep2 = SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False)
     cases = [
         (args, Layout(world_size=2, pipeline_parallel_degree=2), "pipeline_parallel_degree: 2 is not supported"),
         (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False),
          Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
          "sharding: stage1 cannot be combined with expert_parallel_degree 2"),
-        (args, Layout(world_size=2, sep_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
-        (args, Layout(world_size=2, context_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
+        (ep2, Layout(world_size=4, data_parallel_degree=2, sep_parallel_degree=2),
+         "sep_parallel_degree: 2 cannot be combined with expert_parallel_degree 2"),
+        (ep2, Layout(world_size=4, data_parallel_degree=2, context_parallel_degree=2),
+         "context_parallel_degree: 2 cannot be combined with expert_parallel_degree 2"),
     ]
     for case_args, layout, message in cases:
         with pytest.raises(UsageError, match=message.replace("/", ".")):

@@ -70,7 +70,7 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                         degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
                         for sd in ([1] if stage == 0 else degrees):
                             dp = rest // sd
-                            for sp in ([False] if tp == 1 or config.is_moe else [True]):  # MoE: no SP (layout.py)
+                            for sp in ([False] if tp == 1 else [True]):
                                 for recompute in RECOMPUTE_CHOICES:
                                     micro = 1
                                     while micro <= max_micro_batch:
@@ -88,7 +88,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                                             if split_key:
                                                 args[split_key] = split
                                             yield args
-                                            if config.is_moe and not stage and dp > 1 and config.num_experts % dp == 0:
+                                            if (config.is_moe and not stage and not split_key and dp > 1
+                                                    and config.num_experts % dp == 0):
                                                 # the experts split over the data-parallel ranks (models/moe.py)
                                                 yield dict(args, expert_parallel_degree=dp)
                                         micro *= 2

@@ -121,6 +121,10 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     tp_link = intra if tp <= node else inter
     collectives = 4 + (2 if c.recompute and c.recompute_granularity in ("full", "full_attn") else 0)
     tp_mb = layers_per_stage * collectives * _ring("all_reduce", tp, tokens_mb * c.hidden_size * act_bytes, tp_link)
+    if c.is_moe and c.sequence_parallel and tp > 1:
+        # models/moe.py under SP: the experts keep tensor parallelism's all-reduces (counted above as the MLP's),
+        # and the block adds an all-gather of its input forward and of its output's gradient backward.
+        tp_mb += layers_per_stage * 2 * _ring("all_gather", tp, tokens_mb * c.hidden_size * act_bytes, tp_link)
 
     # Pipeline: each micro-batch's activation goes forward and its gradient back across a stage boundary;
     # stages lie in different nodes once tp * pp exceeds a node.

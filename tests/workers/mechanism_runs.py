@@ -19,6 +19,10 @@ Before the runs, this worker wraps (counting, then calling the original):
     models.parallel_layers._all_to_all
                        segment parallelism's all-to-all: calls from the PyLayer's forward and from
                        its backward, with the shapes going in
+    models.moe: MoE.route, whole_sequence_stats, parallel_layers._SumOverGroup.backward
+                       mixture of experts under sep/cp: the tokens each rank routes, and the tokens and
+                       picks of the statistics its router losses are computed from (summed over the sep
+                       group), and the backward calls of that sum (the aux loss's gradient flowing back)
     models.ring_attention.ring_pass
                        context parallelism's ring steps: calls from the ring attention's forward and
                        backward, with the shapes of the tensors passed
@@ -56,7 +60,7 @@ def reset_probe():
     probe.clear()
     probe.update(calls=defaultdict(list), shapes=defaultdict(set), hooks=defaultdict(lambda: [0, 0]),
                  grad_fingerprints=[], built=None, kv_heads={}, all_to_all=defaultdict(list),
-                 ring=defaultdict(list), schedule_order=[])
+                 ring=defaultdict(list), schedule_order=[], router=defaultdict(list))
 
 
 def counting(owner, method):
@@ -137,6 +141,29 @@ def watch_ring():
         return original(tensors, group)
 
     ring_attention.ring_pass = counted
+
+
+def watch_router():
+    from models import moe
+
+    route, combine, backward = moe.MoE.route, moe.whole_sequence_stats, parallel_layers._SumOverGroup.backward
+
+    def routed(self, x):
+        if self.training:
+            probe["router"]["routed_tokens"].append(int(x.shape[0]))
+        return route(self, x)
+
+    def combined(config, stats):
+        whole = combine(config, stats)
+        probe["router"]["stats"].append([int(stats.tokens), int(whole.tokens), float(whole.picks.sum())])
+        return whole
+
+    def summed_backward(ctx, grad):
+        probe["router"]["sum_backward"].append(list(grad.shape))
+        return backward(ctx, grad)
+
+    moe.MoE.route, moe.whole_sequence_stats = routed, combined
+    parallel_layers._SumOverGroup.backward = staticmethod(summed_backward)
 
 
 def watch_pipeline_schedule():
@@ -233,6 +260,7 @@ def observations() -> dict:
         "sp_hooks": {k: list(v) for k, v in probe["hooks"].items()},
         "all_to_all": {k: v for k, v in probe["all_to_all"].items()},
         "ring": {k: v for k, v in probe["ring"].items()},
+        "router": {k: v for k, v in probe["router"].items()},
         "schedule_order": probe["schedule_order"],
         "grad_fingerprints": probe["grad_fingerprints"],
         "optimizer_state_elements": optimizer_state_elements(optimizer),
@@ -286,6 +314,7 @@ if __name__ == "__main__":
     watch_kv_heads()
     watch_all_to_all()
     watch_ring()
+    watch_router()
     watch_pipeline_schedule()
     watch_data_parallel()
     catch_built_run()
