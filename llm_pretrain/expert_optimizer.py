@@ -215,7 +215,8 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
 
     hcg = fleet.get_hybrid_communicate_group()
     optimizer, expert_optimizer, experts = split_expert_optimizer(model, optimizer)
-    clip_norm = optimizer._grad_clip.clip_norm if isinstance(optimizer._grad_clip, paddle.nn.ClipGradByGlobalNorm) else None
+    clip = optimizer._grad_clip
+    clip_norm = clip.clip_norm if isinstance(clip, paddle.nn.ClipGradByGlobalNorm) else None
     model, optimizer = wrap_dense(model, optimizer)
     clip = None
     if clip_norm is not None:

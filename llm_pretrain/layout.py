@@ -552,5 +552,6 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
                          "this toolkit splits each expert like the dense MLP; use data parallelism for ep x tp")
     if args.fp16:
         raise UsageError(f"fp16: not supported with expert_parallel_degree {ep} over sharding ranks (the loss scaler "
-                         "unscales fleet's sharding optimizer, not the experts' own one, llm_pretrain/expert_optimizer.py); "
+                         "unscales fleet's sharding optimizer, not the experts' own one, "
+                         "llm_pretrain/expert_optimizer.py); "
                          "use bf16")

@@ -233,7 +233,8 @@ class MoE(nn.Layer):
                 # rank keeping its optimizer states, llm_pretrain/expert_optimizer.py) it holds every rank's,
                 # and the replicated weights' gradients are averaged over the data replicas: hence / their number.
                 param.no_sync = True
-                param.expert = True  # Paddle's mark: broadcast over the moe_sharding group (distributed/parallel.py:196-201)
+                # Paddle's mark: broadcast over the moe_sharding group (paddle/distributed/parallel.py:196-201)
+                param.expert = True
                 param.expert_parallel = True
                 param.expert_group, param.expert_dp_group = self.ep_group, expert_dp_group
                 param.expert_replica = replica  # 0: the copy a checkpoint stores
