@@ -550,6 +550,10 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
                          f"expert_parallel_degree {ep} over sharding ranks: fleet's MoE topology (pipe x moe_sharding "
                          "x expert, topology.py:802-810) puts the tensor-parallel ranks in the expert group, while "
                          "this toolkit splits each expert like the dense MLP; use data parallelism for ep x tp")
+    if args.sharding_parallel_config.strip():
+        raise UsageError(f"sharding_parallel_config: {args.sharding_parallel_config!r} is not supported with "
+                         f"expert_parallel_degree {ep} over sharding ranks (the experts' own stage-1 optimizer reads "
+                         "the same options and is tested without them); leave it empty")
     if args.fp16:
         raise UsageError(f"fp16: not supported with expert_parallel_degree {ep} over sharding ranks (the loss scaler "
                          "unscales fleet's sharding optimizer, not the experts' own one, "

@@ -10,8 +10,9 @@ A second launch trains ep2 x tp2 (4 processes: the experts split like the dense 
 tensor-parallel pair, the all-to-all between the data-parallel pair), a third ep2 within dp4 (two
 expert groups; each expert's gradient summed over its two holders), then ep2 over the sharding ranks
 with stages 1 and 2 (fleet's own expert and moe_sharding groups, llm_pretrain/expert_optimizer.py): sd2
-with 2 processes, and sd4 with 4 (two moe_sharding ranks hold the same experts and split their optimizer
-states; also resumed from one process and stopped for one process to resume), and the first one also trains
+with 2 processes (also mixtral-real under stage 2: its 8.5M-element embedding is above the stage-2 buffer),
+and sd4 with 4 (two moe_sharding ranks hold the same experts and split their optimizer states; also resumed
+from one process and stopped for one process to resume), and the first one also trains
 mixtral-real (expert matrices 1024 x 2816 = 2.9M elements, above 2**20; embedding and head 8.5M,
 above 2**23). Everything is compared with one process training the same global batch (8 samples: 4
 micro-batches of 2 there, 2 per rank under ep2): per-step loss and grad norm, final weights (merged
@@ -54,7 +55,8 @@ def trained(tmp_path_factory, embedded_corpus):
     # ep2 over the sharding ranks (fleet's expert and moe_sharding groups, data_parallel_degree 1), stages 1 and 2:
     # one moe_sharding rank here (each rank keeps the states of its own experts), two with 4 processes below
     plan = {"ep": 0, "runs": [argv(args_file, work / f"ep2sd2s{stage}", **ep2, sharding=f"stage{stage}")
-                              for stage in (1, 2)]}
+                              for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2",
+                                                           model_name_or_path="mixtral-real")]}
     launch(str(WORKER), 2, [str(write_json(work / "ep2sd2.plan.json", plan))], log_dir=work / "ep2sd2.log",
            timeout=900, device=DEVICE).check()
     # ep2 within sd4: two expert groups (ranks 0-1, 2-3), fleet's moe_sharding groups 0,2 and 1,3 hold the same
@@ -84,7 +86,8 @@ def test_ep2_trains_like_one_process(trained):
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
                             ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real"),
                             ("single", "ep2sd2s1"), ("single", "ep2sd2s2"), ("single", "ep2sd4s1"),
-                            ("single", "ep2sd4s2"), ("single", "single-to-sd4"), ("single", "sd4-to-single")):
+                            ("single", "ep2sd4s2"), ("single", "single-to-sd4"), ("single", "sd4-to-single"),
+                            ("single-real", "ep2sd2s2-real")):
         diffs = assert_same_training(work / reference, work / name, step=STEPS)
         print(f"{name}: {diffs}")
         assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]

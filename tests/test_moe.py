@@ -273,8 +273,8 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     from llm_pretrain.layout import Layout, check_mixture_of_experts
 
     config = ARCHITECTURES["mixtral-tiny"]
-    args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, fp16=False)
-    ep2 = SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False, fp16=False)
+    args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, fp16=False, sharding_parallel_config="")
+    ep2 = SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False, fp16=False, sharding_parallel_config="")
     check_mixture_of_experts(args, config, Layout(world_size=2, data_parallel_degree=2))  # accepted
     for stage in (1, 2):  # accepted: ep over sharding ranks (fleet's expert and moe_sharding groups)
         check_mixture_of_experts(ep2, config, Layout(world_size=4, sharding_degree=4, sharding_stage=stage))
@@ -285,10 +285,12 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
         (ep2, Layout(world_size=4, sharding_degree=4, sharding_stage=3), "sharding: stage3 cannot be combined"),
         (ep2, Layout(world_size=4, tensor_parallel_degree=2, sharding_degree=2, sharding_stage=1),
          "tensor_parallel_degree: 2 cannot be combined with expert_parallel_degree 2 over sharding ranks"),
-        (SimpleNamespace(expert_parallel_degree=4, sequence_parallel=False, fp16=False),
+        (SimpleNamespace(**{**vars(ep2), "expert_parallel_degree": 4}),
          Layout(world_size=2, sharding_degree=2, sharding_stage=1), "expert_parallel_degree: 4 must divide"),
-        (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False, fp16=True),
+        (SimpleNamespace(**{**vars(ep2), "fp16": True}),
          Layout(world_size=2, sharding_degree=2, sharding_stage=2), "fp16: not supported"),
+        (SimpleNamespace(**{**vars(ep2), "sharding_parallel_config": "enable_stage1_tensor_fusion"}),
+         Layout(world_size=2, sharding_degree=2, sharding_stage=1), "sharding_parallel_config: .* is not supported"),
         (args, Layout(world_size=2, sep_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
         (args, Layout(world_size=2, context_parallel_degree=2), "sep_parallel_degree/context_parallel_degree"),
     ]
