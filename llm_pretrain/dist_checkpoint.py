@@ -208,6 +208,13 @@ def _sharding_optimizer(optimizer):
     return None, None
 
 
+def _expert_optimizer(optimizer):
+    """The experts' own optimizer path under expert parallelism over sharding ranks (None otherwise)."""
+    from llm_pretrain.expert_optimizer import ExpertShardedOptimizer
+
+    return optimizer if isinstance(optimizer, ExpertShardedOptimizer) else None
+
+
 def _writes(name: str, layout, tp_replicated: bool, sharding_owner: int | None, expert: bool = False) -> bool:
     """Whether this rank writes a tensor that several ranks hold identically: replicas are spread
     over the ranks by a hash of the name, so that every rank writes a similar share. An expert under
@@ -288,9 +295,12 @@ def snapshot_state(model, optimizer, layout, copy: bool = True) -> tuple[list, d
     asynchronous save writes the copy while training changes the originals): NumPy on CPU, pinned
     host memory on GPU (Tensor.pin_memory, paddle/base/dygraph/tensor_patch_methods.py:1198)."""
     owners, _ = _sharding_optimizer(optimizer)
+    experts = _expert_optimizer(optimizer)
     to_write: list[tuple[str, object, tuple, list[Piece], str]] = []  # (name, local tensor, global shape, pieces, dtype)
 
     def sharding_owner(holding: Holding) -> int | None:
+        if experts is not None and getattr(holding.param, "expert_parallel", False):
+            return None  # not in the dense sharding: the expert's replicas decide (below)
         if layout.sharding_stage in (1, 2) and owners is not None:
             return owners[holding.param.name]
         if layout.sharding_stage == 3 and not holding.stage3_slice:  # held whole on every sharding rank
@@ -310,7 +320,10 @@ def snapshot_state(model, optimizer, layout, copy: bool = True) -> tuple[list, d
                 owner = zlib.crc32(h.name.encode()) % layout.sharding_degree
             replicated = h.tp_replicated or t.is_scalar_state
         expert = getattr(h.param, "expert_parallel", False)
-        if expert and h.param.expert_replica:  # a copy of an expert another expert group's rank writes
+        # A copy of an expert another expert group's rank writes; but the expert's optimizer states, when
+        # sharded over its replicas (the moe_sharding group), exist only on the rank keeping them.
+        states_sharded = t.suffix is not None and experts is not None and experts.sharded
+        if expert and h.param.expert_replica and not states_sharded:
             continue
         if h.is_tied_copy or not _writes(h.name, layout, replicated, owner, expert):
             continue
@@ -534,10 +547,14 @@ def _load_state(reader: CheckpointReader, model, optimizer, layout) -> None:
         target.set_value(_value(local, reader.entry(h.name)["dtype"], _dtype_name(target)))
 
     owners, sharding_rank = _sharding_optimizer(optimizer)
+    experts = _expert_optimizer(optimizer)
     state: dict = {}
     master: dict = {}
     for h in held:
-        if owners is not None and owners.get(h.param.name) != sharding_rank:
+        if experts is not None and getattr(h.param, "expert_parallel", False):
+            if not experts.owns_expert_state(h.param):
+                continue  # another rank of the expert's moe_sharding group keeps its optimizer state
+        elif owners is not None and owners.get(h.param.name) != sharding_rank:
             continue  # stage 1/2: another sharding rank keeps this parameter's optimizer state
         prefix = STAGE3_SLICE_PREFIX if h.stage3_slice else ""
         local_shape = tuple((_stage3_storage(h.param) if h.stage3_slice else h.param).shape)

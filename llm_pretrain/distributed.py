@@ -19,7 +19,8 @@ from llm_pretrain.arguments import Arguments
 # Moved to llm_pretrain/layout.py (one module decides validity); imported here for build_strategy
 # and for callers that still import them from this module.
 from llm_pretrain.layout import (  # noqa: F401
-    PARALLEL_CONFIG_OPTIONS, REFUSED_PARALLEL_CONFIG_OPTIONS, Layout, parallel_config_settings, plan_layout,
+    PARALLEL_CONFIG_OPTIONS, REFUSED_PARALLEL_CONFIG_OPTIONS, Layout, experts_over_sharding, parallel_config_settings,
+    plan_layout,
 )
 
 
@@ -40,6 +41,16 @@ def build_strategy(layout: Layout, args: Arguments):
         "accumulate_steps": args.gradient_accumulation_steps,
         "micro_batch_size": args.per_device_train_batch_size,
     }
+    ep = max(args.expert_parallel_degree, 1)
+    if experts_over_sharding(layout, ep):
+        # Fleet's own expert and moe_sharding groups (EPHybridCommunicateGroup, built by fleet.py:681-690
+        # when "expert" has a degree above 1 in the order): the ranks of each group of ep consecutive
+        # sharding ranks hold different experts, the moe_sharding ranks (sharding / ep) the same ones.
+        # Its moe topology is pipe x moe_sharding x expert, its dense one pipe x moe_sharding x
+        # dense_sharding x sep x data x model (topology.py:801-834): this order keeps every dense group
+        # where the default order ['dp', 'pp', 'sharding', 'sep', 'cp', 'mp'] puts it.
+        hybrid.update(ep_degree=ep, moe_sharding_degree=layout.sharding_degree // ep,
+                      order=["dp", "pp", "moe_sharding", "sharding", "sep", "cp", "ep", "mp"])
     if layout.sequence_group_degree > 1:
         # The clip's norm of tensor-parallel slices is otherwise all-reduced over the "check" group
         # (hybrid_parallel_optimizer.py:87-91, topology.py:370: every rank of one data-parallel
@@ -119,6 +130,21 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
     # pipeline also runs one backward per micro-batch, accumulation_steps per step).
     if any(is_sequence_parallel_parameter(p) for p in model.parameters()):
         register_sequence_parallel_allreduce_hooks(model, accumulation_steps, fuse_sequence_parallel_allreduce=False)
+    if layout.sharding_stage and any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        # Expert parallelism over the sharding ranks: fleet's sharding wrappers over the replicated weights,
+        # the experts' own optimizer path beside them (llm_pretrain/expert_optimizer.py).
+        from llm_pretrain.expert_optimizer import wrap_experts_over_sharding
+
+        return wrap_experts_over_sharding(model, optimizer, lambda m, o: _wrap_dense(m, o, layout, hcg))
+    model, optimizer = _wrap_dense(model, optimizer, layout, hcg)
+    use_expert_parallel_clip(optimizer, model)  # mixture of experts under expert parallelism (over dp ranks)
+    return model, optimizer
+
+
+def _wrap_dense(model, optimizer, layout: Layout, hcg):
+    """fleet.distributed_model/_optimizer, or Paddle's group-sharded wrappers for stages 2 and 3."""
+    from paddle.distributed import fleet
+
     if layout.sharding_stage in (2, 3):
         from paddle.distributed.sharding import group_sharded_parallel
 
@@ -132,9 +158,7 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level=level,
                                                      group=hcg.get_sharding_parallel_group(), dp_group=dp_group)
         return model, optimizer
-    model, optimizer = fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
-    use_expert_parallel_clip(optimizer, model)  # mixture of experts under expert parallelism
-    return model, optimizer
+    return fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
 
 
 class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
@@ -239,10 +263,12 @@ def record_grad_norm(optimizer):
     )
     from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedClipGrad
 
+    from llm_pretrain.expert_optimizer import ShardedGlobalNormClip
+
     clip, inner = None, optimizer
     while inner is not None and clip is None:
         candidate = getattr(inner, "_grad_clip", None)
-        if isinstance(candidate, ExpertParallelGlobalNormClip):
+        if isinstance(candidate, (ExpertParallelGlobalNormClip, ShardedGlobalNormClip)):
             return lambda: candidate.last_norm
         clip = candidate if isinstance(candidate, (HybridParallelClipGrad, GroupShardedClipGrad)) else None
         inner = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)

@@ -499,11 +499,18 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
     if experts % ep:
         raise UsageError(f"expert_parallel_degree: {ep} does not divide the model's num_experts {experts}")
-    if ep > 1 and layout.data_parallel_degree % ep:
+    if ep > 1 and layout.sharding_stage and layout.data_parallel_degree > 1:
+        raise UsageError(f"expert_parallel_degree: {ep} with sharding stage{layout.sharding_stage} needs "
+                         f"data_parallel_degree 1, got {layout.data_parallel_degree}: fleet's MoE topology puts the "
+                         "experts on sharding ranks and asserts dp_degree 1 (fleet/base/topology.py:878-880); use "
+                         "sharding over all data replicas, or data parallelism without sharding")
+    if experts_over_sharding(layout, ep):
+        check_experts_over_sharding(args, layout, ep)
+    elif ep > 1 and layout.data_parallel_degree % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel degree "
                          f"({layout.data_parallel_degree}): the experts are split over groups of data-parallel "
-                         "ranks, which read their own samples (expert parallelism over sharding ranks is not "
-                         "supported yet)")
+                         "ranks, which read their own samples (or over the sharding ranks, with sharding stage1 or "
+                         "stage2 and data_parallel_degree 1)")
     if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
         raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
                          f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")
@@ -511,10 +518,40 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
                          "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
                          "use 1")
-    if ep > 1 and layout.sharding_stage:
-        raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
-                         f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")
     if ep > 1 and layout.sequence_group_degree > 1:
         key = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
         raise UsageError(f"{key}: {layout.sequence_group_degree} cannot be combined with expert_parallel_degree {ep} "
                          "yet (not proven against one process); use expert_parallel_degree 1 with sep/cp")
+
+
+def experts_over_sharding(layout: Layout, ep: int) -> bool:
+    """Whether expert parallelism runs over the sharding ranks through fleet's own expert and moe_sharding
+    groups (EPHybridCommunicateGroup, which exists only with dp_degree 1: fleet/base/topology.py:878-880)
+    rather than over the data-parallel ranks (models/moe.py expert_parallel_groups)."""
+    return ep > 1 and layout.sharding_stage > 0 and layout.data_parallel_degree == 1
+
+
+def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> None:
+    """What fleet's expert group over sharding ranks cannot honour (llm_pretrain/expert_optimizer.py)."""
+    stage, sd = layout.sharding_stage, layout.sharding_degree
+    if stage == 3:
+        raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
+                         "parameter over the whole sharding group, whose ranks hold different experts); use stage1 "
+                         "or stage2")
+    if sd % ep:
+        raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
+                         "split over groups of sharding ranks; fleet's moe_sharding degree is their quotient)")
+    if layout.tensor_parallel_degree > 1:
+        raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} cannot be combined with "
+                         f"expert_parallel_degree {ep} over sharding ranks: fleet's MoE topology (pipe x moe_sharding "
+                         "x expert, topology.py:802-810) puts the tensor-parallel ranks in the expert group, while "
+                         "this toolkit splits each expert like the dense MLP; use data parallelism for ep x tp")
+    if args.sharding_parallel_config.strip():
+        raise UsageError(f"sharding_parallel_config: {args.sharding_parallel_config!r} is not supported with "
+                         f"expert_parallel_degree {ep} over sharding ranks (the experts' own stage-1 optimizer reads "
+                         "the same options and is tested without them); leave it empty")
+    if args.fp16:
+        raise UsageError(f"fp16: not supported with expert_parallel_degree {ep} over sharding ranks (the loss scaler "
+                         "unscales fleet's sharding optimizer, not the experts' own one, "
+                         "llm_pretrain/expert_optimizer.py); "
+                         "use bf16")

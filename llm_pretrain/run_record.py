@@ -132,6 +132,20 @@ def describe_sharding(model, optimizer) -> dict | None:
     return None
 
 
+def describe_expert_states(optimizer) -> dict | None:
+    """Under expert parallelism over sharding ranks: the experts' own optimizer and the share of this rank's
+    experts whose optimizer states it keeps (llm_pretrain/expert_optimizer.py)."""
+    from llm_pretrain.expert_optimizer import ExpertShardedOptimizer
+
+    if not isinstance(optimizer, ExpertShardedOptimizer):
+        return None
+    group = optimizer.replica_group
+    return {"implementation": type(optimizer.expert_optimizer).__name__,
+            "moe_sharding_degree": group.nranks if group is not None else 1,
+            "expert_parameters": len(optimizer.expert_params),
+            "states_kept": sum(optimizer.owns_expert_state(p) for p in optimizer.expert_params)}
+
+
 def describe_sequence_parallel(model) -> dict:
     from paddle.distributed.fleet.utils.sequence_parallel_utils import (
         ColumnSequenceParallelLinear, RowSequenceParallelLinear, is_sequence_parallel_parameter,
@@ -259,7 +273,8 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
              "sequence_parallel": describe_sequence_parallel(model), "recompute": describe_recompute(model),
              "segment_parallel": describe_segment_parallel(model),
              "context_parallel": describe_context_parallel(model),
-             "precision": describe_precision(model, optimizer, precision)}
+             "precision": describe_precision(model, optimizer, precision),
+             "expert_states": describe_expert_states(optimizer)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = []
@@ -272,6 +287,8 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
             recompute[key] = value if key == "pipeline_recompute_interval" else sorted(
                 set(recompute.get(key, [])) | set(value))
     built["recompute"] = recompute
+    if local["expert_states"] is not None:  # each rank keeps the states of its own share of its experts
+        built["expert_states"]["states_kept"] = [rank["expert_states"]["states_kept"] for rank in ranks]
     if local["schedule"] is not None:
         from paddle.distributed import fleet
 

@@ -130,22 +130,35 @@ def expert_parallel_rank_and_degree(config: ModelConfig) -> tuple[int, int]:
 _GROUPS: dict = {}
 
 
+def fleet_expert_groups(hcg) -> bool:
+    """Whether fleet built its own expert and moe_sharding groups (EPHybridCommunicateGroup; the plain
+    HybridCommunicateGroup answers 0 moe_sharding ranks, fleet/base/topology.py:732)."""
+    return hcg.get_moe_sharding_parallel_world_size() > 0
+
+
 def expert_parallel_groups(ep: int):
     """(expert group, expert-data-parallel group or None, index of this rank in the latter).
 
-    The data-parallel ranks [d0, d1, ...] are cut into expert groups of ep consecutive ranks; each splits
-    the experts among its ranks, so rank d holds the experts of expert rank d % ep. Ranks at the same
-    position of different expert groups hold the same experts: the expert-data-parallel group, over
-    which the experts' gradients are summed (llm_pretrain/distributed.py). With ep equal to the
-    data-parallel degree the expert group is fleet's data-parallel group. (Fleet's own expert group,
-    EPHybridCommunicateGroup in fleet/base/topology.py:769, exists only with dp_degree 1,
-    topology.py:880, i.e. with the data replicas as sharding ranks.)"""
+    Ranks at the same position of different expert groups hold the same experts: the expert-data-parallel
+    group, over which the experts' gradients are reduced (llm_pretrain/distributed.py and expert_optimizer.py).
+
+    Over sharding ranks (data_parallel_degree 1) these are fleet's own groups: EPHybridCommunicateGroup
+    (fleet/base/topology.py:769) cuts the sharding ranks into expert groups of ep consecutive ranks and
+    the ranks holding the same experts form its moe_sharding group. Fleet asserts dp_degree 1 there
+    (topology.py:880), so over data-parallel ranks the groups are made here alike: the data-parallel ranks
+    [d0, d1, ...] cut into expert groups of ep consecutive ranks (rank d holds the experts of expert rank
+    d % ep); with ep equal to the data-parallel degree the expert group is fleet's data-parallel group."""
     if ep in _GROUPS:
         return _GROUPS[ep]
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
     hcg = fleet.get_hybrid_communicate_group()
+    if fleet_expert_groups(hcg):
+        assert hcg.get_expert_parallel_world_size() == ep, "fleet's expert group is not expert_parallel_degree"
+        replicas = hcg.get_moe_sharding_parallel_group() if hcg.get_moe_sharding_parallel_world_size() > 1 else None
+        _GROUPS[ep] = (hcg.get_expert_parallel_group(), replicas, hcg.get_moe_sharding_parallel_rank())
+        return _GROUPS[ep]
     dp_group = hcg.get_data_parallel_group()
     if ep == dp_group.nranks:
         _GROUPS[ep] = (dp_group, None, 0)
@@ -243,9 +256,12 @@ class MoE(nn.Layer):
                 # Held by one rank of the expert group, not replicated over it: fleet's DataParallel neither
                 # broadcasts nor all-reduces it (paddle/distributed/parallel.py:194,484). It gets the gradient
                 # of every token of its expert group (the all-to-all's backward), summed; summed again over
-                # the expert-data-parallel group (llm_pretrain/distributed.py) it holds every rank's, and the
-                # replicated weights' gradients are averaged over the data-parallel ranks: hence / dp.
+                # the expert-data-parallel group (llm_pretrain/distributed.py; over sharding ranks, to the
+                # rank keeping its optimizer states, llm_pretrain/expert_optimizer.py) it holds every rank's,
+                # and the replicated weights' gradients are averaged over the data replicas: hence / their number.
                 param.no_sync = True
+                # Paddle's mark: broadcast over the moe_sharding group (paddle/distributed/parallel.py:196-201)
+                param.expert = True
                 param.expert_parallel = True
                 param.expert_group, param.expert_dp_group = self.ep_group, expert_dp_group
                 param.expert_replica = replica  # 0: the copy a checkpoint stores

@@ -9,7 +9,11 @@ and stops an ep2 run at step 2 for one process to resume; then it watches the me
 A second launch trains ep2 x tp2 (4 processes: the experts split like the dense MLP over the
 tensor-parallel pair, the all-to-all between the data-parallel pair), the same with sequence
 parallelism, and Qwen2-MoE with capacity and z-loss under tp2 x dp2 + SP; a third ep2 within dp4 (two
-expert groups; each expert's gradient summed over its two holders), and the first one also trains
+expert groups; each expert's gradient summed over its two holders), then ep2 over the sharding ranks
+with stages 1 and 2 (fleet's own expert and moe_sharding groups, llm_pretrain/expert_optimizer.py): sd2
+with 2 processes (also mixtral-real under stage 2: its 8.5M-element embedding is above the stage-2 buffer),
+and sd4 with 4 (two moe_sharding ranks hold the same experts and split their optimizer states; also resumed
+from one process and stopped for one process to resume), and the first one also trains
 mixtral-real (expert matrices 1024 x 2816 = 2.9M elements, above 2**20; embedding and head 8.5M,
 above 2**23). Everything is compared with one process training the same global batch (8 samples: 4
 micro-batches of 2 there, 2 per rank under ep2): per-step loss and grad norm, final weights (merged
@@ -19,6 +23,7 @@ checkpoints, each expert a logical tensor), 1e-5.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -40,6 +45,7 @@ def trained(tmp_path_factory, embedded_corpus):
         save_steps=STEPS, logging_steps=1))
     ep2 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 2}
     run_single([argv(args_file, work / "single"), argv(args_file, work / "single-to-ep2", exit_interval=STOP),
+                argv(args_file, work / "single-to-sd4", exit_interval=STOP),
                 argv(args_file, work / "single-real", model_name_or_path="mixtral-real"),
                 argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
@@ -49,7 +55,23 @@ def trained(tmp_path_factory, embedded_corpus):
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
-    run_single([argv(args_file, work / "ep2-to-single")], work, "resume")
+    # ep2 over the sharding ranks (fleet's expert and moe_sharding groups, data_parallel_degree 1), stages 1 and 2:
+    # one moe_sharding rank here (each rank keeps the states of its own experts), two with 4 processes below
+    plan = {"ep": 0, "runs": [argv(args_file, work / f"ep2sd2s{stage}", **ep2, sharding=f"stage{stage}")
+                              for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2",
+                                                           model_name_or_path="mixtral-real")]}
+    launch(str(WORKER), 2, [str(write_json(work / "ep2sd2.plan.json", plan))], log_dir=work / "ep2sd2.log",
+           timeout=900, device=DEVICE).check()
+    # ep2 within sd4: two expert groups (ranks 0-1, 2-3), fleet's moe_sharding groups 0,2 and 1,3 hold the same
+    # experts and split their optimizer states; resumed from one process and stopped for one process to resume
+    sd4 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 1}
+    plan = {"ep": 0, "runs": [argv(args_file, work / "ep2sd4s1", **sd4, sharding="stage1"),
+                              argv(args_file, work / "ep2sd4s2", **sd4, sharding="stage2"),
+                              argv(args_file, work / "single-to-sd4", **sd4, sharding="stage2"),
+                              argv(args_file, work / "sd4-to-single", **sd4, sharding="stage1", exit_interval=STOP)]}
+    launch(str(WORKER), 4, [str(write_json(work / "ep2sd4.plan.json", plan))], log_dir=work / "ep2sd4.log",
+           timeout=900, device=DEVICE).check()
+    run_single([argv(args_file, work / "ep2-to-single"), argv(args_file, work / "sd4-to-single")], work, "resume")
     # ep2 x tp2: the experts split like the dense MLP over the tensor-parallel pair, the all-to-all between
     # the data-parallel pair (4 processes); also with sequence parallelism (the MoE block gathers the
     # tensor-parallel ranks' chunks: the router sees whole tokens), and Qwen2-MoE (shared expert, capacity
@@ -72,7 +94,10 @@ def test_ep2_trains_like_one_process(trained):
     work, _ = trained
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
                             ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real"),
-                            ("single", "ep2tp2-sp"), ("single-qwen-capped", "qwen-capped-tp2dp2-sp")):
+                            ("single", "ep2tp2-sp"), ("single-qwen-capped", "qwen-capped-tp2dp2-sp"),
+                            ("single", "ep2sd2s1"), ("single", "ep2sd2s2"), ("single", "ep2sd4s1"),
+                            ("single", "ep2sd4s2"), ("single", "single-to-sd4"), ("single", "sd4-to-single"),
+                            ("single-real", "ep2sd2s2-real")):
         diffs = assert_same_training(work / reference, work / name, step=STEPS)
         print(f"{name}: {diffs}")
         assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]
@@ -107,3 +132,44 @@ def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(train
             assert rows == {"forward": result["pairs_per_layer"], "backward": result["pairs_per_layer"]}
         assert result["loss_diff"] < 1e-5
         assert result["expert_grad_diff"] < 1e-6 and result["expert_grad_max"] > 1e-4
+
+
+def _moment_bytes_by_file(output_dir):
+    """rank file -> bytes of the Adam moments it holds, and (expert group, file) -> expert moment1 tensors."""
+    index = json.loads((output_dir / f"checkpoint-{STEPS}" / "tensors.index.json").read_text())["tensors"]
+    moments, experts = {}, {}
+    for name, entry in index.items():
+        if name.endswith("/moment1_0") or name.endswith("/moment2_0"):
+            for piece in entry["slices"]:
+                moments[piece["file"]] = moments.get(piece["file"], 0) + 4 * math.prod(piece["shape"])
+        if ".experts." in name and name.endswith("/moment1_0"):
+            [piece] = entry["slices"]
+            group = int(name.split(".experts.")[1].split(".")[0]) // 4  # experts 0-3: expert rank 0
+            experts[group, piece["file"]] = experts.get((group, piece["file"]), 0) + 1
+    return moments, experts
+
+
+def test_expert_states_are_sharded_over_fleets_moe_sharding_group(trained):
+    """Over sharding ranks each rank keeps the optimizer states of its own experts only, and of 1/moe_sharding
+    of them when fleet's moe_sharding group has two ranks (24 expert matrices per rank: 2 layers x 4 experts x
+    3); the planner's Adam moments of every rank equal the bytes that rank's optimizer held."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner.estimate import validated_setup
+    from llm_pretrain.planner.memory import rank_memory
+
+    work, _ = trained
+    file = "tensors.rank{:05d}.safetensors".format
+    for name, ranks, share in (("ep2sd2s1", 2, {(0, 0): 24, (1, 1): 24}), ("ep2sd2s2", 2, {(0, 0): 24, (1, 1): 24}),
+                               ("ep2sd4s1", 4, {(0, 0): 12, (0, 2): 12, (1, 1): 12, (1, 3): 12}),
+                               ("ep2sd4s2", 4, {(0, 0): 12, (0, 2): 12, (1, 1): 12, (1, 3): 12})):
+        moments, experts = _moment_bytes_by_file(work / name)
+        assert experts == {(group, file(rank)): n for (group, rank), n in share.items()}, name
+        built = run_record(work / name)["built"]["expert_states"]
+        assert built["states_kept"] == [24 // (ranks // 2)] * ranks, name
+        assert built["implementation"] == ("DygraphShardingOptimizer" if ranks == 4 else "AdamW")
+        args, _ = parse_arguments([str(work / "moe.json"), "--expert_parallel_degree", "2", "--sharding",
+                                   "stage" + name[-1], "--gradient_accumulation_steps", str(4 // ranks),
+                                   "--output_dir", str(work / "plan")])
+        setup, _, _ = validated_setup(args, ranks, "cpu")
+        for rank in range(ranks):
+            assert rank_memory(setup, 0, rank).persistent["Adam moments (fp32)"] == moments[file(rank)], (name, rank)

@@ -269,25 +269,37 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
 
 
 def test_moe_refuses_the_layouts_it_cannot_honour_yet():
-    """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding, and
-    expert parallelism with segment/context parallelism. Sequence parallelism, sep and cp are accepted."""
+    """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding where
+    fleet's MoE topology cannot hold it (dp > 1, stage 3, tp, ep not dividing the sharding degree, fp16), and
+    expert parallelism with segment/context parallelism. Sequence parallelism, sep and cp without ep are
+    accepted, and ep over sharding stages 1 and 2."""
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
     from llm_pretrain.layout import Layout, check_mixture_of_experts
 
     config = ARCHITECTURES["mixtral-tiny"]
-    args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False)
+    args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, fp16=False, sharding_parallel_config="")
+    ep2 = SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False, fp16=False, sharding_parallel_config="")
     check_mixture_of_experts(args, config, Layout(world_size=2, data_parallel_degree=2))  # accepted
     for accepted in (Layout(world_size=2, sep_parallel_degree=2), Layout(world_size=2, context_parallel_degree=2),
                      Layout(world_size=2, tensor_parallel_degree=2)):
-        check_mixture_of_experts(SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=True), config, accepted)
-    ep2 = SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False)
+        check_mixture_of_experts(SimpleNamespace(**{**vars(args), "sequence_parallel": True}), config, accepted)
+    for stage in (1, 2):  # accepted: ep over sharding ranks (fleet's expert and moe_sharding groups)
+        check_mixture_of_experts(ep2, config, Layout(world_size=4, sharding_degree=4, sharding_stage=stage))
     cases = [
         (args, Layout(world_size=2, pipeline_parallel_degree=2), "pipeline_parallel_degree: 2 is not supported"),
-        (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False),
-         Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
-         "sharding: stage1 cannot be combined with expert_parallel_degree 2"),
+        (ep2, Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
+         "expert_parallel_degree: 2 with sharding stage1 needs data_parallel_degree 1"),
+        (ep2, Layout(world_size=4, sharding_degree=4, sharding_stage=3), "sharding: stage3 cannot be combined"),
+        (ep2, Layout(world_size=4, tensor_parallel_degree=2, sharding_degree=2, sharding_stage=1),
+         "tensor_parallel_degree: 2 cannot be combined with expert_parallel_degree 2 over sharding ranks"),
+        (SimpleNamespace(**{**vars(ep2), "expert_parallel_degree": 4}),
+         Layout(world_size=2, sharding_degree=2, sharding_stage=1), "expert_parallel_degree: 4 must divide"),
+        (SimpleNamespace(**{**vars(ep2), "fp16": True}),
+         Layout(world_size=2, sharding_degree=2, sharding_stage=2), "fp16: not supported"),
+        (SimpleNamespace(**{**vars(ep2), "sharding_parallel_config": "enable_stage1_tensor_fusion"}),
+         Layout(world_size=2, sharding_degree=2, sharding_stage=1), "sharding_parallel_config: .* is not supported"),
         (ep2, Layout(world_size=4, data_parallel_degree=2, sep_parallel_degree=2),
          "sep_parallel_degree: 2 cannot be combined with expert_parallel_degree 2"),
         (ep2, Layout(world_size=4, data_parallel_degree=2, context_parallel_degree=2),

@@ -372,13 +372,25 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
     degree = setup.sharding_degree
 
     # Which parameters' optimizer state (and, for stages 2/3, gradients) this rank owns.
+    # Expert parallelism over sharding ranks (dp 1): the experts stay out of fleet's sharding wrappers; their
+    # states are split over fleet's moe_sharding group (the degree / ep ranks holding the same experts; this
+    # rank is number sharding_rank // ep there) by fleet's stage-1 partition, and every rank keeps the whole
+    # gradients of its experts (llm_pretrain/expert_optimizer.py).
+    ep = c.expert_parallel_degree
+    experts = ([q for q in params if ".experts." in q.name]
+               if stage_ in (1, 2) and ep > 1 and setup.dp == 1 else [])
+    sharded = tuple(q for q in params if q not in experts)
     if stage_ == 1:
-        owned = stage1_owned(params, degree)[sharding_rank]
+        owned = stage1_owned(sharded, degree)[sharding_rank]
     elif stage_ == 2:
-        owned = stage2_owned(params, degree)[sharding_rank]
+        owned = stage2_owned(sharded, degree)[sharding_rank]
     else:
         owned = params
-    owned_numel = sum(q.numel for q in owned)
+    expert_replicas = degree // ep if experts else 1
+    owned_experts = (stage1_owned(tuple(experts), expert_replicas)[sharding_rank // ep] if expert_replicas > 1
+                     else experts)
+    expert_numel = sum(q.numel for q in experts)
+    owned_numel = sum(q.numel for q in owned) + sum(q.numel for q in owned_experts)
     largest = max(q.numel for q in params)
 
     if stage_ == 3:
@@ -397,12 +409,12 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
             # GroupShardedStage2: gradients of parameters that fit go into one GradStorage per destination
             # rank (buffer_max_size elements, allocated whole, group_sharded_stage2.py:568); the others keep
             # their own .grad; after the reduce, gradients this rank does not own are freed.
-            buffer = min(STAGE2_BUFFER_MAX_ELEMENTS, max(sum(q.numel for q in r) for r in stage2_owned(params, degree)))
+            buffer = min(STAGE2_BUFFER_MAX_ELEMENTS, max(sum(q.numel for q in r) for r in stage2_owned(sharded, degree)))
             fill = 0
             for q in sorted(owned, key=lambda q: q.numel):  # filled smallest first (group_sharded_stage2.py:315)
                 if fill + q.numel <= buffer:
                     fill += q.numel
-            persistent["gradients"] = (owned_numel - fill) * gb
+            persistent["gradients"] = (sum(q.numel for q in owned) - fill + expert_numel) * gb
             persistent["gradient buffer (stage 2, own rank)"] = buffer * gb
             # Measured, not derived: on a rank that does not own the word embedding its gradient stays
             # allocated after backward (llama-real stage 2 degree 2: +32.5 MiB, exactly the embedding's size,
