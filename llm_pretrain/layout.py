@@ -299,11 +299,8 @@ def check_segment_parallel(args: Arguments, config: ModelConfig, layout: Layout)
                          f"tensor_parallel_degree {tp}")
     if layout.pipeline_parallel_degree > 1:
         raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_degree "
-                         f"{layout.pipeline_parallel_degree} yet (not proven against one process); use tp, dp or stage-1 "
-                         "sharding with sep")
-    if layout.sharding_stage in (2, 3):
-        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with sharding stage{layout.sharding_stage} "
-                         "(the group-sharded wrapper does not sum gradients over the sep group); use stage1")
+                         f"{layout.pipeline_parallel_degree} yet (not proven against one process); use tp, dp or sharding "
+                         "with sep")
 
 
 def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout) -> None:
@@ -330,9 +327,6 @@ def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if layout.pipeline_parallel_degree > 1:
         raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_degree "
                          f"{layout.pipeline_parallel_degree} yet (not proven against one process)")
-    if layout.sharding_stage in (2, 3):
-        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with sharding stage{layout.sharding_stage} "
-                         "(the group-sharded wrapper does not sum gradients over the context-parallel group); use stage1")
 
 
 def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:

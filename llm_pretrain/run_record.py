@@ -122,14 +122,21 @@ def describe_sharding(model, optimizer) -> dict | None:
         sliced = [p for p in stage3._layer.parameters() if hasattr(p, "fw_storage") and not hasattr(p, "unslice")]
         return {"stage": 3, "implementation": "group_sharded " + type(stage3).__name__,
                 "degree": stage3._group.nranks, "segment_size": stage3._segment_size,
-                "sliced_parameters": len(sliced)}
+                "sliced_parameters": len(sliced), **_sep_gradient_sum(stage3._update_params)}
     if stage2 is not None and stage2_opt is not None:
         return {"stage": 2, "implementation": f"group_sharded {type(stage2).__name__} + {type(stage2_opt).__name__}",
-                "degree": stage2_opt._group.nranks}
+                "degree": stage2_opt._group.nranks, **_sep_gradient_sum(stage2_opt.step)}
     if stage1_opt is not None:
         return {"stage": 1, "implementation": f"fleet {type(stage1_opt).__name__}",
                 "degree": stage1_opt._sharding_world_size}
     return None
+
+
+def _sep_gradient_sum(function) -> dict:
+    """Under sep or cp: the size of the sep group the stage-2/3 gradients are summed over before the step
+    (llm_pretrain/distributed.py sum_sharded_gradients_over_sep_group marks the function it installs)."""
+    group = getattr(function, "sep_group", None)
+    return {"gradients_summed_over_sep_group": group.nranks} if group is not None else {}
 
 
 def describe_sequence_parallel(model) -> dict:

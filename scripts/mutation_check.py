@@ -43,6 +43,7 @@ TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_s
 ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
+SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
 
 
 @dataclass
@@ -128,6 +129,14 @@ MUTATIONS = [
              "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
              "dist.all_reduce(sliced, group=clip._group)", "pass",
              ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
+    Mutation("sep_sum_stage2_off", "sharding stage 2 under sep/cp: the gradients not summed over the sep group "
+             "before the step", "llm_pretrain/distributed.py",
+             "            for grad in stage2_owned_gradients(model):\n                dist.all_reduce(grad, group=sep_group)",
+             "            for grad in stage2_owned_gradients(model):\n                pass", (SEP_SHARDING,)),
+    Mutation("sep_sum_stage3_off", "sharding stage 3 under sep/cp: the gradients not summed over the sep group "
+             "before _update_params", "llm_pretrain/distributed.py",
+             "        for grad in stage3_gradients(model):\n            dist.all_reduce(grad, group=sep_group)",
+             "        for grad in stage3_gradients(model):\n            pass", (SEP_SHARDING,)),
 ]
 
 
