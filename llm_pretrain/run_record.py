@@ -31,10 +31,17 @@ GRANULARITIES = ("full", "full_attn", "core_attn")
 def unwrap_model(model):
     """The user's model inside fleet's and group sharding's wrappers."""
     while True:
-        inner = getattr(model, "_layers", None) or getattr(model, "_layer", None)
+        inner = _wrapped(model)
         if inner is None or inner is model:
             return model
         model = inner
+
+
+def _wrapped(model):
+    """The layer a wrapper wraps: group sharding's `_layer` first, since its __getattr__ forwards a
+    missing `_layers` to the wrapped layer (group_sharded_stage2.py:360-365), which would skip a fleet
+    wrapper (TensorParallel, SegmentParallel) inside it; fleet's wrappers keep theirs in `_layers`."""
+    return getattr(model, "_layer", None) or getattr(model, "_layers", None)
 
 
 def optimizer_chain(optimizer) -> list:
@@ -49,7 +56,7 @@ def optimizer_chain(optimizer) -> list:
 def model_chain(model) -> list:
     chain = [model]
     while True:
-        inner = getattr(chain[-1], "_layers", None) or getattr(chain[-1], "_layer", None)
+        inner = _wrapped(chain[-1])
         if inner is None or inner is chain[-1]:
             return chain
         chain.append(inner)
