@@ -153,12 +153,83 @@ def _wrap_dense(model, optimizer, layout: Layout, hcg):
             # inputs over the tensor-parallel group); the optimizer stays plain for the sharding
             # wrapper, whose stage-2 clip is then fleet's hybrid one (norms over every group).
             model = fleet.meta_parallel.TensorParallel(model, hcg, strategy=None)
+        elif layout.sequence_group_degree > 1:
+            # The same for the sep group: fleet's SegmentParallel broadcasts the weights over the sep
+            # group (segment_parallel.py:31-42), which the group-sharded wrappers do not.
+            model = fleet.meta_parallel.SegmentParallel(model, hcg, strategy=None)
         level = "os_g" if layout.sharding_stage == 2 else "p_g_os"
         dp_group = hcg.get_data_parallel_group() if layout.data_parallel_degree > 1 else None
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level=level,
                                                      group=hcg.get_sharding_parallel_group(), dp_group=dp_group)
+        if layout.sequence_group_degree > 1:
+            sum_sharded_gradients_over_sep_group(model, optimizer, hcg.get_sep_parallel_group())
         return model, optimizer
     return fleet.distributed_model(model), fleet.distributed_optimizer(optimizer)
+
+
+def sum_sharded_gradients_over_sep_group(model, optimizer, sep_group) -> None:
+    """Sharding stages 2 and 3 with sep or cp: sum this rank's reduced gradients over the sep group before
+    the optimizer step. Each sep (or cp) rank's gradients cover only its own tokens; under stage 1 fleet's
+    hybrid optimizer sums them over the sep group after the sharding reduce (hybrid_parallel_optimizer.py:
+    627-638 -> hybrid_parallel_util.py:265-290, "sep all reduce is not scaled"). The group-sharded
+    wrappers reduce over the sharding and data-parallel groups only, so the same sum goes here, on what
+    they leave this rank to update:
+    - stage 2: the gradient buffers and the gradients outside them (parameters above its 2**23-element
+      buffer) this rank owns, exactly those its _dp_allreduce sums over the data-parallel group
+      (group_sharded_stage2.py:662-692), before the step that scales and updates them (:694-711);
+    - stage 3: each sliced parameter's slice of the gradient (bw_storage, reduced over the sharding group
+      in the backward hook, group_sharded_stage3.py:762-800) and the buffers of the parameters it keeps
+      whole, before _update_params hands them to the optimizer (:651-705; reached from the step and from
+      GroupShardedScaler's unscale alike, group_sharded_utils.py:231-237, through _update_params_slice).
+    A sum commutes with the wrappers' scaling and data-parallel sums, so the order among them is free.
+    The sep ranks of one sharding rank own the same parameters (the assignment depends on the model only).
+    """
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage2 import GroupShardedStage2
+
+    if isinstance(model, GroupShardedStage2):
+        step = optimizer.step  # GroupShardedStage2's _opt_step
+
+        def step_after_sep_sum():
+            if optimizer._reduce_overlap:  # the last reduce of the backward must have landed (:702-705)
+                optimizer._comm_task.wait()
+            for grad in stage2_owned_gradients(model):
+                dist.all_reduce(grad, group=sep_group)
+            step()
+
+        step_after_sep_sum.sep_group = sep_group  # for the run record (describe_sharding)
+        optimizer.step = step_after_sep_sum
+        return
+    update_params = model._update_params
+
+    def update_params_after_sep_sum():
+        for grad in stage3_gradients(model):
+            dist.all_reduce(grad, group=sep_group)
+        return update_params()
+
+    update_params_after_sep_sum.sep_group = sep_group
+    model._update_params = update_params_after_sep_sum
+
+
+def stage2_owned_gradients(model) -> list:
+    """The gradients a GroupShardedStage2 rank updates: the buffers it is the destination of, and its
+    parameters kept out of the buffers (group_sharded_stage2.py:662-692, _dp_allreduce)."""
+    grads = [storage.buffer for dtype in model._grad_storages
+             for _, storage in sorted(model._grad_storages[dtype].items(), key=lambda item: item[0])
+             if storage.destination == model._rank]
+    for param in model._trainable_params:
+        if param.name in model._param_grads and model._trainable_param2rank[param.name] == model._rank:
+            grad = param.main_grad if model.use_main_grad else param.grad
+            if grad is not None:
+                grads.append(grad)
+    return grads
+
+
+def stage3_gradients(model) -> list:
+    """A GroupShardedStage3 rank's gradients before _update_params: the slices of the sliced parameters
+    (bw_storage) and the buffers of the parameters kept whole (group_sharded_stage3.py:651-686)."""
+    sliced = [param.bw_storage for param in model._layer.parameters(include_sublayers=True)
+              if param.trainable and param not in model._unslice_params and param.bw_storage is not None]
+    return sliced + [storage.buffer for storage in model._grad_storages.values()]
 
 
 class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):

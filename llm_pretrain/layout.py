@@ -300,9 +300,6 @@ def check_segment_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if layout.dualpipev:
         raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_config use_dualpipev "
                          "(not proven against one process); use the 1F1B or interleaved pipeline")
-    if layout.sharding_stage in (2, 3):
-        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with sharding stage{layout.sharding_stage} "
-                         "(the group-sharded wrapper does not sum gradients over the sep group); use stage1")
 
 
 def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout) -> None:
@@ -329,9 +326,6 @@ def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if layout.dualpipev:
         raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_config "
                          "use_dualpipev (not proven against one process); use the 1F1B or interleaved pipeline")
-    if layout.sharding_stage in (2, 3):
-        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with sharding stage{layout.sharding_stage} "
-                         "(the group-sharded wrapper does not sum gradients over the context-parallel group); use stage1")
 
 
 def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:

@@ -359,6 +359,10 @@ class LayoutCheck:
 
     def launch_key(self) -> tuple:
         degrees = {k: v for k, v in self.overrides.items() if k in LAUNCH_DEGREE_KEYS}
+        # sep and cp both give fleet its sep group (llm_pretrain/distributed.py build_strategy): one launch
+        sequence = self.overrides.get("sep_parallel_degree", 1) * self.overrides.get("context_parallel_degree", 1)
+        if sequence > 1:
+            degrees["sep_parallel_degree"] = sequence
         return self.nproc, "sharding" in self.overrides, json.dumps(degrees, sort_keys=True)
 
 
@@ -377,7 +381,9 @@ LAYOUTS = {layout.name: layout for layout in [
     *[LayoutCheck(f"tp2sd2_stage{stage}", 4, {**_TP2, "sharding": f"stage{stage}", **_HALF}) for stage in (1, 2)],
     LayoutCheck("dp2sd2_stage1", 4, {"sharding": "stage1", "sharding_parallel_degree": 2, **_QUARTER}),
     LayoutCheck("sep2", 2, {"sep_parallel_degree": 2}),  # sep ranks share samples: accumulation unchanged
-    LayoutCheck("cp2", 2, {"context_parallel_degree": 2}),  # so do cp ranks (ring attention)
+    LayoutCheck("cp2", 2, {"context_parallel_degree": 2}),
+    *[LayoutCheck(f"{name}2sd2_stage{stage}", 4, {key: 2, "sharding": f"stage{stage}", **_HALF})
+      for stage in (2, 3) for name, key in (("sep", "sep_parallel_degree"), ("cp", "context_parallel_degree"))],
 ]}
 SAVE_STEP = 2
 

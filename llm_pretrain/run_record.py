@@ -31,10 +31,17 @@ GRANULARITIES = ("full", "full_attn", "core_attn")
 def unwrap_model(model):
     """The user's model inside fleet's and group sharding's wrappers."""
     while True:
-        inner = getattr(model, "_layers", None) or getattr(model, "_layer", None)
+        inner = _wrapped(model)
         if inner is None or inner is model:
             return model
         model = inner
+
+
+def _wrapped(model):
+    """The layer a wrapper wraps: group sharding's `_layer` first, since its __getattr__ forwards a
+    missing `_layers` to the wrapped layer (group_sharded_stage2.py:360-365), which would skip a fleet
+    wrapper (TensorParallel, SegmentParallel) inside it; fleet's wrappers keep theirs in `_layers`."""
+    return getattr(model, "_layer", None) or getattr(model, "_layers", None)
 
 
 def optimizer_chain(optimizer) -> list:
@@ -49,7 +56,7 @@ def optimizer_chain(optimizer) -> list:
 def model_chain(model) -> list:
     chain = [model]
     while True:
-        inner = getattr(chain[-1], "_layers", None) or getattr(chain[-1], "_layer", None)
+        inner = _wrapped(chain[-1])
         if inner is None or inner is chain[-1]:
             return chain
         chain.append(inner)
@@ -122,10 +129,10 @@ def describe_sharding(model, optimizer) -> dict | None:
         sliced = [p for p in stage3._layer.parameters() if hasattr(p, "fw_storage") and not hasattr(p, "unslice")]
         return {"stage": 3, "implementation": "group_sharded " + type(stage3).__name__,
                 "degree": stage3._group.nranks, "segment_size": stage3._segment_size,
-                "sliced_parameters": len(sliced)}
+                "sliced_parameters": len(sliced), **_sep_gradient_sum(stage3._update_params)}
     if stage2 is not None and stage2_opt is not None:
         return {"stage": 2, "implementation": f"group_sharded {type(stage2).__name__} + {type(stage2_opt).__name__}",
-                "degree": stage2_opt._group.nranks}
+                "degree": stage2_opt._group.nranks, **_sep_gradient_sum(stage2_opt.step)}
     if stage1_opt is not None:
         return {"stage": 1, "implementation": f"fleet {type(stage1_opt).__name__}",
                 "degree": stage1_opt._sharding_world_size}
@@ -144,6 +151,13 @@ def describe_expert_states(optimizer) -> dict | None:
             "moe_sharding_degree": group.nranks if group is not None else 1,
             "expert_parameters": len(optimizer.expert_params),
             "states_kept": sum(optimizer.owns_expert_state(p) for p in optimizer.expert_params)}
+
+
+def _sep_gradient_sum(function) -> dict:
+    """Under sep or cp: the size of the sep group the stage-2/3 gradients are summed over before the step
+    (llm_pretrain/distributed.py sum_sharded_gradients_over_sep_group marks the function it installs)."""
+    group = getattr(function, "sep_group", None)
+    return {"gradients_summed_over_sep_group": group.nranks} if group is not None else {}
 
 
 def describe_sequence_parallel(model) -> dict:

@@ -44,6 +44,7 @@ ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matc
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
+SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
 
 
 @dataclass
@@ -145,6 +146,14 @@ MUTATIONS = [
              "    if not pl.splits_sequence(config):\n        return stats\n    experts",
              "    if True:\n        return stats\n    experts",
              ("tests/test_long_context.py::test_sep2_mechanism",)),
+    Mutation("sep_sum_stage2_off", "sharding stage 2 under sep/cp: the gradients not summed over the sep group "
+             "before the step", "llm_pretrain/distributed.py",
+             "            for grad in stage2_owned_gradients(model):\n                dist.all_reduce(grad, group=sep_group)",
+             "            for grad in stage2_owned_gradients(model):\n                pass", (SEP_SHARDING,)),
+    Mutation("sep_sum_stage3_off", "sharding stage 3 under sep/cp: the gradients not summed over the sep group "
+             "before _update_params", "llm_pretrain/distributed.py",
+             "        for grad in stage3_gradients(model):\n            dist.all_reduce(grad, group=sep_group)",
+             "        for grad in stage3_gradients(model):\n            pass", (SEP_SHARDING,)),
 ]
 
 

@@ -178,6 +178,8 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
         assert "--bf16 true" in text and "--use_flash_attention true" in text and degree in text, layout
     (overflow,) = [r for r in runs if isinstance(r, dict)]
     assert overflow["inject_overflow"] == {"rank": 1, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
-    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2; cp2; 4 of
-    # 4 processes), and the overflow row alone.
-    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4]
+    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2 and cp2; 5 of 4
+    # processes, sep2 and cp2 with sharding stages 2 and 3 in one), and the overflow row alone.
+    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4]
+    (sequence_group,) = [runs for nproc, _, runs in launched if nproc == 2 and "sep2" in " ".join(runs[0])]
+    assert {run[run.index("--output_dir") + 1].split("/")[-1] for run in sequence_group} == {"sep2", "cp2"}

@@ -18,8 +18,8 @@ accumulation steps of one process).
                         Qwen2: one kv head, fewer than cp), recompute; resume 1 process -> cp2 ->
                         1 process
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
-                        sep2 x dp2, sep2 x stage-1 sharding 2; cp2 x tp2 (+SP), cp2 x dp2, cp2 x stage-1
-                        sharding 2; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+                        sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
+                        2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted
@@ -145,7 +145,8 @@ def test_sep2_every_family_and_resume(runs):
 
 
 def test_sep2_with_tp2_dp2_and_sharding(runs):
-    """4 processes: sep2 x tp2 (the q heads split by tp, then by sep), sep2 x dp2, sep2 x stage-1 sharding 2."""
+    """4 processes: sep2 x tp2 (the q heads split by tp, then by sep), sep2 x dp2, sep2 x sharding 2 at
+    stages 1, 2 and 3 (and the same with cp2)."""
     tp2 = {**SEP2, "tensor_parallel_degree": 2}
     cp2tp2 = {**CP2, "tensor_parallel_degree": 2}
     run_launch(4, [runs.run("llama-sep2tp2-sp", **tp2, sequence_parallel=True),
@@ -168,11 +169,34 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     runs.check([("llama-sep2dp2", "llama"), ("qwen2-sep2dp2", "qwen2"), ("llama-cp2dp2", "llama")])
     record = run_record(runs.out("llama-sep2dp2"))
     assert record["strategy"] == "sep2dp2" and record["global_batch_size"] == 8
-    run_launch(4, [runs.run("llama-sep2sd2", **SEP2, sharding="stage1", gradient_accumulation_steps=2),
-                   runs.run("llama-cp2sd2", **CP2, sharding="stage1", gradient_accumulation_steps=2)],
+    # Sharding 2 at stages 1, 2 (cp2: every family) and 3. Under stages 2 and 3 the group-sharded wrappers
+    # reduce over the sharding group only; the sum over the sep group is ours (llm_pretrain/distributed.py
+    # sum_sharded_gradients_over_sep_group; without it the ranks' weights part). At these sizes every
+    # gradient is in stage 2's buffer and stage 3 slices nothing: the gradients outside the buffer and
+    # stage 3's slices are summed in tests/test_real_size.py (cp2sd2_stage2, sep2sd2_stage3).
+    sharded = {"gradient_accumulation_steps": 2}
+    stage2, stage3 = {**sharded, "sharding": "stage2"}, {**sharded, "sharding": "stage3"}
+    run_launch(4, [runs.run("llama-sep2sd2", **SEP2, sharding="stage1", **sharded),
+                   runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
+                   runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
+                   *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
+                   runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
+                   runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3)],
                runs.work, "sep2sd2", timeout=1800)
-    runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama")])
+    runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
+                *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
+                ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom")])
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
+    for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
+                                  ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),
+                                  ("qwen2-sep2sd2-stage3", "sep2sd2_stage3", 3),
+                                  ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3)):
+        record = run_record(runs.out(name))
+        assert record["strategy"] == strategy and record["global_batch_size"] == 8, (name, record["strategy"])
+        built = record["built"]
+        assert built["sharding"]["stage"] == stage and built["sharding"]["gradients_summed_over_sep_group"] == 2, name
+        wrappers = (built["segment_parallel"] or built["context_parallel"])["model_wrappers"]
+        assert wrappers == [f"GroupShardedStage{stage}", "SegmentParallel"], (name, wrappers)
 
 
 def test_cp4(runs):

@@ -32,7 +32,11 @@ from llm_pretrain.selfcheck import layout_output
 from parity_utils import DEVICE, SAVE_STEP, TOLERANCE, run_record, train_records
 
 SELFCHECK = REPO_ROOT / "scripts" / "gpu_selfcheck.py"
-LAYOUTS = ["dp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage1", "tp2sd2_stage2", "sep2"]
+# cp2sd2_stage2 and sep2sd2_stage3 (one launch): ring attention at this size, and the sum over the sep group
+# (llm_pretrain/distributed.py sum_sharded_gradients_over_sep_group) of stage 2's gradients kept out of its
+# buffer (embedding and head) and of stage 3's slices (the MLP matrices, embedding and head).
+LAYOUTS = ["dp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage1", "tp2sd2_stage2", "sep2", "cp2sd2_stage2",
+           "sep2sd2_stage3"]
 DTYPES = ["fp32", "bf16"] if DEVICE == "gpu" else ["fp32"]
 # Scripts import the package as installed, or from the clone through PYTHONPATH (they do not edit sys.path).
 SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}

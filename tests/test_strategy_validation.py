@@ -33,7 +33,6 @@ CASES = [
     (8, {"sep_parallel_degree": 4, "tensor_parallel_degree": 2}, ["sep_parallel_degree: 4", "num_attention_heads 4"]),
     (4, {"sep_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline_parallel_config": "use_dualpipev"},
      ["sep_parallel_degree: 2", "use_dualpipev"]),
-    (4, {"sep_parallel_degree": 2, "sharding": "stage2"}, ["sep_parallel_degree: 2", "stage2"]),
     (4, {"sep_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True,
          "per_device_train_batch_size": 1, "max_seq_length": 34}, ["sequence_parallel", "17", "tensor_parallel_degree 2"]),
     # context parallelism (ring attention)
@@ -42,7 +41,6 @@ CASES = [
     (4, {"context_parallel_degree": 2, "sep_parallel_degree": 2}, ["context_parallel_degree: 2", "sep_parallel_degree 2"]),
     (4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline_parallel_config": "use_dualpipev"},
      ["context_parallel_degree: 2", "use_dualpipev"]),
-    (4, {"context_parallel_degree": 2, "sharding": "stage2"}, ["context_parallel_degree: 2", "stage2"]),
     (2, {"context_parallel_degree": 2, "attention_probs_dropout_prob": 0.1}, ["attention_probs_dropout_prob: 0.1"]),
 ]
 
