@@ -511,10 +511,10 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if args.sequence_parallel:
         raise UsageError("sequence_parallel: not supported with a mixture-of-experts model (the router needs "
                          "whole tokens; its expert blocks have uneven lengths); set sequence_parallel false")
-    if layout.pipeline_parallel_degree > 1:
-        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
-                         "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
-                         "use 1")
+    if layout.dualpipev:
+        raise UsageError("pipeline_parallel_config: use_dualpipev is not supported with a mixture-of-experts model "
+                         "(its overlapped schedule runs the loss as a schedule node, which does not take the router "
+                         "statistics the stages pass on; models/pipeline.py); use the 1F1B or interleaved schedule")
     if ep > 1 and layout.sharding_stage:
         raise UsageError(f"sharding: stage{layout.sharding_stage} cannot be combined with expert_parallel_degree "
                          f"{ep} yet (Paddle's sharding optimizers assume every rank holds the same parameters)")

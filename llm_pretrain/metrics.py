@@ -203,6 +203,26 @@ def scalar(value) -> float:
     return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
 
 
+def router_summary_from_last_stage(summary: dict, layout) -> dict:
+    """A mixture-of-experts model's router metrics (models.moe.RouterMetrics.summary) on every rank. Under
+    the pipeline the last stage holds them, for every layer of every stage (its loss takes them all,
+    models/pipeline.py RouterCarry): broadcast over the pipeline group, at logging steps only."""
+    if layout.pipeline_parallel_degree == 1:
+        return summary
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    ratio = summary.get("expert_load_max_min_ratio")
+    values = paddle.to_tensor([float(bool(summary)), summary.get("moe_aux_loss", 0.0),
+                               -1.0 if ratio is None else ratio, summary.get("tokens_dropped", 0)], dtype="float64")
+    group = fleet.get_hybrid_communicate_group().get_pipe_parallel_group()
+    dist.broadcast(values, src=group.ranks[-1], group=group)
+    present, aux, ratio, dropped = values.numpy().tolist()
+    if not present:
+        return {}
+    return {"moe_aux_loss": aux, "expert_load_max_min_ratio": None if ratio < 0 else ratio, "tokens_dropped": int(dropped)}
+
+
 def rank_times(own_time: float, data_wait: float, layout) -> dict:
     """Every rank's mean step time (its own share, before waiting for the others) and data wait, and
     the slowest and fastest rank, as Megatron's straggler detector reports them: one small
@@ -284,7 +304,7 @@ class MetricsLogger:
             **rank_times(self._own / steps, self._wait / steps, self.layout),
         }
         if router_metrics is not None:
-            moe = router_metrics.summary()
+            moe = router_summary_from_last_stage(router_metrics.summary(), self.layout)
             if "moe_aux_loss" in moe:
                 moe["moe_aux_loss"] = all_reduce_mean_over_replicas(moe["moe_aux_loss"], self.layout)
             record.update(moe)
