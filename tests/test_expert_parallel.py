@@ -13,17 +13,23 @@ mixtral-real (expert matrices 1024 x 2816 = 2.9M elements, above 2**20; embeddin
 above 2**23). Everything is compared with one process training the same global batch (8 samples: 4
 micro-batches of 2 there, 2 per rank under ep2): per-step loss and grad norm, final weights (merged
 checkpoints, each expert a logical tensor), 1e-5.
+
+Under the pipeline (models/pipeline.py RouterCarry) one more 4-process launch, pp2 x dp2, trains
+mixtral-tiny without and with ep2 and qwen2-moe-tiny with ep2, a capacity factor and the z-loss: one
+decoder layer per stage, so the load-balancing loss, taken over both layers, spans the stages.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from launch_utils import REPO_ROOT, launch
 from parity_utils import (
-    DEVICE, argv, assert_same_training, base_arguments, run_record, run_single, train_records, write_json,
+    DEVICE, argv, assert_same_training, base_arguments, final_weights, run_launch, run_record, run_single,
+    train_records, write_json,
 )
 
 STEPS, STOP = 4, 2
@@ -91,3 +97,55 @@ def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(train
             assert rows == {"forward": result["pairs_per_layer"], "backward": result["pairs_per_layer"]}
         assert result["loss_diff"] < 1e-5
         assert result["expert_grad_diff"] < 1e-6 and result["expert_grad_max"] > 1e-4
+
+
+MOE_PIPELINE_RUNS = {  # name: (model, overrides) trained under pp2 x dp2 and in one process
+    "pp2dp2": ("mixtral-tiny", {}),
+    "pp2dp2ep2": ("mixtral-tiny", {"expert_parallel_degree": 2}),
+    "pp2dp2ep2-qwen": ("qwen2-moe-tiny", {"expert_parallel_degree": 2, "moe_capacity_factor": 0.5,
+                                          "router_z_loss_coef": 0.001}),
+}
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory, embedded_corpus):
+    work = tmp_path_factory.mktemp("expert_pipeline")
+    args_file = write_json(work / "moe.json", base_arguments(
+        embedded_corpus, work, model_name_or_path="mixtral-tiny", num_hidden_layers=2, max_steps=STEPS,
+        save_steps=STEPS, logging_steps=1))
+    single = [argv(args_file, work / f"single-{name}", model_name_or_path=model,
+                   **{k: v for k, v in overrides.items() if k != "expert_parallel_degree"})
+              for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]
+    # the same training without the load-balancing loss: how far it moves the routers
+    single.append(argv(args_file, work / "single-no-aux", router_aux_loss_coef=0.0))
+    run_single(single, work, "single")
+    runs = [argv(args_file, work / name, model_name_or_path=model, pipeline_parallel_degree=2,
+                 gradient_accumulation_steps=2, **overrides) for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]
+    run_launch(4, runs, work, "pp2dp2", timeout=900)
+    return work
+
+
+def test_moe_under_the_pipeline_trains_like_one_process(pipelined):
+    """pp2 x dp2 (with and without ep2): every step's loss (language model + auxiliary losses) and grad norm,
+    the router metrics of train_log.jsonl and the final weights equal one process's. Stage 0's router
+    (layers.0.mlp.gate) gets the gradient of a loss taken on stage 1: without the load-balancing loss it
+    would differ by ~1e-2 after 4 steps (a stage that dropped it fails here)."""
+    work = pipelined
+    for name in MOE_PIPELINE_RUNS:
+        diffs = assert_same_training(work / f"single-{name}", work / name, step=STEPS)
+        print(f"{name}: {diffs}")
+        layout = run_record(work / name)["layout"]
+        assert (layout["pipeline_parallel_degree"], layout["data_parallel_degree"]) == (2, 2)
+        assert run_record(work / name)["built"]["schedule"]["chunk_layers"] == [[[0]], [[1]]]
+        for ref, got in zip(train_records(work / f"single-{name}"), train_records(work / name)):
+            assert abs(got["moe_aux_loss"] - ref["moe_aux_loss"]) < 1e-5, (name, got, ref)
+            assert got["tokens_dropped"] == ref["tokens_dropped"]
+            assert (got["expert_load_max_min_ratio"] is None) == (ref["expert_load_max_min_ratio"] is None)
+            if ref["expert_load_max_min_ratio"] is not None:
+                assert abs(got["expert_load_max_min_ratio"] - ref["expert_load_max_min_ratio"]) < 1e-5
+        assert train_records(work / name)[-1]["moe_aux_loss"] > 0.99
+    assert sum(r["tokens_dropped"] for r in train_records(work / "pp2dp2ep2-qwen")) > 0
+    gate = "layers.0.mlp.gate.weight"
+    moved = np.abs(final_weights(work / "single-pp2dp2", STEPS)[gate]
+                   - final_weights(work / "single-no-aux", STEPS)[gate]).max()
+    assert moved > 1e-3, moved
