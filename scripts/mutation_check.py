@@ -42,6 +42,7 @@ TP4 = "tests/test_gqa_replication.py::test_tp4_sp_with_two_kv_heads_trains_like_
 TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_slopes"
 ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
+MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_trains_like_one_process"
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 
 
@@ -128,6 +129,15 @@ MUTATIONS = [
              "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
              "dist.all_reduce(sliced, group=clip._group)", "pass",
              ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
+    # Mixture of experts under the pipeline (models/pipeline.py RouterCarry): a stage that drops the aux loss's
+    # gradient of the earlier stages' routers, and router metrics taken from the first stage instead of the last.
+    Mutation("moe_pipeline_aux_grad_dropped", "each stage passes the router sums on with a zero gradient: the "
+             "earlier stages' routers lose the load-balancing loss's gradient", "models/pipeline.py",
+             "hidden = super().forward(hidden)\n", "hidden, sums = super().forward(hidden), sums * 0 + sums.detach()\n",
+             (MOE_PIPELINE,)),
+    Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
+             "llm_pretrain/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
+             "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
 ]
 
 

@@ -264,8 +264,9 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
 
 
 def test_moe_refuses_the_layouts_it_cannot_honour_yet():
-    """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding, and
-    segment/context parallelism (the router would see part of each sequence)."""
+    """Each refusal is one UsageError naming the key: DualPipeV, expert parallelism with sharding, and
+    segment/context parallelism (the router would see part of each sequence). The 1F1B and interleaved
+    pipelines are accepted (tests/test_expert_parallel.py::test_moe_under_the_pipeline_trains_like_one_process)."""
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
@@ -274,8 +275,12 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     config = ARCHITECTURES["mixtral-tiny"]
     args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False)
     check_mixture_of_experts(args, config, Layout(world_size=2, data_parallel_degree=2))  # accepted
+    check_mixture_of_experts(args, config, Layout(world_size=2, pipeline_parallel_degree=2))
+    check_mixture_of_experts(args, config, Layout(world_size=4, pipeline_parallel_degree=4, virtual_pp_degree=2))
+    check_mixture_of_experts(SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False), config,
+                             Layout(world_size=4, pipeline_parallel_degree=2, data_parallel_degree=2))
     cases = [
-        (args, Layout(world_size=2, pipeline_parallel_degree=2), "pipeline_parallel_degree: 2 is not supported"),
+        (args, Layout(world_size=2, pipeline_parallel_degree=2, dualpipev=True), "use_dualpipev is not supported"),
         (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False),
          Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
          "sharding: stage1 cannot be combined with expert_parallel_degree 2"),
