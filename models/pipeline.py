@@ -59,11 +59,14 @@ class RouterCarry:
 
     @staticmethod
     def add(sums, counts, layer_index: int, stats: RouterStats):
-        """Row layer_index of both from the layer's stats: x + 1 * row and 0 * row keep every value exact."""
+        """Row layer_index of both from the layer's stats: x + 1 * row and 0 * row keep every value exact
+        (in float32 also under O2 autocast, which would round counts above 256 to bfloat16)."""
         row = paddle.to_tensor(np.eye(sums.shape[0], dtype="float32")[:, layer_index:layer_index + 1])  # [L, 1]
-        sums = sums + row * paddle.concat([stats.prob_sum, stats.z_sum.reshape([1])])
-        counts = counts + row * paddle.concat([stats.picks.astype("float32"), stats.dropped.astype("float32").reshape([1]),
-                                               paddle.full([1], stats.tokens, dtype="float32")])
+        with paddle.amp.auto_cast(False):
+            sums = sums + row * paddle.concat([stats.prob_sum, stats.z_sum.reshape([1])]).astype("float32")
+            counts = counts + row * paddle.concat([stats.picks.astype("float32"),
+                                                   stats.dropped.astype("float32").reshape([1]),
+                                                   paddle.full([1], stats.tokens, dtype="float32")])
         return sums, counts
 
     @staticmethod

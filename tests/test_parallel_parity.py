@@ -80,7 +80,8 @@ def parity(tmp_path_factory, embedded_corpus) -> Parity:
         files[family] = write_json(work / f"{family}.json", base_arguments(
             embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
     setup = Parity(work, files, {model: work / "single" / model for model in files})
-    runs = [argv(files[model], setup.references[model], **(EVALUATION if model == "llama" else {})) for model in files]
+    runs = [argv(files[model], setup.references[model], **(EVALUATION if model in ("llama",) + MOE else {}))
+            for model in files]
     runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g,
                        **(EVALUATION_6 if g == "full" else {})) for g in GRANULARITIES]
     run_single(runs, work, "single")
@@ -221,14 +222,17 @@ def test_pp4_interleaved(parity):
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
     run_launch(4, [parity.run("pp4vpp2", **degrees, **EVALUATION)]
                + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES]
-               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True)], parity.work, "pp4vpp2")
+               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **EVALUATION)],
+               parity.work, "pp4vpp2")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
                  + [("mixtral-pp4vpp2-recompute", "mixtral")])
     assert_same_evaluation(parity.references["llama"], parity.out("pp4vpp2"))
     assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
     # mixtral: the load-balancing loss over the 8 layers of 8 chunks on 4 stages, recomputed by PipelineLayer's
-    # segments; the router metrics of train_log.jsonl (from the last stage) are one process's
+    # segments; the router metrics of train_log.jsonl (from the last stage; evaluation adds none) and the
+    # evaluation losses (language model + auxiliary) are one process's
     assert_same_router_metrics(parity.references["mixtral"], parity.out("mixtral-pp4vpp2-recompute"))
+    assert_same_evaluation(parity.references["mixtral"], parity.out("mixtral-pp4vpp2-recompute"))
 
 
 def test_sharding2_dp2(parity):
