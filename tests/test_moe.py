@@ -223,7 +223,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
 
 def test_planner_counts_experts_per_rank_and_the_all_to_all():
     """The planner's parameter list is the model's (names, order, sizes), with E/ep experts per rank under
-    expert parallelism; the all-to-all time is 4 per MoE layer of k x tokens x hidden x (ep-1)/ep bytes."""
+    expert parallelism (per pipeline stage: its layers'); the all-to-all time is 4 per MoE layer of k x tokens x hidden x (ep-1)/ep bytes."""
     from llm_pretrain.planner.memory import Setup
     from llm_pretrain.planner.params import parameter_list
     from llm_pretrain.planner.speed import Cluster, step_time
@@ -235,6 +235,13 @@ def test_planner_counts_experts_per_rank_and_the_all_to_all():
         halved = parameter_list(config.replace(expert_parallel_degree=2), 1)
         experts = {p.name.split(".experts.")[1].split(".")[0] for p in halved if ".experts." in p.name}
         assert len(experts) == config.num_experts // 2
+        # under the pipeline (pp2 x dp2 with ep2) each stage holds its layers' routers and E/ep experts
+        for stage in range(2):
+            held = [p.name for p in Setup(config.replace(expert_parallel_degree=2), 1, 2, pp=2, dp=2).stage_parameters(stage)
+                    if ".mlp." in p.name]
+            assert {int(name.split(".")[1]) for name in held} == {stage}
+            assert len({name.split(".experts.")[1].split(".")[0] for name in held if ".experts." in name}) == \
+                config.num_experts // 2
     config = ARCHITECTURES["mistralai/Mixtral-8x7B-v0.1"].replace(seq_length=4096)
     cluster = Cluster("A100-80G")
     base = step_time(Setup(config, 1, 8, dp=8), cluster)
@@ -258,7 +265,7 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.planner.estimate import estimate
 
-    path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-tp2sd4_stage2.json"
+    path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-pp4sd2_stage1.json"
     result = estimate(parse_arguments([str(path)])[0], 8, "A100-80G")
     assert result["peak_mem_reserved_mb"] < 0.9 * 80 * 1024
 
