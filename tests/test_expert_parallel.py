@@ -36,12 +36,17 @@ STEPS, STOP = 4, 2
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
 
+def moe_arguments(corpus: dict, work):
+    """The argument file of these tests: mixtral-tiny (2 layers) for STEPS steps, every step logged."""
+    return write_json(work / "moe.json", base_arguments(corpus, work, model_name_or_path="mixtral-tiny",
+                                                        num_hidden_layers=2, max_steps=STEPS, save_steps=STEPS,
+                                                        logging_steps=1))
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, embedded_corpus):
     work = tmp_path_factory.mktemp("expert_parallel")
-    args_file = write_json(work / "moe.json", base_arguments(
-        embedded_corpus, work, model_name_or_path="mixtral-tiny", num_hidden_layers=2, max_steps=STEPS,
-        save_steps=STEPS, logging_steps=1))
+    args_file = moe_arguments(embedded_corpus, work)
     ep2 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 2}
     run_single([argv(args_file, work / "single"), argv(args_file, work / "single-to-ep2", exit_interval=STOP),
                 argv(args_file, work / "single-real", model_name_or_path="mixtral-real")], work, "single")
@@ -112,9 +117,7 @@ MOE_PIPELINE_RUNS = {  # name: (model, overrides) trained under pp2 x dp2 and in
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory, embedded_corpus):
     work = tmp_path_factory.mktemp("expert_pipeline")
-    args_file = write_json(work / "moe.json", base_arguments(
-        embedded_corpus, work, model_name_or_path="mixtral-tiny", num_hidden_layers=2, max_steps=STEPS,
-        save_steps=STEPS, logging_steps=1))
+    args_file = moe_arguments(embedded_corpus, work)
     single = [argv(args_file, work / f"single-{name}", model_name_or_path=model,
                    **{k: v for k, v in overrides.items() if k != "expert_parallel_degree"})
               for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]

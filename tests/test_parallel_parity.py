@@ -40,11 +40,11 @@ from parity_utils import (
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
 # qwen2-tiny: one kv head (replicated under tp2) and a tied head (shared across pipeline stages).
 # Mixture-of-experts families (mixtral, qwen2_moe) have their own layouts' parity tests (tests/test_expert_parallel.py);
-# mixtral joins the interleaved pipeline's launch here (MOE).
+# mixtral joins the pp2 x tp2 and interleaved pipeline launches here (MOE).
 FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values()
                  if family.name != "llama" and not family.architectures[family.tiny].is_moe)
 ROPE_SCALED = ("llama3",)  # Llama 3.1's rotary scaling: the layouts that split heads or sequences
-MOE = ("mixtral",)  # mixture of experts under the interleaved pipeline (its router statistics cross 8 chunks)
+MOE = ("mixtral",)  # mixture of experts under the pipeline: pp2 x tp2 and the interleaved pp4 (8 chunks)
 # Evaluation with an eval batch (4) other than the training micro-batch (2): the pipeline runs it as
 # several training-sized micro-batches. Valid split at steps 2 and 4 (different samples), test split at the end.
 EVALUATION = dict(do_eval=True, do_predict=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
@@ -205,9 +205,13 @@ def test_dp2_tp2(parity):
 def test_pp2_tp2(parity):
     degrees = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
     run_launch(4, [parity.run("pp2tp2", **degrees),
-                   parity.run("pp2tp2-sp-recompute", **degrees, sequence_parallel=True, recompute=True)],
+                   parity.run("pp2tp2-sp-recompute", **degrees, sequence_parallel=True, recompute=True),
+                   parity.run("mixtral-pp2tp2", "mixtral", **degrees)],
                parity.work, "pp2tp2")
-    parity.check([("pp2tp2", "llama"), ("pp2tp2-sp-recompute", "llama")])
+    parity.check([("pp2tp2", "llama"), ("pp2tp2-sp-recompute", "llama"), ("mixtral-pp2tp2", "mixtral")])
+    # mixtral: experts split over the tensor-parallel pair, the router statistics passed between the stages
+    # by fleet's partial p2p (each tensor-parallel rank sends half, pp_utils/p2p_communication.py)
+    assert_same_router_metrics(parity.references["mixtral"], parity.out("mixtral-pp2tp2"))
 
 
 def test_sharding2_tp2(parity):
