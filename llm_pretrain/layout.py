@@ -511,6 +511,12 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if args.sequence_parallel:
         raise UsageError("sequence_parallel: not supported with a mixture-of-experts model (the router needs "
                          "whole tokens; its expert blocks have uneven lengths); set sequence_parallel false")
+    evaluates = getattr(args, "do_eval", False) or getattr(args, "do_predict", False)
+    train_batch, eval_batch = getattr(args, "per_device_train_batch_size", 1), getattr(args, "per_device_eval_batch_size", 1)
+    if layout.pipeline_parallel_degree > 1 and evaluates and eval_batch != train_batch:
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} must equal per_device_train_batch_size {train_batch} "
+                         "for a mixture-of-experts model under the pipeline: its evaluation runs training-sized "
+                         "micro-batches, and the load-balancing loss of a batch is not the mean of its parts'")
     if layout.dualpipev:
         raise UsageError("pipeline_parallel_config: use_dualpipev is not supported with a mixture-of-experts model "
                          "(its overlapped schedule runs the loss as a schedule node, which does not take the router "

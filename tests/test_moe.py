@@ -288,6 +288,9 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
                              Layout(world_size=4, pipeline_parallel_degree=2, data_parallel_degree=2))
     cases = [
         (args, Layout(world_size=2, pipeline_parallel_degree=2, dualpipev=True), "use_dualpipev is not supported"),
+        (SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, do_eval=True, per_device_train_batch_size=2,
+                         per_device_eval_batch_size=4), Layout(world_size=2, pipeline_parallel_degree=2),
+         "per_device_eval_batch_size: 4 must equal per_device_train_batch_size 2"),
         (SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False),
          Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
          "sharding: stage1 cannot be combined with expert_parallel_degree 2"),

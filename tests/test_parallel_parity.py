@@ -48,6 +48,8 @@ MOE = ("mixtral",)  # mixture of experts under the pipeline: pp2 x tp2 and the i
 # Evaluation with an eval batch (4) other than the training micro-batch (2): the pipeline runs it as
 # several training-sized micro-batches. Valid split at steps 2 and 4 (different samples), test split at the end.
 EVALUATION = dict(do_eval=True, do_predict=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
+# Mixture of experts under the pipeline: eval batches of the training micro-batch (layout.check_mixture_of_experts)
+MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 # 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
@@ -80,8 +82,8 @@ def parity(tmp_path_factory, embedded_corpus) -> Parity:
         files[family] = write_json(work / f"{family}.json", base_arguments(
             embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
     setup = Parity(work, files, {model: work / "single" / model for model in files})
-    runs = [argv(files[model], setup.references[model], **(EVALUATION if model in ("llama",) + MOE else {}))
-            for model in files]
+    evaluation = {"llama": EVALUATION, **{model: MOE_EVALUATION for model in MOE}}
+    runs = [argv(files[model], setup.references[model], **evaluation.get(model, {})) for model in files]
     runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g,
                        **(EVALUATION_6 if g == "full" else {})) for g in GRANULARITIES]
     run_single(runs, work, "single")
@@ -226,7 +228,7 @@ def test_pp4_interleaved(parity):
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
     run_launch(4, [parity.run("pp4vpp2", **degrees, **EVALUATION)]
                + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES]
-               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **EVALUATION)],
+               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION)],
                parity.work, "pp4vpp2")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
                  + [("mixtral-pp4vpp2-recompute", "mixtral")])
