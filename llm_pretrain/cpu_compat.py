@@ -217,7 +217,10 @@ def _all_to_all(pg, out_list, in_list):
 def _all_to_all_tensor(pg, out, x, out_sizes=(), in_sizes=()):
     # all_to_all of one tensor, split equally along axis 0 (stream/all_to_all.py:43,47,275,279)
     ranks = pg.size()
-    if len(set(out_sizes) | set(in_sizes)) > 1:
+    # Split sizes given: the uneven path on every rank, even where this rank's sizes happen to be equal
+    # (a rank choosing by its own sizes skipped the sizes' all_gather its peers ran: a MoE dispatch under a
+    # capacity factor hung in gloo, "op.preamble.length <= op.nbytes").
+    if out_sizes or in_sizes:
         return _all_to_all_uneven(pg, out, x, list(out_sizes), list(in_sizes))
     parts = [paddle.empty_like(part) for part in paddle.split(out, ranks, axis=0)]
     task = _all_to_all(pg, parts, list(paddle.split(x, ranks, axis=0)))

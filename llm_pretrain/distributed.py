@@ -239,18 +239,21 @@ class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     the experts' (each held by one rank of the expert group, models/moe.py) summed over the expert group
     too. Fleet's clips see only this rank's experts (the plain one in data-parallel mode,
     hybrid_parallel_optimizer.py:307,353; HybridParallelClipGrad reduces over mp/pp/sharding only), so
-    each rank would clip differently. `last_norm`: the norm of the last step."""
+    each rank would clip differently. Under the pipeline every sum is then summed over the stages, a
+    tied embedding's second copy left out, as HybridParallelClipGrad does (hybrid_parallel_optimizer.py:
+    100-108,136-139). `last_norm`: the norm of the last step."""
 
-    def __init__(self, clip_norm: float, expert_group, tensor_parallel_group=None):
+    def __init__(self, clip_norm: float, expert_group, tensor_parallel_group=None, pipeline_group=None):
         super().__init__(clip_norm)
         self.expert_group, self.tensor_parallel_group = expert_group, tensor_parallel_group
+        self.pipeline_group = pipeline_group
         self.last_norm = None
 
     @paddle.no_grad()
     def _dygraph_clip(self, params_grads):
         squares = {kind: paddle.zeros([], dtype="float32") for kind in ("replicated", "split", "expert")}
         for param, grad in params_grads:
-            if grad is not None and getattr(param, "need_clip", True):
+            if grad is not None and getattr(param, "need_clip", True) and getattr(param, "is_firstly_shared", True):
                 kind = ("expert" if getattr(param, "expert_parallel", False)
                         else "split" if getattr(param, "is_distributed", False) else "replicated")
                 squares[kind] += paddle.sum(paddle.square(grad.astype("float32")))
@@ -258,7 +261,10 @@ class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
             dist.all_reduce(squares["split"], group=self.tensor_parallel_group)
             dist.all_reduce(squares["expert"], group=self.tensor_parallel_group)
         dist.all_reduce(squares["expert"], group=self.expert_group)
-        self.last_norm = paddle.sqrt(squares["replicated"] + squares["split"] + squares["expert"])
+        total = squares["replicated"] + squares["split"] + squares["expert"]
+        if self.pipeline_group is not None:
+            dist.all_reduce(total, group=self.pipeline_group)
+        self.last_norm = paddle.sqrt(total)
         scale = self.clip_norm / paddle.maximum(self.last_norm, paddle.full([], self.clip_norm, dtype="float32"))
         return [(p, g if g is None or not getattr(p, "need_clip", True) else g * scale.astype(g.dtype))
                 for p, g in params_grads]
@@ -291,6 +297,7 @@ def use_expert_parallel_clip(optimizer, model) -> None:
 
     hcg = fleet.get_hybrid_communicate_group()
     tp_group = hcg.get_model_parallel_group() if hcg.get_model_parallel_world_size() > 1 else None
+    pp_group = hcg.get_pipe_parallel_group() if hcg.get_pipe_parallel_world_size() > 1 else None
     inner = optimizer
     while inner is not None:  # the optimizer that owns the clip (fleet's wrapper forwards attribute reads to it)
         if isinstance(inner, HybridParallelOptimizer):
@@ -300,7 +307,7 @@ def use_expert_parallel_clip(optimizer, model) -> None:
         if isinstance(clip, HybridParallelClipGrad):
             clip = clip._clip
         if type(clip) is paddle.nn.ClipGradByGlobalNorm:
-            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0], tp_group)
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0], tp_group, pp_group)
         inner = inner.__dict__.get("_inner_opt")
 
 

@@ -508,10 +508,16 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
     if layout.tensor_parallel_degree > 1 and config.expert_intermediate_size % layout.tensor_parallel_degree:
         raise UsageError(f"tensor_parallel_degree: {layout.tensor_parallel_degree} does not divide the experts' "
                          f"width {config.expert_intermediate_size} (experts are split like the dense MLP)")
-    if layout.pipeline_parallel_degree > 1:
-        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} is not supported with a "
-                         "mixture-of-experts model yet (its load-balancing loss spans the layers of every stage); "
-                         "use 1")
+    evaluates = getattr(args, "do_eval", False) or getattr(args, "do_predict", False)
+    train_batch, eval_batch = getattr(args, "per_device_train_batch_size", 1), getattr(args, "per_device_eval_batch_size", 1)
+    if layout.pipeline_parallel_degree > 1 and evaluates and eval_batch != train_batch:
+        raise UsageError(f"per_device_eval_batch_size: {eval_batch} must equal per_device_train_batch_size {train_batch} "
+                         "for a mixture-of-experts model under the pipeline: its evaluation runs training-sized "
+                         "micro-batches, and the load-balancing loss of a batch is not the mean of its parts'")
+    if layout.dualpipev:
+        raise UsageError("pipeline_parallel_config: use_dualpipev is not supported with a mixture-of-experts model "
+                         "(its overlapped schedule runs the loss as a schedule node, which does not take the router "
+                         "statistics the stages pass on; models/pipeline.py); use the 1F1B or interleaved schedule")
     if ep > 1 and layout.sequence_group_degree > 1:
         key = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
         raise UsageError(f"{key}: {layout.sequence_group_degree} cannot be combined with expert_parallel_degree {ep} "

@@ -203,6 +203,40 @@ def scalar(value) -> float:
     return value if isinstance(value, (int, float)) else float(value.numpy().reshape(-1)[0])
 
 
+def gather_router_metrics(router_metrics, layout) -> dict:
+    """A mixture-of-experts model's router metrics (models.moe.RouterMetrics) over every rank's tokens, as
+    one process reports them: taken from the last pipeline stage (its loss sees every stage's layers,
+    models/pipeline.py RouterCarry), then the expert picks per layer, the pairs dropped and the aux losses
+    summed over the data replicas (the aux loss: their mean). At logging steps only: one broadcast and one
+    all-reduce of [layers x experts + 3] numbers."""
+    metrics = router_metrics
+    if layout.distributed:
+        import paddle.distributed as dist
+        from paddle.distributed import fleet
+
+        hcg = fleet.get_hybrid_communicate_group()
+        shape = [metrics.config.num_hidden_layers, metrics.config.num_experts]
+        picks = metrics.picks if metrics.forwards else paddle.zeros(shape, dtype="float32")
+        scalars = [metrics.dropped, metrics.balance] if metrics.forwards else [paddle.zeros([]), paddle.zeros([])]
+        packed = paddle.concat([picks.reshape([-1]).astype("float64")] + [v.reshape([1]).astype("float64") for v in scalars]
+                               + [paddle.full([1], metrics.forwards, dtype="float64")])
+        if layout.pipeline_parallel_degree > 1:
+            group = hcg.get_pipe_parallel_group()
+            dist.broadcast(packed, src=group.ranks[-1], group=group)
+        for degree, group in ((layout.data_parallel_degree, hcg.get_data_parallel_group()),
+                              (layout.sharding_degree, hcg.get_sharding_parallel_group())):
+            if degree > 1:
+                dist.all_reduce(packed, group=group)
+        values = packed.numpy()
+        replicas = layout.data_replicas
+        metrics.forwards = int(round(values[-1] / replicas))
+        if metrics.forwards:
+            metrics.picks = paddle.to_tensor(values[:-3].reshape(shape).astype("float32"))
+            metrics.dropped = paddle.to_tensor(int(round(values[-3])), dtype="int64")
+            metrics.balance = paddle.to_tensor(values[-2] / replicas, dtype="float32")
+    return metrics.summary()
+
+
 def rank_times(own_time: float, data_wait: float, layout) -> dict:
     """Every rank's mean step time (its own share, before waiting for the others) and data wait, and
     the slowest and fastest rank, as Megatron's straggler detector reports them: one small
@@ -253,11 +287,9 @@ class MetricsLogger:
              consumed_samples: int, router_metrics=None, own_time: float | None = None,
              data_wait: float = 0.0) -> None:
         """router_metrics: a mixture-of-experts model's models.moe.RouterMetrics (read and reset at logging
-        steps: its aux loss averaged over the data replicas, expert load ratio and drops of this rank's tokens).
+        steps, over every rank's tokens: gather_router_metrics).
         own_time: this rank's share of the step before it waited for the others (the step's flag
         reduction); data_wait: its wait for the batch. Both compared over the ranks at logging steps."""
-        from llm_pretrain.distributed import all_reduce_mean_over_replicas
-
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._time += step_time
@@ -284,10 +316,7 @@ class MetricsLogger:
             **rank_times(self._own / steps, self._wait / steps, self.layout),
         }
         if router_metrics is not None:
-            moe = router_metrics.summary()
-            if "moe_aux_loss" in moe:
-                moe["moe_aux_loss"] = all_reduce_mean_over_replicas(moe["moe_aux_loss"], self.layout)
-            record.update(moe)
+            record.update(gather_router_metrics(router_metrics, self.layout))
         self.records.append(dict(record))
         self.log.write(record)
         self.say(format_train_line(self.records[-1], self.max_steps))

@@ -406,6 +406,16 @@ def causal_lm_loss(config: ModelConfig, logits, labels):
     return (per_token * mask).sum() / mask.sum().clip(min=1.0)
 
 
+def add_router_losses(config: ModelConfig, loss, router_stats: list, metrics: RouterMetrics | None = None):
+    """Mixture of experts: the language-model loss plus the routers' auxiliary losses over every layer's
+    statistics (models/moe.py); `metrics` (a training forward's) keeps them for train_log.jsonl. The
+    same for one process and for the pipeline's last stage (models/pipeline.py)."""
+    balance, z_loss = router_losses(config, router_stats)
+    if metrics is not None:
+        metrics.add(router_stats, balance)
+    return loss + config.router_aux_loss_coef * balance + config.router_z_loss_coef * z_loss
+
+
 # ----------------------------------------------------------------------------- model
 class CausalLM(nn.Layer):
     """The whole model in one process (tensor parallelism applies inside the blocks)."""
@@ -436,11 +446,8 @@ class CausalLM(nn.Layer):
         if labels is None:
             return logits
         loss = causal_lm_loss(self.config, logits, labels)
-        if router_stats:  # mixture of experts: the router's auxiliary losses join the loss (models/moe.py)
-            balance, z_loss = router_losses(self.config, router_stats)
-            loss = loss + self.config.router_aux_loss_coef * balance + self.config.router_z_loss_coef * z_loss
-            if self.training:
-                self.router_metrics.add(router_stats, balance)
+        if router_stats:
+            loss = add_router_losses(self.config, loss, router_stats, self.router_metrics if self.training else None)
         return loss
 
     def canonical_named_parameters(self):

@@ -13,19 +13,86 @@ gradients.
 Full recompute under the pipeline uses PipelineLayer's recompute_interval
 (pp_recompute_interval consecutive decoder layers per recomputed segment), as
 PaddleNLP does; "full_attn" and "core_attn" happen inside the decoder layer.
+
+Mixture of experts: the load-balancing loss is taken over the layers concatenated (models/moe.py,
+Hugging Face's / PaddleNLP's Mixtral form), E x sum_e f_e P_e with f_e and P_e counted over every layer,
+so the gradient reaching one layer's router probabilities (coef x E x f_e / tokens) depends on the
+routing of every other layer of the micro-batch, the later stages' too. It is not a sum of per-layer
+losses, so Megatron-LM's MoEAuxLossAutoScaler (megatron/core/transformer/moe/moe_utils.py: each
+layer's own aux loss attached to its hidden states, its gradient injected in backward) would give each
+stage a gradient built from its own layers' f only. Instead each layer's router statistics ride
+along the hidden states from stage to stage (`RouterCarry`: one row per layer, [L, E + 1] with
+gradient and [L, E + 2] without), the last stage's loss takes them apart into the layers'
+RouterStats and adds the same auxiliary losses as one process (decoder.add_router_losses), and
+autograd sends d loss / d (router sums) back to each stage through fleet's p2p with the hidden
+states' gradients (pipeline_parallel.py _backward_step: every output without stop_gradient). One
+process keeps its list of RouterStats: the same values, the same sums.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import paddle
 import paddle.nn as nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
-from models.decoder import DecoderLayer, Embeddings, LMHead, causal_lm_loss, output_logits
+from models.decoder import DecoderLayer, Embeddings, LMHead, add_router_losses, causal_lm_loss, output_logits
+from models.moe import RouterMetrics, RouterStats
 
 TIED_EMBEDDING = "tied_embedding"
+
+
+# ----------------------------------------------------------------------------- router statistics
+class RouterCarry:
+    """The router statistics of a micro-batch's layers so far, as the two tensors fleet's p2p sends
+    between stages: `sums` [L, E + 1] (layer l's router probabilities summed over tokens, and its
+    z-loss sum; with gradient) and `counts` [L, E + 2] (its picks per expert, pairs dropped, tokens;
+    no gradient). Row l is filled by decoder layer l, the others stay 0."""
+
+    @staticmethod
+    def start(config: ModelConfig):
+        layers, experts = config.num_hidden_layers, config.num_experts
+        return paddle.zeros([layers, experts + 1], dtype="float32"), paddle.zeros([layers, experts + 2], dtype="float32")
+
+    @staticmethod
+    def add(sums, counts, layer_index: int, stats: RouterStats):
+        """Row layer_index of both from the layer's stats: x + 1 * row and 0 * row keep every value exact
+        (in float32 also under O2 autocast, which would round counts above 256 to bfloat16)."""
+        row = paddle.to_tensor(np.eye(sums.shape[0], dtype="float32")[:, layer_index:layer_index + 1])  # [L, 1]
+        with paddle.amp.auto_cast(False):
+            sums = sums + row * paddle.concat([stats.prob_sum, stats.z_sum.reshape([1])]).astype("float32")
+            counts = counts + row * paddle.concat([stats.picks.astype("float32"),
+                                                   stats.dropped.astype("float32").reshape([1]),
+                                                   paddle.full([1], stats.tokens, dtype="float32")])
+        return sums, counts
+
+    @staticmethod
+    def stats(config: ModelConfig, sums, counts) -> list[RouterStats]:
+        """Every layer's RouterStats again (the single-process model's list), on the last stage."""
+        experts = config.num_experts
+        tokens = counts[:, experts + 1].numpy().astype("int64")
+        return [RouterStats(picks=counts[l, :experts], prob_sum=sums[l, :experts], z_sum=sums[l, experts],
+                            dropped=counts[l, experts].astype("int64"), tokens=int(tokens[l]))
+                for l in range(config.num_hidden_layers)]
+
+
+def split_carry(inputs):
+    """(hidden states, the router carry riding along them or ())."""
+    return (inputs[0], inputs[1:]) if isinstance(inputs, tuple) else (inputs, ())
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A mixture-of-experts decoder layer under the pipeline: (hidden, sums, counts) in and out, its
+    router's statistics added to the carry (the first layer starts it)."""
+
+    def forward(self, inputs):
+        hidden, carry = split_carry(inputs)
+        sums, counts = carry or RouterCarry.start(self.config)
+        hidden = super().forward(hidden)
+        return (hidden, *RouterCarry.add(sums, counts, self.layer_index, self.mlp.last_stats))
 
 
 class FinalNorm(nn.Layer):
@@ -33,21 +100,41 @@ class FinalNorm(nn.Layer):
         super().__init__()
         self.norm = pl.norm(config, config.hidden_size)
 
-    def forward(self, hidden):
-        return self.norm(hidden)
+    def forward(self, inputs):
+        hidden, carry = split_carry(inputs)
+        return (self.norm(hidden), *carry) if carry else self.norm(hidden)
+
+
+class PipelineLMHead(LMHead):
+    """The output head, passing the router carry on to the loss."""
+
+    def forward(self, inputs):
+        hidden, carry = split_carry(inputs)
+        return (super().forward(hidden), *carry) if carry else super().forward(hidden)
 
 
 class CausalLMLoss(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    """The language-model loss on the last stage; with experts, plus the routers' auxiliary losses over
+    every stage's layers (the carry), their statistics of a training forward kept for train_log.jsonl."""
+
+    def __init__(self, config: ModelConfig, router_metrics: RouterMetrics | None = None):
         super().__init__()
         self.config = config
+        self.router_metrics = router_metrics
 
-    def forward(self, logits, labels):
-        return causal_lm_loss(self.config, logits, labels)
+    def forward(self, outputs, labels):
+        logits, carry = split_carry(outputs)
+        loss = causal_lm_loss(self.config, logits, labels)
+        if not carry:
+            return loss
+        metrics = self.router_metrics if self.training else None
+        return add_router_losses(self.config, loss, RouterCarry.stats(self.config, *carry), metrics)
 
 
-def _tied_head(embeddings: Embeddings, hidden):
-    return output_logits(embeddings.config, hidden, embeddings.word_embeddings.weight, tied=True)
+def _tied_head(embeddings: Embeddings, inputs):
+    hidden, carry = split_carry(inputs)
+    logits = output_logits(embeddings.config, hidden, embeddings.word_embeddings.weight, tied=True)
+    return (logits, *carry) if carry else logits
 
 
 class ChunkBoundaries(str):
@@ -81,8 +168,9 @@ class CausalLMPipeline(PipelineLayer):
             last = SharedLayerDesc(TIED_EMBEDDING, Embeddings, forward_func=_tied_head,
                                    shared_weight_attr="tied_weight", config=config)
         else:
-            first, last = LayerDesc(Embeddings, config), LayerDesc(LMHead, config)
-        descs = [first] + [LayerDesc(DecoderLayer, config, i) for i in range(config.num_hidden_layers)]
+            first, last = LayerDesc(Embeddings, config), LayerDesc(PipelineLMHead, config)
+        decoder_layer = MoEDecoderLayer if config.is_moe else DecoderLayer
+        descs = [first] + [LayerDesc(decoder_layer, config, i) for i in range(config.num_hidden_layers)]
         descs += [LayerDesc(FinalNorm, config), last]
         full_recompute = config.recompute and config.recompute_granularity == "full"
         seg_method = "layer:DecoderLayer"  # even: fleet's own segmentation
@@ -90,10 +178,13 @@ class CausalLMPipeline(PipelineLayer):
             parts = chunk_boundaries(layers_per_chunk, len(descs))
             # 1F1B takes a list of boundaries (SegmentLayers.do_segment, pp_layers.py:176-195)
             seg_method = ChunkBoundaries(parts) if virtual_pp_degree > 1 else parts
+        # Filled on the last stage (by the loss); MetricsLogger gathers it over the stages at logging steps.
+        router_metrics = RouterMetrics(config) if config.is_moe else None
+        loss = CausalLMLoss(config, router_metrics)
         super().__init__(
             layers=descs,
             topology=hcg.topology(),
-            loss_fn=CausalLMLoss(config),
+            loss_fn=loss,
             seg_method=seg_method,
             recompute_interval=pp_recompute_interval if full_recompute else 0,
             recompute_ctx={"mp_group": hcg.get_model_parallel_group(), "offload": False, "partition": False},
@@ -101,6 +192,9 @@ class CausalLMPipeline(PipelineLayer):
             use_dualpipev=use_dualpipev,
         )
         self.config = config
+        self.router_metrics = router_metrics
+        # A sublayer, so that train() / eval() reach it (fleet keeps loss_fn in a plain list).
+        self.causal_lm_loss = loss
         self.is_first_stage = hcg.get_stage_id() == 0
         if tied and not self.is_first_stage and TIED_EMBEDDING in self.shared_layers:
             # The last stage's copy of the tied embedding (middle stages hold none) is a replica:

@@ -42,6 +42,7 @@ TP4 = "tests/test_gqa_replication.py::test_tp4_sp_with_two_kv_heads_trains_like_
 TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_slopes"
 ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
+MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_trains_like_one_process"
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
@@ -138,8 +139,8 @@ MUTATIONS = [
              "layout.virtual_pp_degree,", (LONG_PP2,)),
     Mutation("pipeline_loss_not_gathered", "the pipeline's last stage takes the loss of its own chunk of each "
              "sequence (not gathered over the sep group)", "models/pipeline.py",
-             "return causal_lm_loss(self.config, logits, labels)",
-             "return pl.cross_entropy_per_token(self.config, logits, pl.split_segment(self.config, labels)).mean()",
+             "loss = causal_lm_loss(self.config, logits, labels)",
+             "loss = pl.cross_entropy_per_token(self.config, logits, pl.split_segment(self.config, labels)).mean()",
              (LONG_PP2,)),
     Mutation("moe_sep_stats_local", "mixture of experts under sep/cp: each rank's router statistics (and so its "
              "load-balancing and z losses and metrics) not summed over the sep group", "models/moe.py",
@@ -154,6 +155,15 @@ MUTATIONS = [
              "before _update_params", "llm_pretrain/distributed.py",
              "        for grad in stage3_gradients(model):\n            dist.all_reduce(grad, group=sep_group)",
              "        for grad in stage3_gradients(model):\n            pass", (SEP_SHARDING,)),
+    # Mixture of experts under the pipeline (models/pipeline.py RouterCarry): a stage that drops the aux loss's
+    # gradient of the earlier stages' routers, and router metrics taken from the first stage instead of the last.
+    Mutation("moe_pipeline_aux_grad_dropped", "each stage passes the router sums on with a zero gradient: the "
+             "earlier stages' routers lose the load-balancing loss's gradient", "models/pipeline.py",
+             "hidden = super().forward(hidden)\n", "hidden, sums = super().forward(hidden), sums * 0 + sums.detach()\n",
+             (MOE_PIPELINE,)),
+    Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
+             "llm_pretrain/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
+             "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
 ]
 
 

@@ -40,3 +40,14 @@ def run_single(runs: list[list[str]], work_dir: Path, name: str, timeout: int = 
 def run_launch(nproc: int, runs: list[list[str]], work_dir: Path, name: str, timeout: int = 600, **kwargs):
     """Several trainings with the same parallel degrees in one launch, on the device under test."""
     return parity.run_launch(nproc, runs, work_dir, name, DEVICE, timeout=timeout, **kwargs)
+
+
+def assert_same_router_metrics(reference: Path, other: Path, tolerance: float = TOLERANCE) -> None:
+    """A mixture-of-experts run's router metrics in train_log.jsonl (aux loss, max/min expert load, pairs
+    dropped) at every logging step equal the single-process run's."""
+    for ref, got in zip(train_records(reference), train_records(other), strict=True):
+        assert abs(got["moe_aux_loss"] - ref["moe_aux_loss"]) <= tolerance, (other, got, ref)
+        assert got["tokens_dropped"] == ref["tokens_dropped"], (other, got, ref)
+        ratio, expected = got["expert_load_max_min_ratio"], ref["expert_load_max_min_ratio"]
+        assert (ratio is None) == (expected is None), (other, got, ref)
+        assert expected is None or abs(ratio - expected) <= tolerance, (other, got, ref)

@@ -222,7 +222,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
 
 def test_planner_counts_experts_per_rank_and_the_all_to_all():
     """The planner's parameter list is the model's (names, order, sizes), with E/ep experts per rank under
-    expert parallelism; the all-to-all time is 4 per MoE layer of k x tokens x hidden x (ep-1)/ep bytes."""
+    expert parallelism (per pipeline stage: its layers'); the all-to-all time is 4 per MoE layer of k x tokens x hidden x (ep-1)/ep bytes."""
     from llm_pretrain.planner.memory import Setup
     from llm_pretrain.planner.params import parameter_list
     from llm_pretrain.planner.speed import Cluster, step_time
@@ -234,6 +234,13 @@ def test_planner_counts_experts_per_rank_and_the_all_to_all():
         halved = parameter_list(config.replace(expert_parallel_degree=2), 1)
         experts = {p.name.split(".experts.")[1].split(".")[0] for p in halved if ".experts." in p.name}
         assert len(experts) == config.num_experts // 2
+        # under the pipeline (pp2 x dp2 with ep2) each stage holds its layers' routers and E/ep experts
+        for stage in range(2):
+            held = [p.name for p in Setup(config.replace(expert_parallel_degree=2), 1, 2, pp=2, dp=2).stage_parameters(stage)
+                    if ".mlp." in p.name]
+            assert {int(name.split(".")[1]) for name in held} == {stage}
+            assert len({name.split(".experts.")[1].split(".")[0] for name in held if ".experts." in name}) == \
+                config.num_experts // 2
     config = ARCHITECTURES["mistralai/Mixtral-8x7B-v0.1"].replace(seq_length=4096)
     cluster = Cluster("A100-80G")
     base = step_time(Setup(config, 1, 8, dp=8), cluster)
@@ -263,16 +270,17 @@ def test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100():
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.planner.estimate import estimate
 
-    path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-tp2sd4_stage2.json"
+    path = REPO_ROOT / "configs" / "qwen2_moe" / "pretrain-qwen1_5_moe_a2_7b-pp4sd2_stage1.json"
     result = estimate(parse_arguments([str(path)])[0], 8, "A100-80G")
     assert result["peak_mem_reserved_mb"] < 0.9 * 80 * 1024
 
 
 def test_moe_refuses_the_layouts_it_cannot_honour_yet():
-    """Each refusal is one UsageError naming the key: the pipeline, expert parallelism with sharding where
+    """Each refusal is one UsageError naming the key: DualPipeV, expert parallelism with sharding where
     fleet's MoE topology cannot hold it (dp > 1, stage 3, tp, ep not dividing the sharding degree, fp16), and
-    expert parallelism with segment/context parallelism. Sequence parallelism, sep and cp without ep are
-    accepted, and ep over sharding stages 1 and 2."""
+    expert parallelism with segment/context parallelism. Accepted: sequence parallelism, sep and cp without
+    ep, ep over sharding stages 1 and 2, and the 1F1B and interleaved pipelines
+    (tests/test_expert_parallel.py::test_moe_under_the_pipeline_trains_like_one_process)."""
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
@@ -287,8 +295,15 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
         check_mixture_of_experts(SimpleNamespace(**{**vars(args), "sequence_parallel": True}), config, accepted)
     for stage in (1, 2):  # accepted: ep over sharding ranks (fleet's expert and moe_sharding groups)
         check_mixture_of_experts(ep2, config, Layout(world_size=4, sharding_degree=4, sharding_stage=stage))
+    check_mixture_of_experts(args, config, Layout(world_size=2, pipeline_parallel_degree=2))
+    check_mixture_of_experts(args, config, Layout(world_size=4, pipeline_parallel_degree=4, virtual_pp_degree=2))
+    check_mixture_of_experts(SimpleNamespace(expert_parallel_degree=2, sequence_parallel=False), config,
+                             Layout(world_size=4, pipeline_parallel_degree=2, data_parallel_degree=2))
     cases = [
-        (args, Layout(world_size=2, pipeline_parallel_degree=2), "pipeline_parallel_degree: 2 is not supported"),
+        (args, Layout(world_size=2, pipeline_parallel_degree=2, dualpipev=True), "use_dualpipev is not supported"),
+        (SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, do_eval=True, per_device_train_batch_size=2,
+                         per_device_eval_batch_size=4), Layout(world_size=2, pipeline_parallel_degree=2),
+         "per_device_eval_batch_size: 4 must equal per_device_train_batch_size 2"),
         (ep2, Layout(world_size=4, data_parallel_degree=2, sharding_degree=2, sharding_stage=1),
          "expert_parallel_degree: 2 with sharding stage1 needs data_parallel_degree 1"),
         (ep2, Layout(world_size=4, sharding_degree=4, sharding_stage=3), "sharding: stage3 cannot be combined"),

@@ -33,19 +33,23 @@ import pytest
 from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_env
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_training, base_arguments, final_weights,
-    run_launch, run_record, run_single, summary_records, train_records, write_json,
+    DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics, assert_same_training,
+    base_arguments, final_weights, run_launch, run_record, run_single, summary_records, train_records, write_json,
 )
 
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
 # qwen2-tiny: one kv head (replicated under tp2) and a tied head (shared across pipeline stages).
-# Mixture-of-experts families (mixtral, qwen2_moe) have their own layouts' parity tests (tests/test_expert_parallel.py).
+# Mixture-of-experts families (mixtral, qwen2_moe) have their own layouts' parity tests (tests/test_expert_parallel.py);
+# mixtral joins the pp2 x tp2 and interleaved pipeline launches here (MOE).
 FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values()
                  if family.name != "llama" and not family.architectures[family.tiny].is_moe)
 ROPE_SCALED = ("llama3",)  # Llama 3.1's rotary scaling: the layouts that split heads or sequences
+MOE = ("mixtral",)  # mixture of experts under the pipeline: pp2 x tp2 and the interleaved pp4 (8 chunks)
 # Evaluation with an eval batch (4) other than the training micro-batch (2): the pipeline runs it as
 # several training-sized micro-batches. Valid split at steps 2 and 4 (different samples), test split at the end.
 EVALUATION = dict(do_eval=True, do_predict=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
+# Mixture of experts under the pipeline: eval batches of the training micro-batch (layout.check_mixture_of_experts)
+MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 # 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
@@ -74,11 +78,12 @@ class Parity:
 def parity(tmp_path_factory, embedded_corpus) -> Parity:
     work = tmp_path_factory.mktemp("parity")
     files = {"llama": write_json(work / "llama.json", base_arguments(embedded_corpus, work))}
-    for family in FAMILIES + ROPE_SCALED:
+    for family in FAMILIES + ROPE_SCALED + MOE:
         files[family] = write_json(work / f"{family}.json", base_arguments(
             embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
     setup = Parity(work, files, {model: work / "single" / model for model in files})
-    runs = [argv(files[model], setup.references[model], **(EVALUATION if model == "llama" else {})) for model in files]
+    evaluation = {"llama": EVALUATION, **{model: MOE_EVALUATION for model in MOE}}
+    runs = [argv(files[model], setup.references[model], **evaluation.get(model, {})) for model in files]
     runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g,
                        **(EVALUATION_6 if g == "full" else {})) for g in GRANULARITIES]
     run_single(runs, work, "single")
@@ -202,9 +207,13 @@ def test_dp2_tp2(parity):
 def test_pp2_tp2(parity):
     degrees = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
     run_launch(4, [parity.run("pp2tp2", **degrees),
-                   parity.run("pp2tp2-sp-recompute", **degrees, sequence_parallel=True, recompute=True)],
+                   parity.run("pp2tp2-sp-recompute", **degrees, sequence_parallel=True, recompute=True),
+                   parity.run("mixtral-pp2tp2", "mixtral", **degrees)],
                parity.work, "pp2tp2")
-    parity.check([("pp2tp2", "llama"), ("pp2tp2-sp-recompute", "llama")])
+    parity.check([("pp2tp2", "llama"), ("pp2tp2-sp-recompute", "llama"), ("mixtral-pp2tp2", "mixtral")])
+    # mixtral: experts split over the tensor-parallel pair, the router statistics passed between the stages
+    # by fleet's partial p2p (each tensor-parallel rank sends half, pp_utils/p2p_communication.py)
+    assert_same_router_metrics(parity.references["mixtral"], parity.out("mixtral-pp2tp2"))
 
 
 def test_sharding2_tp2(parity):
@@ -218,10 +227,18 @@ def test_sharding2_tp2(parity):
 def test_pp4_interleaved(parity):
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
     run_launch(4, [parity.run("pp4vpp2", **degrees, **EVALUATION)]
-               + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES], parity.work, "pp4vpp2")
-    parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES])
+               + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES]
+               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION)],
+               parity.work, "pp4vpp2")
+    parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
+                 + [("mixtral-pp4vpp2-recompute", "mixtral")])
     assert_same_evaluation(parity.references["llama"], parity.out("pp4vpp2"))
     assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
+    # mixtral: the load-balancing loss over the 8 layers of 8 chunks on 4 stages, recomputed by PipelineLayer's
+    # segments; the router metrics of train_log.jsonl (from the last stage; evaluation adds none) and the
+    # evaluation losses (language model + auxiliary) are one process's
+    assert_same_router_metrics(parity.references["mixtral"], parity.out("mixtral-pp4vpp2-recompute"))
+    assert_same_evaluation(parity.references["mixtral"], parity.out("mixtral-pp4vpp2-recompute"))
 
 
 def test_sharding2_dp2(parity):

@@ -238,6 +238,13 @@ def check_alltoall():
     dist.alltoall(received, ids, group=group)
     out["int64"] = max_err(paddle.concat(received), paddle.concat([paddle.full([4], 100 * i + r, dtype="int64")
                                                                     for i in range(n)]))
+    # Uneven split sizes (a MoE dispatch) where the last rank's happen to be equal: every rank still
+    # takes the uneven path (it hung in gloo when that rank skipped the sizes' exchange).
+    sends = [[1 + i + j for j in range(n)] for i in range(n - 1)] + [[2] * n]  # [sender][receiver] rows
+    x = paddle.concat([randn([sends[r][j], 3], 400 + 10 * r + j) for j in range(n)])
+    y = paddle.empty([sum(sends[i][r] for i in range(n)), 3])
+    dist.alltoall_single(y, x, in_split_sizes=sends[r], out_split_sizes=[sends[i][r] for i in range(n)], group=group)
+    out["single_uneven"] = max_err(y, paddle.concat([randn([sends[i][r], 3], 400 + 10 * i + r) for i in range(n)]))
     return out
 
 
