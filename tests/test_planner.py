@@ -226,6 +226,21 @@ def test_sequence_split_terms_by_hand():
         "terms"]["compute"] / 2)
 
 
+
+def test_largest_block_is_this_ranks_share_under_sep_and_cp():
+    """The reserve's largest short-lived block (planner.reserved_mb) is the loss's float32 softmax of this rank's
+    tokens: Llama 3.1 8B at 128K with tp4, [131072 / (sep x cp), 128256 / 4] x 4 bytes on the last stage; without
+    flash attention sep's scores [s / sep, heads, s] and the ring's own block [s / cp, heads, s / cp]."""
+    config = ARCHITECTURES["meta-llama/Llama-3.1-8B"].replace(seq_length=131072, use_flash_attention=True)
+    bf16 = mem.Precision("bf16", "O2", True)
+    for split, tokens in (({}, 131072), ({"sep": 2}, 65536), ({"cp": 2}, 65536), ({"cp": 4}, 32768)):
+        setup = mem.Setup(config, 1, 8, tp=4, precision=bf16, **split)
+        assert mem.largest_activation_tensor(config, setup, True) == tokens * (128256 // 4) * 4, split
+    plain = ARCHITECTURES["llama-real"].replace(seq_length=4096, num_hidden_layers=2)
+    heads = plain.num_attention_heads
+    assert mem.largest_activation_tensor(plain, mem.Setup(plain, 1, 2, sep=2), False) == 2048 * heads * 4096 * 4
+    assert mem.largest_activation_tensor(plain, mem.Setup(plain, 1, 2, cp=2), False) == 2048 * heads * 2048 * 4
+
 # ----------------------------------------------------------------------------- Megatron calibration
 def test_megatron_table_reproduced_within_stated_accuracy():
     rows = speed.megatron_table1_rows()  # the table shipped in the package, not a file outside the clone

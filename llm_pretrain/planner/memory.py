@@ -492,14 +492,17 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
 def largest_activation_tensor(config: ModelConfig, setup: Setup, last_stage: bool) -> float:
     """The largest single tensor a micro-batch's forward keeps: the loss's float32 softmax [tokens, vocab / tp]
     on the last stage, the MLP's intermediate [tokens, ffn / tp], or the attention scores [b, heads, s, s]
-    without flash attention (layer_activation_bytes)."""
+    without flash attention (layer_activation_bytes). Tokens are this rank's: 1/sep or 1/cp of each sequence
+    (the loss is computed per chunk, decoder.causal_lm_loss); sep's scores cover every key of heads / sep,
+    the ring's plain blocks its own block's keys."""
     c, a = config, setup.precision.activation_bytes
-    tokens = setup.micro_batch * c.seq_length
+    tokens = setup.tokens_per_micro_batch
     sizes = [tokens * (c.intermediate_size // setup.tp) * a]
     if last_stage:
         sizes.append(tokens * (c.vocab_size // setup.tp) * 4)
     if not c.use_flash_attention or c.position_embedding == "alibi":
-        sizes.append(tokens * c.num_attention_heads // setup.tp * c.seq_length * 4)
+        keys = tokens / setup.micro_batch if setup.cp > 1 else c.seq_length
+        sizes.append(tokens * c.num_attention_heads // setup.tp * keys * 4)
     return float(max(sizes))
 
 
