@@ -362,6 +362,7 @@ class LayoutCheck:
         # sep and cp both give fleet its sep group (llm_pretrain/distributed.py build_strategy): one launch
         sequence = self.overrides.get("sep_parallel_degree", 1) * self.overrides.get("context_parallel_degree", 1)
         if sequence > 1:
+            degrees.pop("context_parallel_degree", None)
             degrees["sep_parallel_degree"] = sequence
         return self.nproc, "sharding" in self.overrides, json.dumps(degrees, sort_keys=True)
 

@@ -62,7 +62,9 @@ def trained(tmp_path_factory, embedded_corpus):
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
-                              argv(args_file, work / "ep2-real", model_name_or_path="mixtral-real", **ep2)]}
+                              argv(args_file, work / "ep2-real", model_name_or_path="mixtral-real", **ep2),
+                              argv(args_file, work / "ep2-recompute-full_attn", **ep2, recompute=True,
+                                   recompute_granularity="full_attn")]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
@@ -108,7 +110,7 @@ def test_ep2_trains_like_one_process(trained):
                             ("single", "ep2tp2-sp"), ("single-qwen-capped", "qwen-capped-tp2dp2-sp"),
                             ("single", "ep2sd2s1"), ("single", "ep2sd2s2"), ("single", "ep2sd4s1"),
                             ("single", "ep2sd4s2"), ("single", "single-to-sd4"), ("single", "sd4-to-single"),
-                            ("single-real", "ep2sd2s2-real")):
+                            ("single-real", "ep2sd2s2-real"), ("single", "ep2-recompute-full_attn")):
         diffs = assert_same_training(work / reference, work / name, step=STEPS)
         print(f"{name}: {diffs}")
         assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]
@@ -119,6 +121,8 @@ def test_ep2_trains_like_one_process(trained):
     assert train_records(work / "qwen-capped-tp2dp2-sp")[0]["tokens_dropped"] > 0
     assert run_record(work / "ep2tp2-sp")["built"]["sequence_parallel"]["enabled"]
     assert run_record(work / "ep2")["layout"]["world_size"] == 2
+    recomputed = run_record(work / "ep2-recompute-full_attn")["built"]["recompute"]
+    assert recomputed["full_attn"] and not recomputed["full"] and not recomputed["core_attn"], recomputed
     assert run_record(work / "single-to-ep2")["start_step"] == STOP
     assert run_record(work / "ep2-to-single")["start_step"] == STOP
     # each expert is one logical tensor of the checkpoint, written by the rank that holds it

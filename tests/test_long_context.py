@@ -117,10 +117,12 @@ def test_sep2_every_family_and_resume(runs):
     run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in MODELS] + [
         runs.run("llama-sep2-recompute", recompute=True, recompute_granularity="core_attn", **SEP2),
         runs.run("bloom-sep2-recompute", "bloom", recompute=True, **SEP2),
+        runs.run("qwen2-sep2-recompute-full_attn", "qwen2", recompute=True, recompute_granularity="full_attn", **SEP2),
         runs.run("single-to-sep2", **SEP2),
         runs.run("sep2-to-single", exit_interval=STOP, **SEP2),
     ] + [runs.run(f"{model}-cp2", model, **CP2) for model in MODELS] + [
         runs.run("llama-cp2-recompute", recompute=True, recompute_granularity="core_attn", **CP2),
+        runs.run("bloom-cp2-recompute-full_attn", "bloom", recompute=True, recompute_granularity="full_attn", **CP2),
         runs.run("single-to-cp2", **CP2),
         runs.run("cp2-to-single", exit_interval=STOP, **CP2),
     ] + [runs.run(f"{model}-{name}", model, **degrees) for model in MOE_MODELS
@@ -128,9 +130,10 @@ def test_sep2_every_family_and_resume(runs):
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
         ("llama-sep2-recompute", "llama"), ("bloom-sep2-recompute", "bloom"),
-        ("single-to-sep2", "llama"), ("sep2-to-single", "llama")])
+        ("qwen2-sep2-recompute-full_attn", "qwen2"), ("single-to-sep2", "llama"), ("sep2-to-single", "llama")])
     runs.check([(f"{model}-cp2", model) for model in MODELS] + [
-        ("llama-cp2-recompute", "llama"), ("single-to-cp2", "llama"), ("cp2-to-single", "llama")])
+        ("llama-cp2-recompute", "llama"), ("bloom-cp2-recompute-full_attn", "bloom"), ("single-to-cp2", "llama"),
+        ("cp2-to-single", "llama")])
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
@@ -142,6 +145,11 @@ def test_sep2_every_family_and_resume(runs):
     assert record["built"]["segment_parallel"] == {"degree": 2, "tokens_per_rank": 16, "attention_heads_per_rank": 2,
                                                    "model_wrappers": ["SegmentParallel"]}
     assert run_record(runs.out("sep2-to-single"))["strategy"] == "dp1"
+    for name, granularity in (("llama-sep2-recompute", "core_attn"), ("qwen2-sep2-recompute-full_attn", "full_attn"),
+                              ("llama-cp2-recompute", "core_attn"), ("bloom-cp2-recompute-full_attn", "full_attn"),
+                              ("bloom-sep2-recompute", "full")):
+        recomputed = run_record(runs.out(name))["built"]["recompute"]
+        assert recomputed[granularity] and not any(v for g, v in recomputed.items() if g != granularity), (name, recomputed)
 
 
 def test_sep2_with_tp2_dp2_and_sharding(runs):
