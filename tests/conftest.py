@@ -24,3 +24,11 @@ def embedded_corpus(tmp_path_factory):
     from llm_pretrain.data import ensure_embedded_corpus
 
     return ensure_embedded_corpus(str(tmp_path_factory.mktemp("embedded")))
+
+
+@pytest.fixture(scope="session")
+def shared_launches(tmp_path_factory, embedded_corpus):
+    """One launch per fleet layout for the session's test files (tests/shared_launches.py)."""
+    from shared_launches import SharedLaunches
+
+    return SharedLaunches(tmp_path_factory.mktemp("shared_launches"), embedded_corpus)

@@ -12,9 +12,9 @@ The same LLaMA also trains under pp2 x tp4 + SP (8 processes, about 35 s on 2 co
 process, each rank of both stages keeping its q heads' kv head.
 
 A LLaMA with 4 query heads and ONE kv head trains under tp2 and tp2 + sequence parallelism,
-and a Qwen of that shape (q/k/v biases) under tp2 -- one 2-process launch -- exactly like one
-process: per-step loss and grad norm, and the final weights merged from the tp shards (and
-exported to PaddleNLP), within 1e-5. Each rank holds the k/v projections whole, keeps the kv
+and a Qwen of that shape (q/k/v biases) under tp2 -- in the session's 2-process tp2 launch
+(tests/shared_launches.py) -- exactly like one process: per-step loss and grad norm, and the final
+weights merged from the tp shards (and exported to PaddleNLP), within 1e-5. Each rank holds the k/v projections whole, keeps the kv
 head its q heads share, and the partial k/v gradients are summed over the ranks. Layouts where
 neither kv heads nor tp divides the other, and fused qkv with replicated kv, are one-line
 UsageErrors (exit code 2).
@@ -31,8 +31,9 @@ from llm_pretrain.layout import Layout, check_model_fits_layout
 from llm_pretrain.errors import UsageError, exit_with_usage_error
 from models.registry import make_config
 from launch_utils import REPO_ROOT, launch
-from parity_utils import (argv, assert_same_training, base_arguments, final_weights, run_launch, run_record,
-                          run_single, write_json)
+from parity_utils import (argv, assert_same_training, base_arguments, final_weights, run_record, run_single,
+                          write_json)
+from shared_launches import contribute
 
 TINY_GQA1 = dict(family="llama", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=1, intermediate_size=176, max_position_embeddings=1024)
@@ -142,19 +143,36 @@ def test_tp4_sp_alibi_takes_each_ranks_slopes(tp4_sp):
     assert all(not observed["alibi"]["kv_heads"] for observed in ranks.values())  # 4 kv heads: split, not replicated
 
 
-def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, tmp_path):
+def gqa1_files(work, corpus) -> dict:
+    """LLaMA and Qwen (biases on q/k/v, whose gradients are summed too) with 4 q heads and ONE kv head."""
     files = {}
-    for family in ("llama", "qwen"):  # Qwen: biases on q/k/v, whose gradients are summed too
-        model_dir = write_json(tmp_path / f"{family}-tiny-gqa1" / "config.json", {**TINY_GQA1, "family": family}).parent
-        files[family] = write_json(tmp_path / f"{family}.json", base_arguments(
-            embedded_corpus, tmp_path, model_name_or_path=str(model_dir), num_hidden_layers=2))
-    out = tmp_path / "runs"
+    for family in ("llama", "qwen"):
+        model_dir = write_json(work / f"{family}-tiny-gqa1" / "config.json", {**TINY_GQA1, "family": family}).parent
+        files[family] = write_json(work / f"{family}.json", base_arguments(
+            corpus, work, model_name_or_path=str(model_dir), num_hidden_layers=2))
+    return files
+
+
+def gqa1_tp2_runs(work, corpus) -> list[dict]:
+    files, out = gqa1_files(work, corpus), work / "runs"
+    return [{"name": "tp2", "argv": argv(files["llama"], out / "tp2", tensor_parallel_degree=2)},
+            {"name": "tp2_sp", "argv": argv(files["llama"], out / "tp2_sp", tensor_parallel_degree=2,
+                                            sequence_parallel=True)},
+            {"name": "qwen_tp2", "argv": argv(files["qwen"], out / "qwen_tp2", tensor_parallel_degree=2)}]
+
+
+# tp2 trains in the session's tp2 launch (tests/shared_launches.py), beside the parity and mechanism tests' tp2 runs.
+contribute("tp2", 2, "gqa", gqa1_tp2_runs)
+
+
+def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, shared_launches):
+    work = shared_launches.work_dir("gqa")
+    files = gqa1_files(work, embedded_corpus)
+    out = work / "runs"
     single, tp2, tp2_sp, qwen_single, qwen_tp2 = (out / n for n in ("single", "tp2", "tp2_sp", "qwen", "qwen_tp2"))
 
-    run_single([argv(files["llama"], single), argv(files["qwen"], qwen_single)], tmp_path, "single")
-    run_launch(2, [argv(files["llama"], tp2, tensor_parallel_degree=2),
-                   argv(files["llama"], tp2_sp, tensor_parallel_degree=2, sequence_parallel=True),
-                   argv(files["qwen"], qwen_tp2, tensor_parallel_degree=2)], tmp_path, "tp2")
+    run_single([argv(files["llama"], single), argv(files["qwen"], qwen_single)], work, "single")
+    shared_launches.results("tp2", "gqa")
 
     for reference, run in ((single, tp2), (single, tp2_sp), (qwen_single, qwen_tp2)):
         diffs = assert_same_training(reference, run)
@@ -170,9 +188,9 @@ def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, tmp_path)
 
     exported = {}
     for run in (single, tp2):
-        export_to_paddlenlp(str(run / "checkpoint-5"), str(tmp_path / "export" / run.name))
-        exported[run.name] = _load(tmp_path / "export" / run.name / "model_state.pdparams")
-    assert json.loads((tmp_path / "export" / "tp2" / "config.json").read_text())["num_key_value_heads"] == 1
+        export_to_paddlenlp(str(run / "checkpoint-5"), str(work / "export" / run.name))
+        exported[run.name] = _load(work / "export" / run.name / "model_state.pdparams")
+    assert json.loads((work / "export" / "tp2" / "config.json").read_text())["num_key_value_heads"] == 1
     assert sorted(exported["tp2"]) == sorted(exported["single"])
     for name, value in exported["single"].items():
         np.testing.assert_allclose(exported["tp2"][name], value, rtol=0, atol=1e-5, err_msg=name)

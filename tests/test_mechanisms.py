@@ -3,7 +3,8 @@
 The parity tests (test_parallel_parity.py) prove that a layout computes the same numbers as one
 process; they cannot prove that the layout ran (a layout silently falling back to a simpler one
 computes the same numbers). These tests train through the real trainer with probes
-(tests/workers/mechanism_runs.py) and check what happened, one launch per layout:
+(tests/workers/mechanism_runs.py) and check what happened, one launch per layout (shared with the
+parity tests' runs of the same degrees: tests/shared_launches.py):
 
     tp2   tensor parallelism: fleet's wrapper, half the weights per rank;
           sequence parallelism: hidden states between blocks hold 1/tp of the tokens, fleet's
@@ -29,15 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES as FAMILY_RECORDS
 
 # every dense family, Qwen2 included; the mixture-of-experts ones have their own (tests/test_expert_parallel.py)
 FAMILIES = tuple(name for name, family in FAMILY_RECORDS.items() if not family.architectures[family.tiny].is_moe)
 from parity_utils import argv, base_arguments, run_record, summary_records, write_json
+from shared_launches import contribute
 import schedule_orders
 
-WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
 GRANULARITIES = ("full", "full_attn", "core_attn")
 PARTS = {"full": "forward", "full_attn": "attention_block", "core_attn": "core_attention"}
 LAYERS = 8
@@ -59,24 +59,30 @@ class Mechanisms:
     def out(self, layout: str, name: str) -> Path:
         return self.work / layout / name
 
-    def launch(self, nproc: int, layout: str, runs: dict[str, tuple[str, dict]], timeout: int = 900,
-               extra: dict | None = None) -> dict:
+    def specs(self, layout: str, runs: dict[str, tuple[str, dict]], extra: dict | None = None) -> list[dict]:
         """runs: name -> (model, argument overrides); extra: name -> more keys of its run spec (the
-        worker's probes). Returns {rank: {name: observations}}."""
-        spec = [{"name": name, "argv": argv(self.file(model), self.out(layout, name), **overrides),
+        worker's probes)."""
+        return [{"name": name, "argv": argv(self.file(model), self.out(layout, name), **overrides),
                  **(extra or {}).get(name, {})} for name, (model, overrides) in runs.items()]
-        runs_file = write_json(self.work / f"{layout}.runs.json", spec)
-        result = launch(WORKER, nproc, [str(runs_file)], log_dir=self.work / f"{layout}.log", timeout=timeout)
-        result.check()
-        return result.results()
 
     def built(self, layout: str, name: str) -> dict:
         return run_record(self.out(layout, name))["built"]
 
 
 @pytest.fixture(scope="module")
-def mech(tmp_path_factory, embedded_corpus) -> Mechanisms:
-    return Mechanisms(tmp_path_factory.mktemp("mechanisms"), embedded_corpus)
+def mech(shared_launches, embedded_corpus) -> Mechanisms:
+    return Mechanisms(shared_launches.work_dir("mechanisms"), embedded_corpus)
+
+
+def shared(launch_name: str, nproc: int, last: bool = False):
+    """Decorates the function giving a layout's runs ({name: (model, overrides)}, {name: probe keys}):
+    they train in the session's shared launch of that layout (tests/shared_launches.py), beside the
+    parity tests' runs of the same degrees; `last`: after every other file's runs."""
+    def register(layout_runs):
+        contribute(launch_name, nproc, "mechanisms",
+                   lambda work, corpus: Mechanisms(work, corpus).specs(launch_name, *layout_runs()), last=last)
+        return layout_runs
+    return register
 
 
 def summary_record(output_dir: Path) -> dict:
@@ -97,7 +103,8 @@ def assert_recomputed(calls: dict, granularity: str, layers: list[int], micro_ba
 
 
 # ----------------------------------------------------------------------------- tensor + sequence parallel
-def test_sequence_parallel_and_recompute_under_tp2(mech):
+@shared("tp2", 2, last=True)  # its last run fails on purpose
+def tp2_runs():
     tp = {"tensor_parallel_degree": 2}
     runs = {f"{family}-sp": (family, {**tp, "sequence_parallel": True, **recompute_overrides(i)})
             for i, family in enumerate(FAMILIES)}
@@ -111,8 +118,11 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
     runs["mixtral-sp"] = ("mixtral", {**tp, "sequence_parallel": True})  # (before the failing run)
     runs["llama-replica-differs"] = runs.pop("llama-replica-differs")
     perturbed = {"rank": 1, "parameter": "layers.3.post_attention_layernorm.weight"}
-    spec_extra = {"llama-replica-differs": {"perturb_replica": perturbed}}
-    ranks = mech.launch(2, "tp2", runs, extra=spec_extra)
+    return runs, {"llama-replica-differs": {"perturb_replica": perturbed}}
+
+
+def test_sequence_parallel_and_recompute_under_tp2(mech, shared_launches):
+    ranks = shared_launches.results("tp2", "mechanisms")
     for rank, observed in ranks.items():
         for i, family in enumerate(FAMILIES):
             seen = observed[f"{family}-sp"]
@@ -160,13 +170,18 @@ def test_sequence_parallel_and_recompute_under_tp2(mech):
 
 
 # ----------------------------------------------------------------------------- data parallel
-def test_data_parallel_syncs_once_per_step_and_recompute_under_dp2(mech):
+@shared("dp2", 2)
+def dp2_runs():
     dp = {"gradient_accumulation_steps": 4, "per_device_train_batch_size": 1}
     runs = {f"{family}-dp2": (family, {**dp, **recompute_overrides(i)}) for i, family in enumerate(FAMILIES)}
     long = {"max_seq_length": 256, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     runs["llama-long"] = ("llama", long)
     runs["llama-long-recompute"] = ("llama", {**long, "recompute": True})
-    ranks = mech.launch(2, "dp2", runs)
+    return runs, None
+
+
+def test_data_parallel_syncs_once_per_step_and_recompute_under_dp2(mech, shared_launches):
+    ranks = shared_launches.results("dp2", "mechanisms")
     for i, family in enumerate(FAMILIES):
         seen = [ranks[rank][f"{family}-dp2"] for rank in (0, 1)]
         for observed in seen:
@@ -190,14 +205,20 @@ def test_data_parallel_syncs_once_per_step_and_recompute_under_dp2(mech):
 
 
 # ----------------------------------------------------------------------------- sharding
-def test_sharding_stages_and_recompute_under_sd2(mech):
+@shared("sd2", 2)
+def sd2_runs():
     sd = {"gradient_accumulation_steps": 2}
     runs = {f"{family}-stage{i % 3 + 1}": (family, {**sd, "sharding": f"stage{i % 3 + 1}", **recompute_overrides(i)})
             for i, family in enumerate(FAMILIES)}
     # The real-size preset: stage 3 slices its parameters above 2**20 elements.
     for stage in (1, 2, 3):
         runs[f"real-stage{stage}"] = ("llama-real", {**sd, "sharding": f"stage{stage}"})
-    ranks = mech.launch(2, "sd2", runs)
+    return runs, None
+
+
+def test_sharding_stages_and_recompute_under_sd2(mech, shared_launches):
+    runs, _ = sd2_runs()
+    ranks = shared_launches.results("sd2", "mechanisms")
     wrappers = {1: ("DygraphShardingOptimizer", "optimizer_classes"), 2: ("GroupShardedStage2", "model_classes"),
                 3: ("GroupShardedStage3", "model_classes")}
     for name in runs:
@@ -244,7 +265,11 @@ def test_sharding_stages_and_recompute_under_sd2(mech):
 
 
 # ----------------------------------------------------------------------------- pipeline
-def test_pipeline_schedules_and_recompute_under_pp4(mech):
+PIPELINE_GRANULARITY = {"llama": "full", "qwen": "full_attn", "baichuan": "core_attn", "gpt3": "full", "bloom": "full"}
+
+
+@shared("pp4", 4)
+def pp4_runs():
     order = {"pipeline_parallel_degree": 4, "gradient_accumulation_steps": 8, "per_device_train_batch_size": 1}
     runs = {"llama-1f1b": ("llama", order), "llama-interleaved": ("llama", {**order, "virtual_pp_degree": 2}),
             # 1F1B with segments of 2 functions, tied embedding. Stage 0's first segment is the
@@ -252,13 +277,16 @@ def test_pipeline_schedules_and_recompute_under_pp4(mech):
             # does not recompute it (pp_layers.py _need_recompute), as in PaddleNLP.
             "gpt3-1f1b-recompute": ("gpt3", {"pipeline_parallel_degree": 4, "recompute": True,
                                              "pp_recompute_interval": 2})}
-    pipeline_granularity = {"llama": "full", "qwen": "full_attn", "baichuan": "core_attn", "gpt3": "full",
-                            "bloom": "full"}
-    for family, granularity in pipeline_granularity.items():  # GPT-3 and Bloom: tied embeddings
+    for family, granularity in PIPELINE_GRANULARITY.items():  # GPT-3 and Bloom: tied embeddings
         runs[f"{family}-pp4vpp2-recompute"] = (family, {
             "pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "recompute": True,
             "recompute_granularity": granularity, "pp_recompute_interval": 1})
-    ranks = mech.launch(4, "pp4", runs)
+    return runs, None
+
+
+def test_pipeline_schedules_and_recompute_under_pp4(mech, shared_launches):
+    pipeline_granularity = PIPELINE_GRANULARITY
+    ranks = shared_launches.results("pp4", "mechanisms")
     for stage in range(4):
         # The schedule's order of forwards and backwards (fleet's _forward_step / _backward_step, per chunk):
         # 1F1B warms up with 3 - stage forwards then alternates; interleaved goes through the chunks in

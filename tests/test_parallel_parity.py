@@ -3,8 +3,10 @@
 References run once in one plain process (the tiny preset of every family record with 8 layers,
 models/families/; plus llama3-tiny, Llama 3.1's rotary scaling, in the tp2 and pp2 launches). Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
-compared with its reference (tolerance 1e-5, fp32); the pp2 and pp4vpp2 LLaMA runs also evaluate
-(eval batch 4 over training micro-batches of 2) and match the single process's eval losses:
+compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
+train in the session's launch of their degrees, beside other files' runs (tests/shared_launches.py).
+The pp2 and pp4vpp2 LLaMA runs also evaluate (eval batch 4 over training micro-batches of 2) and match the single
+process's eval losses:
 
     2 processes: dp2 (every family, resume)
                  tp2 (+ SP, recompute granularities, resume; every family with and without SP;
@@ -36,6 +38,7 @@ from parity_utils import (
     DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics, assert_same_training,
     base_arguments, final_weights, run_launch, run_record, run_single, summary_records, train_records, write_json,
 )
+from shared_launches import contribute
 
 # Every family's tiny preset (models/families/<family>.py); LLaMA's is the main reference ("llama").
 # qwen2-tiny: one kv head (replicated under tp2) and a tied head (shared across pipeline stages).
@@ -61,6 +64,15 @@ class Parity:
     files: dict[str, Path]        # model -> argument file
     references: dict[str, Path]   # model -> single-process output_dir
 
+    @classmethod
+    def create(cls, work: Path, corpus: dict) -> Parity:
+        """The argument files (written, the same each time) and where every output goes, under work."""
+        files = {"llama": write_json(work / "llama.json", base_arguments(corpus, work))}
+        for family in FAMILIES + ROPE_SCALED + MOE:
+            files[family] = write_json(work / f"{family}.json", base_arguments(
+                corpus, work, model_name_or_path=f"{family}-tiny"))
+        return cls(work, files, {model: work / "single" / model for model in files})
+
     def out(self, name: str) -> Path:
         return self.work / "runs" / name
 
@@ -74,19 +86,28 @@ class Parity:
             print(f"{name} vs single-process {model}: {diffs}")
 
 
+def shared(launch_name: str, nproc: int):
+    """Decorates the function listing a layout's runs: they train in the session's shared launch of
+    that layout (tests/shared_launches.py), beside the mechanism probes' runs of the same degrees."""
+    def register(layout_runs):
+        def make_runs(work: Path, corpus: dict) -> list[dict]:
+            return [{"name": f"{i:02d}-{Path(run[run.index('--output_dir') + 1]).name}", "argv": run}
+                    for i, run in enumerate(layout_runs(Parity.create(work, corpus)))]
+
+        contribute(launch_name, nproc, "parity", make_runs)
+        return layout_runs
+    return register
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory, embedded_corpus) -> Parity:
-    work = tmp_path_factory.mktemp("parity")
-    files = {"llama": write_json(work / "llama.json", base_arguments(embedded_corpus, work))}
-    for family in FAMILIES + ROPE_SCALED + MOE:
-        files[family] = write_json(work / f"{family}.json", base_arguments(
-            embedded_corpus, work, model_name_or_path=f"{family}-tiny"))
-    setup = Parity(work, files, {model: work / "single" / model for model in files})
+def parity(shared_launches, embedded_corpus) -> Parity:
+    setup = Parity.create(shared_launches.work_dir("parity"), embedded_corpus)
+    files = setup.files
     evaluation = {"llama": EVALUATION, **{model: MOE_EVALUATION for model in MOE}}
     runs = [argv(files[model], setup.references[model], **evaluation.get(model, {})) for model in files]
     runs += [setup.run(f"single-recompute-{g}", recompute=True, recompute_granularity=g,
                        **(EVALUATION_6 if g == "full" else {})) for g in GRANULARITIES]
-    run_single(runs, work, "single")
+    run_single(runs, setup.work, "single")
     return setup
 
 
@@ -94,14 +115,18 @@ def test_recompute_in_one_process_changes_nothing(parity):
     parity.check([(f"single-recompute-{g}", "llama") for g in GRANULARITIES])
 
 
-def test_dp2(parity):
-    """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
-    run_launch(2, [
+@shared("dp2", 2)
+def dp2_runs(parity: Parity) -> list[list[str]]:
+    return [
         parity.run("dp2", gradient_accumulation_steps=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3, check_replicas_interval=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, check_replicas_interval=2),
-    ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES],
-        parity.work, "dp2")
+    ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES]
+
+
+def test_dp2(parity, shared_launches):
+    """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
+    shared_launches.results("dp2", "parity")
     parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES])
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
@@ -117,7 +142,8 @@ def test_dp2(parity):
     assert record["tokens_per_card_per_sec"] == pytest.approx(8 * 32 / 2 / record["step_time_s"], rel=1e-6)
 
 
-def test_tensor_parallel(parity):
+@shared("tp2", 2)
+def tp2_runs(parity: Parity) -> list[list[str]]:
     tp = {"tensor_parallel_degree": 2}
     runs = [
         parity.run("tp2", **tp),
@@ -134,7 +160,11 @@ def test_tensor_parallel(parity):
     for family in FAMILIES + ROPE_SCALED:
         runs += [parity.run(f"{family}-tp2", family, **tp),
                  parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
-    run_launch(2, runs, parity.work, "tp2")
+    return runs
+
+
+def test_tensor_parallel(parity, shared_launches):
+    shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
                  + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")])
@@ -159,9 +189,10 @@ def assert_same_evaluation(reference: Path, other: Path, predict: bool = True) -
     assert ref[0][2] != ref[1][2]  # the second evaluation reads the next samples of the split
 
 
-def test_pipeline_parallel(parity):
+@shared("pp2", 2)
+def pp2_runs(parity: Parity) -> list[list[str]]:
     pp = {"pipeline_parallel_degree": 2}
-    runs = [
+    return [
         parity.run("pp2", **pp, **EVALUATION),
         parity.run("pp2-recompute", **pp, recompute=True, pp_recompute_interval=2, **EVALUATION_6),
         parity.run("pp2-recompute-full_attn", **pp, recompute=True, recompute_granularity="full_attn"),
@@ -169,7 +200,10 @@ def test_pipeline_parallel(parity):
         parity.run("pp2-resume", **pp),
     ] + [parity.run(f"{family}-pp2", family, **pp)  # GPT-3, Bloom, Qwen2: tied embeddings
          for family in FAMILIES + ROPE_SCALED]
-    run_launch(2, runs, parity.work, "pp2")
+
+
+def test_pipeline_parallel(parity, shared_launches):
+    shared_launches.results("pp2", "parity")
     parity.check([(name, "llama") for name in ("pp2", "pp2-recompute", "pp2-recompute-full_attn", "pp2-resume")]
                  + [(f"{family}-pp2", family) for family in FAMILIES + ROPE_SCALED])
     assert_same_evaluation(parity.references["llama"], parity.out("pp2"))
@@ -177,7 +211,8 @@ def test_pipeline_parallel(parity):
     assert run_record(parity.out("pp2"))["strategy"] == "pp2"
 
 
-def test_sharding_stages(parity):
+@shared("sd2", 2)
+def sd2_runs(parity: Parity) -> list[list[str]]:
     sd = {"gradient_accumulation_steps": 2}
     runs = []
     for stage, granularity in zip((1, 2, 3), GRANULARITIES):
@@ -190,7 +225,11 @@ def test_sharding_stages(parity):
     for i, family in enumerate(FAMILIES):  # every family in every stage, with some recompute
         runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
                             recompute_granularity=GRANULARITIES[(i + stage) % 3], **sd) for stage in (1, 2, 3)]
-    run_launch(2, runs, parity.work, "sd2")
+    return runs
+
+
+def test_sharding_stages(parity, shared_launches):
+    shared_launches.results("sd2", "parity")
     names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute")]
     parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]]
                  + [(f"{family}-sd2-stage{stage}", family) for family in FAMILIES for stage in (1, 2, 3)])
@@ -216,20 +255,29 @@ def test_pp2_tp2(parity):
     assert_same_router_metrics(parity.references["mixtral"], parity.out("mixtral-pp2tp2"))
 
 
-def test_sharding2_tp2(parity):
+@shared("tp2sd2", 4)
+def tp2sd2_runs(parity: Parity) -> list[list[str]]:
     degrees = {"tensor_parallel_degree": 2, "gradient_accumulation_steps": 2}
-    run_launch(4, [parity.run("sd2tp2-stage1", sharding="stage1", **degrees),
-                   parity.run("sd2tp2-stage2", sharding="stage2", **degrees)], parity.work, "sd2tp2")
+    return [parity.run("sd2tp2-stage1", sharding="stage1", **degrees),
+            parity.run("sd2tp2-stage2", sharding="stage2", **degrees)]
+
+
+def test_sharding2_tp2(parity, shared_launches):
+    shared_launches.results("tp2sd2", "parity")
     parity.check([("sd2tp2-stage1", "llama"), ("sd2tp2-stage2", "llama")])
     assert run_record(parity.out("sd2tp2-stage1"))["strategy"] == "tp2sd2_stage1"
 
 
-def test_pp4_interleaved(parity):
+@shared("pp4", 4)
+def pp4_runs(parity: Parity) -> list[list[str]]:
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
-    run_launch(4, [parity.run("pp4vpp2", **degrees, **EVALUATION)]
-               + [parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES]
-               + [parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION)],
-               parity.work, "pp4vpp2")
+    return [parity.run("pp4vpp2", **degrees, **EVALUATION)] + [
+        parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES] + [
+        parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION)]
+
+
+def test_pp4_interleaved(parity, shared_launches):
+    shared_launches.results("pp4", "parity")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
                  + [("mixtral-pp4vpp2-recompute", "mixtral")])
     assert_same_evaluation(parity.references["llama"], parity.out("pp4vpp2"))

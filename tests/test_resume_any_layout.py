@@ -21,7 +21,8 @@ already differs.
 
 The global batch is 8 samples in every layout (gradient_accumulation_steps 4 / data replicas),
 so the samples of each step are the same. Launches are grouped by layout (fleet is initialized
-once per process); the order below makes every A run before its B.
+once per process); the order below makes every A run before its B. Six of them train in the
+session's shared launch of their degrees (tests/shared_launches.py), beside other files' runs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pytest
 
 from parity_utils import argv, assert_same_training, base_arguments, run_launch, run_record, run_single, \
     train_records, write_json
+from shared_launches import contribute
 
 STEPS, STOP = 4, 2
 SD2 = {"sharding": "stage1", "gradient_accumulation_steps": 2}
@@ -83,31 +85,95 @@ def _pair_name(model: str, a: str, b: str) -> str:
     return f"{model}-{a}-to-{b}"
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory, embedded_corpus):
-    """Run every reference and pair; returns (work dir, model -> reference output_dir)."""
-    work = tmp_path_factory.mktemp("resume_any_layout")
-    files = {model: write_json(work / f"{model}.json", base_arguments(
-        embedded_corpus, work, max_steps=STEPS, save_steps=STEPS, **overrides)) for model, overrides in MODELS.items()}
-    references = {model: work / "single" / model for model in MODELS}
+def argument_files(work, corpus) -> dict:
+    return {model: write_json(work / f"{model}.json", base_arguments(
+        corpus, work, max_steps=STEPS, save_steps=STEPS, **overrides)) for model, overrides in MODELS.items()}
+
+
+def references(work) -> dict:
+    return {model: work / "single" / model for model in MODELS}
+
+
+def plan() -> list[list[tuple[str, str, str, str]]]:
+    """The runs of each launch of LAUNCH_ORDER, [(model, layout, pair name, "A" or "B")]: every pair's A
+    part in the first launch of its layout, its B part in the first launch of B's layout after that."""
     done: set[tuple[str, str]] = set()  # (pair name, "A" or "B") already run
-    for index, (group, processes) in enumerate(LAUNCH_ORDER):
-        runs = [argv(files[model], references[model]) for model in MODELS] if index == 0 else []
+    planned = []
+    for group, _ in LAUNCH_ORDER:
+        runs = []
         for model, a, b in PAIRS:
             name = _pair_name(model, a, b)
-            for role, layout, extra in (("A", a, {"exit_interval": STOP}), ("B", b, {})):
+            for role, layout in (("A", a), ("B", b)):
                 if (name, role) in done or _launch_group(layout) != group:
                     continue
                 if role == "B" and (name, "A") not in done:
                     continue
-                runs.append(argv(files[model], work / "runs" / name, **LAYOUTS[layout][1], **extra))
+                runs.append((model, layout, name, role))
                 done.add((name, role))
-        if processes == 1:
-            run_single(runs, work, f"launch{index}-{group}")
-        else:
-            run_launch(processes, runs, work, f"launch{index}-{group}", timeout=900)
+        planned.append(runs)
     assert len(done) == 2 * len(PAIRS), f"the launch order leaves pairs unfinished: {done}"
-    return work, references
+    return planned
+
+
+def launch_runs(index: int, work, corpus) -> list[list[str]]:
+    """run_pretrain arguments of launch `index` (launch 0: the references first)."""
+    files = argument_files(work, corpus)
+    runs = [argv(files[model], references(work)[model]) for model in MODELS] if index == 0 else []
+    return runs + [argv(files[model], work / "runs" / name, **LAYOUTS[layout][1],
+                        **({"exit_interval": STOP} if role == "A" else {}))
+                   for model, layout, name, role in plan()[index]]
+
+
+def first_launch(work, corpus) -> None:
+    """Launch 0 (one process: the references and the first parts under one process), once."""
+    done = work / "launch0.done"
+    if not done.exists():
+        run_single(launch_runs(0, work, corpus), work, "launch0-single")
+        done.write_text("")
+
+
+# Launches of LAUNCH_ORDER that train in the session's shared launch of their degrees
+# (tests/shared_launches.py), beside the parity and mechanism tests' runs: index -> shared launch.
+# The others (the second sd2 and the last single) run here, after them.
+SHARED = {1: "pp4", 2: "tp2sd2", 3: "sd2", 4: "tp2", 5: "pp2", 7: "dp2"}
+
+
+def _first_parts_launches(index: int) -> set[int]:
+    """The launches holding the A parts of launch `index`'s B parts."""
+    planned = plan()
+    return {i for name in (name for _, _, name, role in planned[index] if role == "B")
+            for i, runs in enumerate(planned) if (name, "A") in {(n, r) for _, _, n, r in runs}}
+
+
+def _shared_contribution(index: int):
+    def make_runs(work, corpus) -> list[dict]:
+        if 0 in _first_parts_launches(index):
+            first_launch(work, corpus)
+        return [{"name": f"{index}-{i}", "argv": run} for i, run in enumerate(launch_runs(index, work, corpus))]
+    return make_runs
+
+
+for _index, _launch in SHARED.items():
+    _after = {SHARED[i] for i in _first_parts_launches(_index) if i != 0}
+    assert all(i == 0 or i in SHARED for i in _first_parts_launches(_index)), \
+        f"launch {_index} resumes runs of a launch this file runs itself, after the shared ones"
+    contribute(_launch, LAUNCH_ORDER[_index][1], "resume", _shared_contribution(_index), after=tuple(sorted(_after)))
+
+
+@pytest.fixture(scope="module")
+def resumed(shared_launches, embedded_corpus):
+    """Run every reference and pair; returns (work dir, model -> reference output_dir)."""
+    work = shared_launches.work_dir("resume")
+    first_launch(work, embedded_corpus)
+    for index, (group, processes) in enumerate(LAUNCH_ORDER[1:], start=1):
+        if index in SHARED:
+            shared_launches.results(SHARED[index], "resume")
+        elif processes == 1:
+            run_single(launch_runs(index, work, embedded_corpus), work, f"launch{index}-{group}")
+        else:
+            run_launch(processes, launch_runs(index, work, embedded_corpus), work, f"launch{index}-{group}",
+                       timeout=900)
+    return work, references(work)
 
 
 @pytest.mark.parametrize("model,a,b", PAIRS, ids=[_pair_name(*p) for p in PAIRS])

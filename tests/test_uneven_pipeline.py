@@ -2,7 +2,8 @@
 
 Every run trains like one process (losses, grad norms, final weights, every replica: 1e-5 fp32), and
 its run record shows each stage holding the decoder layers the split gives it (the mechanism: with the
-split ignored, fleet's even split or a refusal would show). Two launches:
+split ignored, fleet's even split or a refusal would show). Two launches (the 2-process runs in the
+session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.py):
 
     2 processes  pp2 [3, 5] (llama-tiny, 8 layers); pp2 [1, 7] (gpt3-tiny, tied head: a Megatron-style
                  first stage with the embedding and one layer); stop under [3, 5], resume under [6, 2]
@@ -10,8 +11,9 @@ split ignored, fleet's even split or a refusal would show). Two launches:
                  4 layers ([1, 2, 1]); gpt3-tiny pp3 (tied head across three stages); resume under pp3
                  of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1)
 
-and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory), through the mechanism probes:
-parity, the schedule class, and each stage's order of forwards and backwards per chunk.
+and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
+in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
+order of forwards and backwards per chunk.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from parity_utils import (
     run_single, write_json,
 )
 from schedule_orders import first_step, fthenb_balanced, interleaved
+from shared_launches import contribute
 
 MECHANISM_WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
 MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"}}
@@ -50,20 +53,34 @@ RESUMES = {
 }
 
 
+def argument_files(work, corpus) -> dict:
+    return {m: write_json(work / f"{m}.json", base_arguments(corpus, work, **o)) for m, o in MODELS.items()}
+
+
+def runs_of(processes: int, work, corpus) -> list[dict]:
+    """The runs of the launch of `processes` (resumes: the first part where it runs, before the second)."""
+    files = argument_files(work, corpus)
+    runs = [{"name": name, "argv": argv(files[model], work / name, **overrides)}
+            for name, (model, n, overrides, _) in RUNS.items() if n == processes]
+    for name, (model, first, first_n, second, second_n, _) in RESUMES.items():
+        if first_n == processes:
+            runs.append({"name": f"{name}-first", "argv": argv(files[model], work / name, exit_interval=2, **first)})
+        if second_n == processes:
+            runs.append({"name": name, "argv": argv(files[model], work / name, **second)})
+    return runs
+
+
+# pp2 trains in the session's pp2 launch (tests/shared_launches.py), beside the parity tests' pp2 runs.
+contribute("pp2", 2, "uneven", lambda work, corpus: runs_of(2, work, corpus))
+
+
 @pytest.fixture(scope="module")
-def uneven(tmp_path_factory, embedded_corpus):
-    work = tmp_path_factory.mktemp("uneven")
-    files = {m: write_json(work / f"{m}.json", base_arguments(embedded_corpus, work, **o)) for m, o in MODELS.items()}
+def uneven(shared_launches, embedded_corpus):
+    work = shared_launches.work_dir("uneven")
+    files = argument_files(work, embedded_corpus)
     run_single([argv(files[m], work / "single" / m) for m in MODELS], work, "single")
-    for processes in (2, 3):
-        runs = [argv(files[model], work / name, **overrides)
-                for name, (model, n, overrides, _) in RUNS.items() if n == processes]
-        for name, (model, first, first_n, second, second_n, _) in RESUMES.items():
-            if first_n == processes:
-                runs.append(argv(files[model], work / name, exit_interval=2, **first))
-            if second_n == processes:
-                runs.append(argv(files[model], work / name, **second))
-        run_launch(processes, runs, work, f"pp{processes}", timeout=900)
+    shared_launches.results("pp2", "uneven")  # before pp3: it holds the first parts of resumes under pp3
+    run_launch(3, [run["argv"] for run in runs_of(3, work, embedded_corpus)], work, "pp3", timeout=900)
     return work
 
 
@@ -146,13 +163,24 @@ SCHEDULES = {  # name -> (processes, overrides, class, expected chunk layers, ex
 }
 
 
-def test_fleet_schedules_train_like_one_process(uneven):
-    """Each schedule in its own launch (its pp_configs differ: fleet is initialized once per process),
-    through the mechanism probes (tests/workers/mechanism_runs.py), which record each stage's order of
-    forwards and backwards per chunk."""
+# PipelineParallelWithInterleaveFthenB needs no option: fleet's degrees are those of the session's pp4
+# launch (tests/shared_launches.py), where it trains beside the parity and mechanism tests' pp4 runs.
+SHARED_SCHEDULES = {"vpp-fthenb": "pp4"}
+contribute("pp4", 4, "uneven", lambda work, corpus: [
+    {"name": name, "argv": argv(argument_files(work, corpus)["llama"], work / name, **SCHEDULES[name][1])}
+    for name in SHARED_SCHEDULES])
+
+
+def test_fleet_schedules_train_like_one_process(uneven, shared_launches):
+    """Each schedule in a launch of its own fleet configuration (fleet is initialized once per process:
+    best_unbalanced_scheduler is one of its pp_configs), through the mechanism probes
+    (tests/workers/mechanism_runs.py), which record each stage's order of forwards and backwards per chunk."""
     files = {"llama": uneven / "llama.json"}
     observed = {}
     for name, (processes, overrides, _, _, _) in SCHEDULES.items():
+        if name in SHARED_SCHEDULES:
+            observed[name] = shared_launches.results(SHARED_SCHEDULES[name], "uneven")
+            continue
         spec = write_json(uneven / f"{name}.runs.json",
                           [{"name": name, "argv": argv(files["llama"], uneven / name, **overrides)}])
         result = launch(MECHANISM_WORKER, processes, [str(spec)], log_dir=uneven / f"{name}.log", timeout=900)

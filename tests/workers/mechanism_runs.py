@@ -42,16 +42,35 @@ import json
 import sys
 from collections import defaultdict
 
-import numpy as np
-import paddle
-from paddle.base import core
-from paddle.distributed.fleet.utils import sequence_parallel_utils
+from llm_pretrain.cpu_threads import apply_cpu_defaults  # imports no Paddle
 
-from llm_pretrain import run_record
-from llm_pretrain.run_pretrain import main
-from models import parallel_layers, ring_attention
-from models.decoder import Attention, CausalLM, DecoderLayer
-from models.registry import parameter_count
+
+def runs_device(runs_file: str) -> str | None:
+    """The `device` of the first run (its --device, else its argument file's; None: Paddle's default)."""
+    with open(runs_file) as f:
+        argv = [str(a) for a in json.load(f)[0]["argv"]]
+    if "--device" in argv:
+        return argv[argv.index("--device") + 1]
+    with open(argv[0]) as f:
+        return json.load(f).get("device")
+
+
+# run_pretrain sets its CPU defaults (llm_pretrain/cpu_threads.py: strided views off, threads) before
+# Paddle loads; the probes import Paddle first, so they are set here, as run_pretrain would: the runs
+# are the runs run_pretrain trains (the parity runs sharing these launches read them in their records).
+if __name__ == "__main__":
+    apply_cpu_defaults(runs_device(sys.argv[1]))
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from paddle.base import core  # noqa: E402
+from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
+
+from llm_pretrain import run_record  # noqa: E402
+from llm_pretrain.run_pretrain import main  # noqa: E402
+from models import parallel_layers, ring_attention  # noqa: E402
+from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
+from models.registry import parameter_count  # noqa: E402
 
 probe: dict = {}
 
