@@ -1,7 +1,8 @@
 """Argument files chosen by `plan.py search` are what search chooses today (planner only: no launch).
 
 Each file's name tags the device it was searched for (`_a100` / `_h100`, llm_pretrain/planner/planned_files.py);
-the file states the rest of the search (model, sequence length, global batch on 8 GPUs). The search is run
+the file states the rest of the search (model, sequence length, global batch on 8 GPUs, or on the
+number after the tag: `_a100x16`). The search is run
 again with those arguments, and the file must be its first pick: same name (model part and strategy) and the
 same text as `write_arguments` writes. After a planner change, `python scripts/planned_configs.py --write`
 rewrites the files that differ (then update the files' mentions in docs/ and benchmarks/).
@@ -19,11 +20,13 @@ PLANNED = planned_files(CONFIGS)
 
 
 def test_planned_files_are_the_long_context_and_moe_presets():
-    """Every configs/long_context/ file is planner-chosen (so none escapes the check below), and so is the
-    mixture-of-experts file of a real model (issue 23)."""
+    """Every configs/long_context/ file is planner-chosen (so none escapes the check below), and so are the
+    mixture-of-experts files of real models (issue 23): Qwen1.5-MoE on 8 x A100-80G, and Mixtral-8x7B on 16
+    (it fits no layout of 8: test_moe::test_planner_finds_no_layout_for_mixtral_8x7b_on_eight_a100)."""
     long_context = sorted((CONFIGS / "long_context").glob("*.json"))
     assert long_context and set(long_context) <= set(PLANNED)
     assert any(p.parent.name == "qwen2_moe" for p in PLANNED)
+    assert [p.name.split("-")[1] for p in PLANNED if p.parent.name == "mixtral"] == ["mixtral_8x7b_a100x16"]
 
 
 @pytest.mark.parametrize("path", PLANNED, ids=[p.name for p in PLANNED])
