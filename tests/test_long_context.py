@@ -149,7 +149,7 @@ def test_sep2_every_family_and_resume(runs):
                               ("llama-cp2-recompute", "core_attn"), ("bloom-cp2-recompute-full_attn", "full_attn"),
                               ("bloom-sep2-recompute", "full")):
         recomputed = run_record(runs.out(name))["built"]["recompute"]
-        assert recomputed[granularity] and not any(v for g, v in recomputed.items() if g != granularity), (name, recomputed)
+        assert set(recomputed) == {granularity} and recomputed[granularity], (name, recomputed)
 
 
 def test_sep2_with_tp2_dp2_and_sharding(runs):
