@@ -9,7 +9,6 @@ saved from that state); 1 other failures that are reported as one line (a checkp
 written, a dead rank); 130 a second Ctrl-C. A Python traceback means a bug.
 """
 
-import os
 import sys
 
 from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_with_usage_error
