@@ -293,18 +293,12 @@ def check_segment_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if kv_per_rank % sep and sep % kv_per_rank:
         raise UsageError(f"sep_parallel_degree: {sep} and the model's {kv_per_rank} kv heads per tensor-parallel rank "
                          "must divide one another (kv heads are split over the sep ranks or repeated on them)")
-    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length // sep) % tp:
-        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / sep_parallel_degree = "
-                         f"{args.per_device_train_batch_size * args.max_seq_length // sep} must be divisible by "
-                         f"tensor_parallel_degree {tp}")
-    if layout.dualpipev:
-        raise UsageError(f"sep_parallel_degree: {sep} cannot be combined with pipeline_parallel_config use_dualpipev "
-                         "(not proven against one process); use the 1F1B or interleaved pipeline")
+    _check_sequence_split(args, layout, "sep_parallel_degree", sep)
 
 
 def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """context_parallel_degree (ring attention): what the sequence and the other options must allow."""
-    cp, tp = layout.context_parallel_degree, layout.tensor_parallel_degree
+    cp = layout.context_parallel_degree
     if cp <= 1:
         return
     if layout.sep_parallel_degree > 1:
@@ -316,16 +310,22 @@ def check_context_parallel(args: Arguments, config: ModelConfig, layout: Layout)
     if args.max_seq_length % (2 * cp):
         raise UsageError(f"context_parallel_degree: max_seq_length {args.max_seq_length} must be divisible by "
                          f"2 x context_parallel_degree = {2 * cp} (each rank holds 2 chunks, balanced for the causal mask)")
-    if args.sequence_parallel and (args.per_device_train_batch_size * args.max_seq_length // cp) % tp:
-        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / context_parallel_degree "
-                         f"= {args.per_device_train_batch_size * args.max_seq_length // cp} must be divisible by "
-                         f"tensor_parallel_degree {tp}")
     if config.attention_probs_dropout_prob:
         raise UsageError(f"attention_probs_dropout_prob: {config.attention_probs_dropout_prob} is not supported with "
                          "context_parallel_degree > 1 (ring attention has no attention dropout); set it to 0")
+    _check_sequence_split(args, layout, "context_parallel_degree", cp)
+
+
+def _check_sequence_split(args: Arguments, layout: Layout, key: str, degree: int) -> None:
+    """What sep and cp (each splitting every sequence over fleet's sep group) both need of the other options."""
+    tp = layout.tensor_parallel_degree
+    tokens_per_rank = args.per_device_train_batch_size * args.max_seq_length // degree
+    if args.sequence_parallel and tokens_per_rank % tp:
+        raise UsageError(f"sequence_parallel: per_device_train_batch_size x max_seq_length / {key} = "
+                         f"{tokens_per_rank} must be divisible by tensor_parallel_degree {tp}")
     if layout.dualpipev:
-        raise UsageError(f"context_parallel_degree: {cp} cannot be combined with pipeline_parallel_config "
-                         "use_dualpipev (not proven against one process); use the 1F1B or interleaved pipeline")
+        raise UsageError(f"{key}: {degree} cannot be combined with pipeline_parallel_config use_dualpipev "
+                         "(not proven against one process); use the 1F1B or interleaved pipeline")
 
 
 def check_strategy(args: Arguments, config: ModelConfig, layout: Layout) -> None:

@@ -42,6 +42,9 @@ CASES = [
     (4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline_parallel_config": "use_dualpipev"},
      ["context_parallel_degree: 2", "use_dualpipev"]),
     (2, {"context_parallel_degree": 2, "attention_probs_dropout_prob": 0.1}, ["attention_probs_dropout_prob: 0.1"]),
+    (8, {"context_parallel_degree": 2, "tensor_parallel_degree": 4, "sequence_parallel": True,
+         "per_device_train_batch_size": 1, "max_seq_length": 12}, ["sequence_parallel", "context_parallel_degree = 6",
+                                                                   "tensor_parallel_degree 4"]),
 ]
 
 
