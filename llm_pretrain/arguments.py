@@ -85,7 +85,7 @@ class Arguments:
     save_total_limit: Optional[int] = _key(None, "Keep only the newest N checkpoints.", minimum=1)
     last_save_in_hf: bool = _key(
         False, "After the final checkpoint, also export it as a Hugging Face model directory "
-        "(output_dir/checkpoint-N-hf: config.json + safetensors, llm_pretrain/hf_export.py; as torchtitan's "
+        "(output_dir/checkpoint-N-hf: config.json + safetensors, llm_pretrain/checkpoint/hf_export.py; as torchtitan's "
         "checkpoint.last_save_in_hf). Needs save_steps > 0 and a family with a Hugging Face class."
     )
     disable_tqdm: Optional[bool] = _key(None, "No progress bar (default: a bar when stderr is a terminal).")

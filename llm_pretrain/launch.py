@@ -61,7 +61,7 @@ def install_dead_rank_report() -> None:
     from paddle.distributed.launch.job.pod import Pod
     from paddle.distributed.launch.job.status import Status
 
-    from llm_pretrain.run_control import describe_first_stopped
+    from llm_pretrain.run.run_control import describe_first_stopped
 
     launched_at = time.time()
     paddle_deploy, paddle_finalize = Pod.deploy, ControllerBase.finalize

@@ -15,12 +15,12 @@ from llm_pretrain.errors import RunError, UsageError, exit_with_run_error, exit_
 
 
 def run(args, argument_warnings: list[str], args_file: str | None = None) -> dict:
-    """One run in this process: the preflight decides and checks it (llm_pretrain/preflight.py: every check
-    before Paddle is imported), the trainer runs its loop (llm_pretrain/trainer.py)."""
-    from llm_pretrain.preflight import plan_run
+    """One run in this process: the preflight decides and checks it (llm_pretrain/run/preflight.py: every check
+    before Paddle is imported), the trainer runs its loop (llm_pretrain/run/trainer.py)."""
+    from llm_pretrain.run.preflight import plan_run
 
     plan = plan_run(args, argument_warnings, args_file)
-    from llm_pretrain.trainer import train  # imports Paddle's training pieces: only for a checked run
+    from llm_pretrain.run.trainer import train  # imports Paddle's training pieces: only for a checked run
 
     return train(plan)
 
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         print("Keys:\n" + format_key_help())
         return 0 if argv else 2
-    from llm_pretrain.run_control import die_with_parent, launched
+    from llm_pretrain.run.run_control import die_with_parent, launched
 
     if launched():
         die_with_parent()  # no orphans: a worker ends when its launcher is killed

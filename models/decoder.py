@@ -164,7 +164,7 @@ class Attention(nn.Layer):
                 self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
         self.o_proj = pl.row_linear(config, q_size, config.hidden_size, config.linear_bias)
         # Heads the core attention sees: under segment parallelism 1/sep of this rank's heads, with
-        # every token (llm_pretrain/layout.py: sep divides the q heads of a rank). With fewer kv heads
+        # every token (llm_pretrain/parallel/layout.py: sep divides the q heads of a rank). With fewer kv heads
         # than sep, each kv head is repeated sep / kv times before the all-to-all, so that every rank
         # receives the one its q heads share (PaddleNLP requires kv heads divisible by sep instead).
         sep_rank, sep_degree = pl.sep_rank_and_degree(config)

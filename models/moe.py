@@ -140,7 +140,7 @@ def expert_parallel_groups(ep: int):
     """(expert group, expert-data-parallel group or None, index of this rank in the latter).
 
     Ranks at the same position of different expert groups hold the same experts: the expert-data-parallel
-    group, over which the experts' gradients are reduced (llm_pretrain/distributed.py and expert_optimizer.py).
+    group, over which the experts' gradients are reduced (llm_pretrain/parallel/distributed.py and expert_optimizer.py).
 
     Over sharding ranks (data_parallel_degree 1) these are fleet's own groups: EPHybridCommunicateGroup
     (fleet/base/topology.py:769) cuts the sharding ranks into expert groups of ep consecutive ranks and
@@ -256,8 +256,8 @@ class MoE(nn.Layer):
                 # Held by one rank of the expert group, not replicated over it: fleet's DataParallel neither
                 # broadcasts nor all-reduces it (paddle/distributed/parallel.py:194,484). It gets the gradient
                 # of every token of its expert group (the all-to-all's backward), summed; summed again over
-                # the expert-data-parallel group (llm_pretrain/distributed.py; over sharding ranks, to the
-                # rank keeping its optimizer states, llm_pretrain/expert_optimizer.py) it holds every rank's,
+                # the expert-data-parallel group (llm_pretrain/parallel/distributed.py; over sharding ranks, to the
+                # rank keeping its optimizer states, llm_pretrain/parallel/expert_optimizer.py) it holds every rank's,
                 # and the replicated weights' gradients are averaged over the data replicas: hence / their number.
                 param.no_sync = True
                 # Paddle's mark: broadcast over the moe_sharding group (paddle/distributed/parallel.py:196-201)

@@ -6,7 +6,7 @@
     canonical_shapes(config), check_state, check_exportable
 
 Arrays in, arrays out: reading checkpoints and model directories and writing PaddleNLP ones is
-llm_pretrain/interchange.py's (export_to_paddlenlp, import_from_paddlenlp).
+llm_pretrain/checkpoint/interchange.py's (export_to_paddlenlp, import_from_paddlenlp).
 
 Which PaddleNLP class runs each family, its parameter-name tables (models/weight_names.Rule) and
 its config.json are in the family's record (models/families/<family>.py, `paddlenlp`):

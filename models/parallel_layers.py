@@ -95,7 +95,7 @@ def replicated_linear(in_features: int, out_features: int, bias: bool, partial_g
     `partial_grads`: each rank uses a different part of the output (the replicated key/value
     heads of grouped-query attention with fewer kv heads than ranks), so each rank's weight
     gradients are partial. They are marked like the norms under sequence parallelism, and
-    fleet's hooks sum them over the tensor-parallel group (llm_pretrain/distributed.py
+    fleet's hooks sum them over the tensor-parallel group (llm_pretrain/parallel/distributed.py
     wrap_for_training). Feed such a layer through `replicated_input`.
     """
     from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter

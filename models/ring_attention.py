@@ -17,7 +17,7 @@ Megatron-LM's and torchtitan's context parallelism. (PaddleNLP 2.8.1 has no ring
 One block computation, two implementations with the same contract (`attention_blocks` chooses):
 FlashBlocks, Paddle's flash attention kernel (GPU, bf16/fp16), and PlainBlocks, float32 matmul and
 softmax (CPU, and any run without use_flash_attention). Attention-probability dropout is not
-supported (refused by llm_pretrain/layout.py).
+supported (refused by llm_pretrain/parallel/layout.py).
 """
 
 from __future__ import annotations

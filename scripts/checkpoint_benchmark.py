@@ -2,12 +2,12 @@
 
     python scripts/checkpoint_benchmark.py --before /path/to/old/tree [--out benchmarks/] [--rounds 2]
 
-Measures this tree (the layout-free format, llm_pretrain/dist_checkpoint.py) and, with --before,
+Measures this tree (the layout-free format, llm_pretrain/checkpoint/dist_checkpoint.py) and, with --before,
 another checkout of the repository (e.g. `git archive <commit> | tar -x -C /tmp/old`: the
 per-layout format) with the same worker (the worker imports llm_pretrain from the tree it is
 given), in one process and in 4 processes (tensor parallel 2 x pipeline parallel 2). Each run:
 build the model (MODEL, fp32) and AdamW under the layout, one optimizer step on a tiny batch (so
-that Adam's moments exist), then --rounds times: llm_pretrain.checkpoint.save_checkpoint (timed on
+that Adam's moments exist), then --rounds times: llm_pretrain.checkpoint.checkpointer.save_checkpoint (timed on
 every rank from the barrier before it to its return, the slowest rank reported), the bytes of the
 checkpoint directory, and load_checkpoint into the same model and optimizer (the slowest rank).
 Writes OUT/checkpoint_io.md and OUT/checkpoint_io.json. Run it on an otherwise idle machine
@@ -42,12 +42,13 @@ def worker(tree: str, model_name: str, work: str, rounds: int, extra: list[str],
     import llm_pretrain
     assert os.path.dirname(os.path.dirname(os.path.abspath(llm_pretrain.__file__))) == os.path.abspath(tree)
 
-    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.checkpoint import checkpointer as ckpt
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
-    from llm_pretrain.optim import build_optimizer, build_schedule
-    from llm_pretrain.preflight import build_model_config, layout_summary
-    from llm_pretrain.trainer import build_model
+    from llm_pretrain.parallel.distributed import all_reduce_max, barrier, init_distributed, plan_layout, wrap_for_training
+    from llm_pretrain.parallel.optim import build_optimizer, build_schedule
+    from llm_pretrain.parallel.layout import build_model_config
+    from llm_pretrain.run.preflight import layout_summary
+    from llm_pretrain.run.trainer import build_model
     from models.registry import parameter_count
     from models.weights import init_weights
 
@@ -166,7 +167,7 @@ def write_report(results: dict, out: str) -> None:
         lines.append(f"| {fmt} | {layout} | {r['model']} ({r['parameters'] / 1e6:.0f}M) | "
                      f"{statistics.median(r['save_s']):.1f} | {statistics.median(r['load_s']):.1f} | "
                      f"{r['bytes'] / 1e9:.2f} GB | {r['files']} | {r['rounds']} | {r['load_average_1min']:.0f} |")
-    from llm_pretrain import perf  # here, not at the top: worker processes import the tree they measure
+    from llm_pretrain.observe import perf  # here, not at the top: worker processes import the tree they measure
 
     if stall_rows:
         lines += [
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS), help="measure only this layout")
     args = parser.parse_args(argv)
     if args.before and not os.path.isfile(os.path.join(args.before, "llm_pretrain", "checkpoint.py")):
-        parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint.py)")
+        parser.error(f"--before: {args.before} is not a checkout of this repository (no llm_pretrain/checkpoint/checkpointer.py)")
     work = args.work or tempfile.mkdtemp(prefix="checkpoint_benchmark.")
     trees = ([("before (per-layout .pdparams/.pdopt)", os.path.abspath(args.before))] if args.before else []) + \
         [("after (layout-free safetensors)", REPO_ROOT)]

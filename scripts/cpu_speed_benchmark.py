@@ -4,7 +4,7 @@
 
 Run it on an otherwise idle machine; every measurement is its own process, one at a time:
 
-1. The fp32 matmul peak (llm_pretrain.flops.cpu_matmul_benchmark: 2048 x 2048, Paddle and NumPy on
+1. The fp32 matmul peak (llm_pretrain.observe.flops.cpu_matmul_benchmark: 2048 x 2048, Paddle and NumPy on
    every core, the better one is the peak), once per ENVIRONMENTS entry.
 2. The same LLaMA (COMPARE_MODEL), batch, sequence length, AdamW (lr, betas, eps, weight decay,
    clip 1.0, constant lr), fp32, steps, initial weights and token samples (our mmap dataset, same
@@ -19,7 +19,7 @@ Run it on an otherwise idle machine; every measurement is its own process, one a
    loader runs before on_step_begin). "Loop" speed uses the time between the ends of
    consecutive steps instead: everything, logging and metric files included.
 3. MFU of our training for growing widths (SWEEP_WIDTHS, fixed layers, sequence and batch): the
-   TFLOPs/card of train_log.jsonl (model FLOPs of llm_pretrain.flops) / the peak of step 1.
+   TFLOPs/card of train_log.jsonl (model FLOPs of llm_pretrain.observe.flops) / the peak of step 1.
 4. OUT/cpu_speed.json (every raw figure, the environment) and OUT/cpu_speed.md (the tables; a
    hand-written "## Findings" section already at the end of that file is kept).
 
@@ -44,7 +44,7 @@ import time
 ORIGINAL_ENV = dict(os.environ)  # before anything imports Paddle (it sets OMP_NUM_THREADS=1 when unset)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from llm_pretrain.cli.benchmark import forced_arguments  # (every step logged, nothing saved)
-from llm_pretrain import flops, perf  # (none of these imports Paddle)
+from llm_pretrain.observe import flops, perf  # (none of these imports Paddle)
 from llm_pretrain.errors import UsageArgumentParser
 from models.registry import make_config, parameter_count
 
@@ -59,7 +59,7 @@ OPTIM = dict(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=
              max_grad_norm=1.0)
 SEED = 42
 # What the training processes are started with. "as is": no thread or MKL variable, i.e. what typing the
-# command gives: our run_pretrain.py then sets its CPU defaults (llm_pretrain/cpu_threads.py), PaddleNLP's
+# command gives: our run_pretrain.py then sets its CPU defaults (llm_pretrain/cpu/threads.py), PaddleNLP's
 # Trainer runs as Paddle leaves it (OMP_NUM_THREADS pinned to 1, on AMD MKL's generic SSE path). "tuned":
 # every core for Paddle's threads, and on AMD CPUs MKL's AVX2 kernels, for both sides. What each side
 # actually ran with is recorded per run ("effective_environment").
@@ -292,7 +292,7 @@ def render(results: dict) -> str:
              "Raw figures: `cpu_speed.json`. Environments of the training processes: "
              + "; ".join(f"**{k}**: {' '.join(f'{a}={b}' for a, b in v.items()) or 'no thread/MKL variable set'}"
                          for k, v in ENVIRONMENTS.items()) + ". What the training processes ran with (after our "
-             "CPU defaults, llm_pretrain/cpu_threads.py, and Paddle's own `OMP_NUM_THREADS=1`): "
+             "CPU defaults, llm_pretrain/cpu/threads.py, and Paddle's own `OMP_NUM_THREADS=1`): "
              + "; ".join(f"**{name}**: ours {_env_text(r['ours']['effective_environment'])}, PaddleNLP "
                          f"{_env_text(r['paddlenlp']['effective_environment'])}" for name, r in c["runs"].items())
              + ".", "",
@@ -324,7 +324,7 @@ def render(results: dict) -> str:
     lines += ["", "## MFU of our training step by width", "",
               f"{SWEEP_LAYERS} layers, head size 64, MLP 2.6875 x hidden (LLaMA's 11008/4096), vocab {VOCAB}, batch "
               f"{SWEEP_BATCH} x {SEQ} tokens, {s['steps']} steps, medians after {s['warmup']}; achieved = the "
-              f"TFLOPs/card of train_log.jsonl (model FLOPs, llm_pretrain/flops.py).", "",
+              f"TFLOPs/card of train_log.jsonl (model FLOPs, llm_pretrain/observe/flops.py).", "",
               "| width | params | environment | tokens/s | achieved TFLOPs | peak TFLOPs | MFU |",
               "|---|---|---|---|---|---|---|"]
     for r in s["rows"]:

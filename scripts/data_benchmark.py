@@ -41,7 +41,7 @@ import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from llm_pretrain import flops, perf  # (neither imports Paddle)
+from llm_pretrain.observe import flops, perf  # (neither imports Paddle)
 from llm_pretrain.errors import UsageArgumentParser
 
 SEQ_INDEX, SEQ_READS, SEED = 4096, 1024, 1234

@@ -12,7 +12,7 @@ plus the run's tokenizer files when its tokenizer is a local directory:
 
 LLaMA and Baichuan export as LlamaForCausalLM (alibi for the 13B Baichuans), Qwen as
 QWenForCausalLM, GPT-3 as GPTForCausalLM, Bloom as BloomForCausalLM; see
-llm_pretrain/interchange.py (directories) and models/paddlenlp_interop.py (the mapping).
+llm_pretrain/checkpoint/interchange.py (directories) and models/paddlenlp_interop.py (the mapping).
 Bad input is one line `error: ...` with exit code 2.
 """
 
@@ -32,7 +32,7 @@ def main(argv) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     args = parser.parse_args(argv)
     try:
-        from llm_pretrain.interchange import export_to_paddlenlp
+        from llm_pretrain.checkpoint.interchange import export_to_paddlenlp
 
         result = export_to_paddlenlp(args.source, args.out_dir, overwrite=args.overwrite)
     except UsageError as error:

@@ -5,7 +5,7 @@
     python scripts/gpu_selfcheck.py --layouts dp2,sd2_stage3 --dtypes fp32
     python scripts/gpu_selfcheck.py --device cpu --layouts dp2,tp2   # the fp32 layout rows on CPU processes (CI)
 
-Rows (llm_pretrain/selfcheck.py): every layout in fp32 against one process within 1e-5; bf16 O2
+Rows (llm_pretrain/selfcheck/rows.py): every layout in fp32 against one process within 1e-5; bf16 O2
 with amp_master_grad, flash attention and the fused rope, RMSNorm and swiglu kernels under dp2,
 tp2 + SP, pp2, sd2 stages 1-3, tp2 x sd2 stage 2, sep2 and cp2 (flash attention in every block of
 the ring) against one process with the same options;
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
-from llm_pretrain.parity import DEVICES, LAYOUTS
+from llm_pretrain.selfcheck.parity import DEVICES, LAYOUTS
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         layouts, dtypes = check_options(options)
     except UsageError as error:
         exit_with_usage_error(error)
-    from llm_pretrain.selfcheck import plan_rows
+    from llm_pretrain.selfcheck.rows import plan_rows
 
     rows = plan_rows(options.device, layouts, dtypes)
     if options.print_plan:
@@ -96,8 +96,8 @@ def main(argv: list[str]) -> int:
         return 0
 
     from llm_pretrain.data import ensure_embedded_corpus
-    from llm_pretrain.parity import real_size_arguments, write_json
-    from llm_pretrain.selfcheck import format_table, run_rows
+    from llm_pretrain.selfcheck.parity import real_size_arguments, write_json
+    from llm_pretrain.selfcheck.rows import format_table, run_rows
 
     work = Path(options.out).resolve()
     work.mkdir(parents=True, exist_ok=True)

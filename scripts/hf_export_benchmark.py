@@ -1,4 +1,4 @@
-"""Peak memory and time of the Hugging Face export (llm_pretrain/hf_export.py) for a large model.
+"""Peak memory and time of the Hugging Face export (llm_pretrain/checkpoint/hf_export.py) for a large model.
 
     python scripts/hf_export_benchmark.py [--model meta-llama/Meta-Llama-3-8B] [--dtype bfloat16] [--work DIR]
 
@@ -38,7 +38,7 @@ def synthesize_checkpoint(model_name: str, dtype: str, path: str) -> dict:
     each hold a column slice of every matrix (as tensor-parallel ranks write them)."""
     import numpy as np
 
-    from llm_pretrain import dist_checkpoint
+    from llm_pretrain.checkpoint import dist_checkpoint
     from models.paddlenlp_interop import canonical_shapes
     from models.registry import ARCHITECTURES
 
@@ -106,8 +106,8 @@ def synthesize_checkpoint(model_name: str, dtype: str, path: str) -> dict:
 
 CHILD = """
 import json, sys, time
-from llm_pretrain.hf_export import export_hf, open_checkpoint
-import llm_pretrain.dist_checkpoint, models.paddlenlp_interop  # imports (Paddle) before the clock starts
+from llm_pretrain.checkpoint.hf_export import export_hf, open_checkpoint
+import llm_pretrain.checkpoint.dist_checkpoint, models.paddlenlp_interop  # imports (Paddle) before the clock starts
 baseline = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")][0]
 start = time.perf_counter()
 open_checkpoint({checkpoint!r}, verify_checksums=True)
@@ -186,7 +186,7 @@ def main() -> None:
         SECTION,
         "",
         f"`python scripts/hf_export_benchmark.py --model {args.model} --dtype {args.dtype}` "
-        f"({time.strftime('%Y-%m-%d')}): `llm_pretrain/hf_export.py` on a synthesized checkpoint of the model "
+        f"({time.strftime('%Y-%m-%d')}): `llm_pretrain/checkpoint/hf_export.py` on a synthesized checkpoint of the model "
         f"({RANKS} rank files, each holding a column slice of every matrix, as tensor-parallel ranks write them). "
         "Peaks are sampled every 50 ms from the export process's /proc status.",
         "",

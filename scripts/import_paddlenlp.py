@@ -30,7 +30,7 @@ def main(argv) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     args = parser.parse_args(argv)
     try:
-        from llm_pretrain.interchange import import_from_paddlenlp
+        from llm_pretrain.checkpoint.interchange import import_from_paddlenlp
 
         result = import_from_paddlenlp(args.paddlenlp_dir, args.out_dir, overwrite=args.overwrite)
     except UsageError as error:

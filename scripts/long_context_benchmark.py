@@ -31,8 +31,8 @@ MODEL = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2}
 
 def measure(lengths: list[int], work: Path) -> list[dict]:
     from llm_pretrain.data import ensure_embedded_corpus
-    from llm_pretrain.parity import argv, run_launch, run_single, train_records, write_json  # on CPU
-    from llm_pretrain.planner.cpu_runs import BASE, predict
+    from llm_pretrain.selfcheck.parity import argv, run_launch, run_single, train_records, write_json  # on CPU
+    from llm_pretrain.selfcheck.planner_runs import BASE, predict
 
     corpus = ensure_embedded_corpus(str(work / "corpus"))
     rows = []
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             rows = measure(lengths, Path(tmp))
         cpu_text = render_cpu(rows)
     gpu = gpu_table()
-    from llm_pretrain.perf import write_keeping_findings
+    from llm_pretrain.observe.perf import write_keeping_findings
 
     write_keeping_findings(options.out, cpu_text + render_gpu(gpu))
     with open(json_path, "w", encoding="utf-8") as f:

@@ -27,7 +27,7 @@ import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import cpu_speed_benchmark as csb  # scripts/ (this script's directory): run, timers, speed definitions; no Paddle
-from llm_pretrain import perf
+from llm_pretrain.observe import perf
 from llm_pretrain.cli.benchmark import forced_arguments
 
 

@@ -59,26 +59,26 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/preflight.py",
+    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/run/preflight.py",
              "sequence_parallel=args.sequence_parallel,", "sequence_parallel=False,", (TP2,)),
-    Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/distributed.py",
+    Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/parallel/distributed.py",
              "register_sequence_parallel_allreduce_hooks(model, accumulation_steps,",
              "(lambda *a, **k: None)(model, accumulation_steps,", (TP2,)),
     Mutation("no_virtual_stages", "the pipeline built without virtual stages (1F1B instead of interleaved)",
-             "llm_pretrain/trainer.py", "CausalLMPipeline(config, layout.virtual_pp_degree,",
+             "llm_pretrain/run/trainer.py", "CausalLMPipeline(config, layout.virtual_pp_degree,",
              "CausalLMPipeline(config, 1,", (PP4,)),
     Mutation("pp_recompute_interval_0", "pipeline recompute interval 0", "models/pipeline.py",
              "recompute_interval=pp_recompute_interval if full_recompute else 0,", "recompute_interval=0,", (PP4,)),
-    Mutation("stage3_as_stage2", "stage 3 run as stage 2 (`level` always \"os_g\")", "llm_pretrain/distributed.py",
+    Mutation("stage3_as_stage2", "stage 3 run as stage 2 (`level` always \"os_g\")", "llm_pretrain/parallel/distributed.py",
              'level = "os_g" if layout.sharding_stage == 2 else "p_g_os"', 'level = "os_g"', (SD2,)),
     Mutation("no_group_sharding", "group sharding removed: stages 2/3 run as fleet's stage 1",
-             "llm_pretrain/distributed.py", "if layout.sharding_stage in (2, 3):", "if False:", (SD2,)),
+             "llm_pretrain/parallel/distributed.py", "if layout.sharding_stage in (2, 3):", "if False:", (SD2,)),
     Mutation("stage3_no_slicing", "stage 3 with a threshold no parameter reaches (nothing sliced)",
-             "llm_pretrain/distributed.py", "group_sharded_parallel(model, optimizer, level=level,",
+             "llm_pretrain/parallel/distributed.py", "group_sharded_parallel(model, optimizer, level=level,",
              "group_sharded_parallel(model, optimizer, level=level, segment_size=2**40,",
              (SD2,)),
     Mutation("dp_sync_every_micro_batch", "data parallelism all-reduces after every micro-batch (no no_sync)",
-             "llm_pretrain/trainer.py",
+             "llm_pretrain/run/trainer.py",
              'sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()',
              "sync = contextlib.nullcontext()", (DP2,)),
     Mutation("recompute_off", "recompute never applied inside the decoder", "models/decoder.py",
@@ -88,9 +88,9 @@ MUTATIONS = [
              "embedding parts (GPT-3 positions, Bloom's embedding LayerNorm)", "models/pipeline.py",
              'for unused in ("position_embeddings", "word_embeddings_layernorm"):', "for unused in ():",
              ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
-    Mutation("cosine_to_linear", "cosine decay replaced by linear", "llm_pretrain/optim.py",
+    Mutation("cosine_to_linear", "cosine decay replaced by linear", "llm_pretrain/parallel/optim.py",
              "coefficient = 0.5 * (1.0 + math.cos(math.pi * progress))", "coefficient = 1.0 - progress", (LR,)),
-    Mutation("warmup_shifted", "warmup shifted by one step", "llm_pretrain/optim.py",
+    Mutation("warmup_shifted", "warmup shifted by one step", "llm_pretrain/parallel/optim.py",
              "return learning_rate_at(self.last_epoch + 1,", "return learning_rate_at(self.last_epoch,", (LR,)),
     Mutation("warmup_ratio_rounded", "warmup_ratio x max_steps rounded down (PaddleNLP does not round)",
              "llm_pretrain/arguments.py", "return self.warmup_ratio * self.max_steps",
@@ -100,10 +100,10 @@ MUTATIONS = [
              "the one its q heads share", "models/decoder.py",
              "self.kv_head = tp_rank // (tp_degree // config.num_key_value_heads)", "self.kv_head = 0", (TP4,)),
     Mutation("accumulation_division_dropped", "each micro-batch's loss not divided by the number of micro-batches "
-             "before backward", "llm_pretrain/trainer.py", "precision.backward(loss / len(micro_batches))",
+             "before backward", "llm_pretrain/run/trainer.py", "precision.backward(loss / len(micro_batches))",
              "precision.backward(loss)", ACCUMULATION),
     Mutation("tokens_global_per_card", "tokens/card/sec reports the global tokens per second (not divided by the "
-             "cards)", "llm_pretrain/metrics.py",
+             "cards)", "llm_pretrain/observe/metrics.py",
              "self.global_tokens_per_step * steps / self.layout.world_size / self._time",
              "self.global_tokens_per_step * steps / self._time", (TOKENS_PER_CARD,)),
     # issue 28: five more mechanisms no test named
@@ -113,7 +113,7 @@ MUTATIONS = [
              "return GatherOp.apply(hidden).reshape([config.tokens_per_rank, -1, hidden.shape[-1]]).transpose([1, 0, 2])",
              (TP4,)),
     Mutation("batch_offset_per_replica", "each data replica scales the global batch's first sample by the replica "
-             "count (the samples change with the data-parallel degree)", "llm_pretrain/trainer.py",
+             "count (the samples change with the data-parallel degree)", "llm_pretrain/run/trainer.py",
              "start = first_sample + self.data_replica_rank * per_replica",
              "start = first_sample * self.data_replicas + self.data_replica_rank * per_replica",
              ("tests/test_training.py::test_global_batches_read_the_same_samples_at_any_data_parallel_degree",)),
@@ -121,19 +121,19 @@ MUTATIONS = [
              "models/decoder.py", "first = tp_rank * self.num_heads + sep_rank * self.attention_heads",
              "first = sep_rank * self.attention_heads", (TP4_ALIBI,)),
     Mutation("eval_offset_one_late", "the k-th evaluation reads the (k+1)-th run of eval_iters batches of the "
-             "validation split", "llm_pretrain/trainer.py",
+             "validation split", "llm_pretrain/run/trainer.py",
              "return max(step // args.effective_eval_steps - 1, 0) * args.eval_iters",
              "return max(step // args.effective_eval_steps, 0) * args.eval_iters",
              ("tests/test_paddlenlp_files.py::test_eval_and_test_sample_counts_are_paddlenlp_run_pretrains",)),
     # (stage 2's clip is fleet's HybridParallelClipGrad, and a tiny model has no sliced parameter:
     # only stage 3 at real size, parameters above 2**20 elements, takes this path)
     Mutation("stage3_grad_norm_local", "stage 3: the logged grad norm's part from sliced parameters not summed "
-             "over the sharding group (each rank reports its own slices)", "llm_pretrain/distributed.py",
+             "over the sharding group (each rank reports its own slices)", "llm_pretrain/parallel/distributed.py",
              "dist.all_reduce(sliced, group=clip._group)", "pass",
              ("tests/test_real_size.py::test_layout_matches_one_process_through_resume",)),
     # issue 22: sep / cp under the pipeline
     Mutation("pipeline_without_sep_cp", "the pipeline model built without sep/cp (fleet's sep group still there: "
-             "every rank of it computes whole sequences)", "llm_pretrain/trainer.py",
+             "every rank of it computes whole sequences)", "llm_pretrain/run/trainer.py",
              "return CausalLMPipeline(config, layout.virtual_pp_degree,",
              "return CausalLMPipeline(config.replace(sep_parallel_degree=1, context_parallel_degree=1), "
              "layout.virtual_pp_degree,", (LONG_PP2,)),
@@ -148,11 +148,11 @@ MUTATIONS = [
              "    if True:\n        return stats\n    experts",
              ("tests/test_long_context.py::test_sep2_mechanism",)),
     Mutation("sep_sum_stage2_off", "sharding stage 2 under sep/cp: the gradients not summed over the sep group "
-             "before the step", "llm_pretrain/distributed.py",
+             "before the step", "llm_pretrain/parallel/distributed.py",
              "            for grad in stage2_owned_gradients(model):\n                dist.all_reduce(grad, group=sep_group)",
              "            for grad in stage2_owned_gradients(model):\n                pass", (SEP_SHARDING,)),
     Mutation("sep_sum_stage3_off", "sharding stage 3 under sep/cp: the gradients not summed over the sep group "
-             "before _update_params", "llm_pretrain/distributed.py",
+             "before _update_params", "llm_pretrain/parallel/distributed.py",
              "        for grad in stage3_gradients(model):\n            dist.all_reduce(grad, group=sep_group)",
              "        for grad in stage3_gradients(model):\n            pass", (SEP_SHARDING,)),
     # Mixture of experts under the pipeline (models/pipeline.py RouterCarry): a stage that drops the aux loss's
@@ -162,7 +162,7 @@ MUTATIONS = [
              "hidden = super().forward(hidden)\n", "hidden, sums = super().forward(hidden), sums * 0 + sums.detach()\n",
              (MOE_PIPELINE,)),
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
-             "llm_pretrain/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
+             "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
 ]
 

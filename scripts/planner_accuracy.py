@@ -2,7 +2,7 @@
 
     python scripts/planner_accuracy.py [--out benchmarks/planner_accuracy.md] [--calibrate]
 
-1. Trains llama-real (hidden 1024) on CPU processes in every layout of llm_pretrain/planner/cpu_runs.py and
+1. Trains llama-real (hidden 1024) on CPU processes in every layout of llm_pretrain/selfcheck/planner_runs.py and
    compares Paddle's host-allocator peak (train_log.jsonl peak_mem_allocated_mb, max over ranks)
    with `llm_pretrain.planner.estimate.estimate(..., "cpu")`.
 2. Reproduces the ten rows of the Megatron-LM paper's Table 1 (per-GPU TFLOP/s) with the GPU
@@ -23,7 +23,7 @@ from llm_pretrain.errors import UsageArgumentParser
 
 def memory_section(work_dir: Path) -> list[str]:
     from llm_pretrain.data import ensure_embedded_corpus
-    from llm_pretrain.planner.cpu_runs import predict, run_all
+    from llm_pretrain.selfcheck.planner_runs import predict, run_all
 
     corpus = ensure_embedded_corpus(str(work_dir / "embedded"))
     start = time.time()

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     if code:
         return code
 
-    from llm_pretrain.perf import render_table_for_output_dir
+    from llm_pretrain.observe.perf import render_table_for_output_dir
 
     print(f"[3/3] performance table (python scripts/perf_table.py {OUTPUT_DIR}):\n", flush=True)
     print(render_table_for_output_dir(OUTPUT_DIR), flush=True)

@@ -4,7 +4,7 @@
                                        [--cases mixtral qwen2_moe ...]
 
 For every exported family's tiny preset (random weights, every parameter non-trivial): train-state
-checkpoint written by llm_pretrain.checkpoint -> llm_pretrain.hf_export -> loaded by
+checkpoint written by llm_pretrain.checkpoint.checkpointer -> llm_pretrain.checkpoint.hf_export -> loaded by
 
   * Hugging Face transformers with torch on CPU (the reference client), in its own venv (created
     here with pip: torch's CPU wheel where pip finds one, else the default torch, and transformers;
@@ -99,8 +99,8 @@ def make_checkpoint(work: str, name: str, config, seed: int):
     """A checkpoint-1 of random weights written by the trainer's checkpointer; (path, model)."""
     import paddle
 
-    from llm_pretrain import checkpoint as ckpt
-    from llm_pretrain.layout import Layout
+    from llm_pretrain.checkpoint import checkpointer as ckpt
+    from llm_pretrain.parallel.layout import Layout
     from models.decoder import CausalLM
 
     paddle.seed(seed)
@@ -157,7 +157,7 @@ def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
     """Every case of CASES (or those named in `only`; a case keeps its seed either way)."""
     import paddle
 
-    from llm_pretrain.hf_export import export_hf
+    from llm_pretrain.checkpoint.hf_export import export_hf
     from models.registry import ARCHITECTURES
 
     python = ensure_client_venv(venv)
@@ -223,7 +223,7 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "# Hugging Face export: verified by loaders written elsewhere",
         "",
         "Written by `python scripts/verify_hf_export.py` (do not edit by hand). Each tiny preset gets random",
-        "weights, is saved by the trainer's checkpointer, exported by `llm_pretrain/hf_export.py`, loaded by the",
+        "weights, is saved by the trainer's checkpointer, exported by `llm_pretrain/checkpoint/hf_export.py`, loaded by the",
         f"client and run on {BATCH} x {SEQ} fixed token ids in fp32; the bar is max |logit difference| <= {TOLERANCE}.",
         f"Our side: paddlepaddle {paddle.__version__} (CPU). transformers and torch (CPU wheel) run in their own venv.",
         "",

@@ -33,10 +33,10 @@ REPO_ROOT = TESTS_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # a worker started by path (tests/workers/*.py) imports the clone's package
     sys.path.insert(0, str(REPO_ROOT))
 
-from llm_pretrain import parity  # noqa: E402
-# The launcher and the device environment are the package's (llm_pretrain/parity.py), shared with
+from llm_pretrain.selfcheck import parity  # noqa: E402
+# The launcher and the device environment are the package's (llm_pretrain/selfcheck/parity.py), shared with
 # scripts/gpu_selfcheck.py; re-exported here for the tests.
-from llm_pretrain.parity import (  # noqa: E402,F401
+from llm_pretrain.selfcheck.parity import (  # noqa: E402,F401
     CPU_PROCESS_ENV, DEVICES, GPU_PROCESS_ENV, RESULT_DIR_ENV, LaunchResult, _descendants, _kill_session, free_port,
     launcher_process_args, process_env, write_result,
 )

@@ -1,4 +1,4 @@
-"""The parity harness for tests: llm_pretrain/parity.py on the device under test.
+"""The parity harness for tests: llm_pretrain/selfcheck/parity.py on the device under test.
 
 A parity test trains the same model on the same data from the same initial weights once in a
 single process and once under a parallel layout with the same global batch, then compares the
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch_utils import device_under_test
-from llm_pretrain import parity
-from llm_pretrain.parity import (  # noqa: F401
+from llm_pretrain.selfcheck import parity
+from llm_pretrain.selfcheck.parity import (  # noqa: F401
     LAYOUTS, RUN_PRETRAIN, SAVE_STEP, TOLERANCE, TRAIN_RUNS, LayoutCheck, argv, assert_every_replica_matches,
     assert_same_training, final_weights, run_record, summary_records, train_records,
     training_differences, write_json,

@@ -2,7 +2,7 @@
 
 Every case trains a tiny LLaMA (PaddleNLP 2.8.1's LlamaForCausalLM with random weights, the same
 weights converted into our CausalLM) with gradient_accumulation_steps 4 x 2 samples x 32 tokens,
-and compares our trainer's step (llm_pretrain/trainer.py train_step with build_optimizer /
+and compares our trainer's step (llm_pretrain/run/trainer.py train_step with build_optimizer /
 build_schedule, which divides each micro-batch's loss by their number before backward) with:
 
 - fp32, unclipped (max_grad_norm 0) and clipped (max_grad_norm below the gradient norm):
@@ -24,7 +24,7 @@ A missing division makes the gradient (and its norm) 4 times too large: the norm
 every case, and the clipped steps move the weights differently.
 
 Throughput is tokens/card/sec: the GLOBAL tokens of the logged steps divided by the number of
-cards (world size) and the wall time (llm_pretrain/metrics.py); checked through MetricsLogger
+cards (world size) and the wall time (llm_pretrain/observe/metrics.py); checked through MetricsLogger
 for a dp2 layout (the all-reductions made local), and against a single card.
 """
 
@@ -35,10 +35,10 @@ import paddle
 import pytest
 
 from llm_pretrain.arguments import parse_arguments
-from llm_pretrain.layout import Layout
-from llm_pretrain.optim import build_optimizer, build_schedule
-from llm_pretrain.precision import Precision
-from llm_pretrain.trainer import BatchPlan, train_step
+from llm_pretrain.parallel.layout import Layout
+from llm_pretrain.parallel.optim import build_optimizer, build_schedule
+from llm_pretrain.parallel.precision import Precision
+from llm_pretrain.run.trainer import BatchPlan, train_step
 from models.paddlenlp_interop import from_paddlenlp_state
 from test_precision import _cpu_grad_scaler
 from test_reference_parity import VOCAB, build_ours, build_paddlenlp_model
@@ -198,8 +198,8 @@ def test_fp16_scaler_accumulation_matches_one_batch(reference, max_grad_norm):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_tokens_per_card_are_global_tokens_over_cards(world_size, tmp_path, monkeypatch):
     """tokens/card/sec = global tokens of the step / world size / step time (and TFLOPs per card from it)."""
-    from llm_pretrain import metrics
-    from llm_pretrain.metrics import MetricsLogger
+    from llm_pretrain.observe import metrics
+    from llm_pretrain.observe.metrics import MetricsLogger
 
     # No process group here: the reductions over ranks pass this rank's values through (the rule under
     # test is the division, not the reductions).

@@ -1,7 +1,7 @@
 """Every argument file in configs/ parses, validates and fits its parallel layout, and is named after it.
 
 File names are `configs/<family>/pretrain-<model>-<strategy>.json` with the strategy part
-derived from the file's own degrees by llm_pretrain.layout.strategy_name. As in
+derived from the file's own degrees by llm_pretrain.parallel.layout.strategy_name. As in
 PaddleNLP's table, a run uses 8 GPUs: a derived sharding degree (sharding set,
 sharding_parallel_degree -1) is 8 / (tp x pp). A file whose explicit degrees need more
 than 8 GPUs implies their product (16 for the two 13B pipeline files, i.e. two nodes).
@@ -21,8 +21,8 @@ import re
 import pytest
 
 from llm_pretrain.arguments import parse_arguments, validate_arguments
-from llm_pretrain.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
-from llm_pretrain.preflight import build_model_config
+from llm_pretrain.parallel.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
+from llm_pretrain.parallel.layout import build_model_config
 from models.families import FAMILY_NAMES as FAMILIES
 from models.registry import ARCHITECTURES
 

@@ -1,4 +1,4 @@
-"""llm_pretrain.cpu_compat: Paddle's own fleet code on CPU processes (gloo) vs plain paddle.
+"""llm_pretrain.cpu.compat: Paddle's own fleet code on CPU processes (gloo) vs plain paddle.
 
 Four launches, each checking many things (launch + fleet.init dominate):
   mp2 (2 processes)       every patched mp op / layer / SP op, forward and backward

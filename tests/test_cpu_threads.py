@@ -1,4 +1,4 @@
-"""CPU defaults set before Paddle loads (llm_pretrain/cpu_threads.py): threads per process, MKL's fast path.
+"""CPU defaults set before Paddle loads (llm_pretrain/cpu/threads.py): threads per process, MKL's fast path.
 
 The decision (`cpu_defaults`) is tested on given environments; `apply_cpu_defaults` in fresh
 processes, the launcher case once under a stand-in launcher and once under paddle.distributed.launch.
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from llm_pretrain.cpu_threads import cpu_defaults, paddle_build
+from llm_pretrain.cpu.threads import cpu_defaults, paddle_build
 from tests.launch_utils import REPO_ROOT
 
 CPU_BUILD = {"gpu": False, "mkl": True}
@@ -50,7 +50,7 @@ def test_gpu_runs_are_untouched():
 
 
 def test_build_read_without_importing_paddle_agrees_with_paddle():
-    code = ("import sys, json; from llm_pretrain.cpu_threads import paddle_build; b = paddle_build(); "
+    code = ("import sys, json; from llm_pretrain.cpu.threads import paddle_build; b = paddle_build(); "
             "assert 'paddle' not in sys.modules; import paddle; "
             "print(json.dumps([b, paddle.is_compiled_with_cuda() or paddle.is_compiled_with_rocm(), paddle.version.mkl()]))")
     build, gpu, mkl = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
@@ -59,7 +59,7 @@ def test_build_read_without_importing_paddle_agrees_with_paddle():
     assert paddle_build() == build
 
 
-PROBE = ("import json, os, sys; from llm_pretrain.cpu_threads import apply_cpu_defaults; "
+PROBE = ("import json, os, sys; from llm_pretrain.cpu.threads import apply_cpu_defaults; "
          "line = apply_cpu_defaults(sys.argv[1] if sys.argv[1] != 'none' else None); "
          "print(json.dumps([line, os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_DEBUG_CPU_TYPE'), "
          "os.environ.get('FLAGS_use_stride_kernel')]))")
@@ -78,7 +78,7 @@ def probe(device: str, env: dict, launcher: str | None = None) -> list:
 
 
 def test_apply_sets_unset_values_keeps_the_users_and_says_so_once():
-    from llm_pretrain.flops import cpu_count, cpu_vendor
+    from llm_pretrain.cpu.threads import cpu_count, cpu_vendor
 
     amd = cpu_vendor() == AMD and paddle_build()["mkl"]
     line, threads, mkl, strides = probe("cpu", {})
@@ -94,7 +94,7 @@ def test_apply_sets_unset_values_keeps_the_users_and_says_so_once():
 
 
 def test_under_paddle_distributed_launch(tmp_path):
-    from llm_pretrain.flops import cpu_count
+    from llm_pretrain.cpu.threads import cpu_count
 
     script = tmp_path / "probe.py"
     script.write_text(f"import sys; sys.argv[1:] = ['cpu']; exec({PROBE!r})\n")
@@ -111,7 +111,7 @@ def test_under_paddle_distributed_launch(tmp_path):
 def test_paddle_takes_the_strided_view_switch_from_the_environment():
     """The switch only works if Paddle reads it at import: with it off, a transpose is a new tensor
     (its own memory), with Paddle's default a view of the same memory."""
-    code = ("import json, sys; from llm_pretrain.cpu_threads import apply_cpu_defaults; apply_cpu_defaults('cpu'); "
+    code = ("import json, sys; from llm_pretrain.cpu.threads import apply_cpu_defaults; apply_cpu_defaults('cpu'); "
             "import paddle; x = paddle.ones([2, 3]); y = x.transpose([1, 0]); "
             "print(json.dumps([paddle.get_flags(['FLAGS_use_stride_kernel'])['FLAGS_use_stride_kernel'], "
             "y.is_contiguous(), y.data_ptr() == x.data_ptr()]))")
@@ -127,9 +127,9 @@ def test_paddle_takes_the_strided_view_switch_from_the_environment():
 def test_paddles_thread_warning_is_shown_for_the_users_value_only():
     """Paddle warns for any OMP_NUM_THREADS above 1 (paddle/base/__init__.py:152-164); import_paddle drops
     those two lines only when the value is the one apply_cpu_defaults set, never for the user's own."""
-    from llm_pretrain.flops import cpu_count
+    from llm_pretrain.cpu.threads import cpu_count
 
-    code = ("import os; from llm_pretrain.cpu_threads import apply_cpu_defaults, import_paddle; "
+    code = ("import os; from llm_pretrain.cpu.threads import apply_cpu_defaults, import_paddle; "
             "apply_cpu_defaults('cpu'); import_paddle(); print(os.environ['OMP_NUM_THREADS'])")
     def run(env):
         env = {**env, "PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}

@@ -412,7 +412,7 @@ def test_corrupt_index_is_a_usage_error(tmp_path):
 
 # ----------------------------------------------------------------------------- embedded corpus
 def test_embedded_corpus_contents(embedded_corpus):
-    from llm_pretrain.tokenizer import load_tokenizer
+    from llm_pretrain.data.tokenizer import load_tokenizer
     import json
 
     assert embedded_corpus["documents"] > 5000 and embedded_corpus["tokens"] > 500_000

@@ -1,4 +1,4 @@
-"""The layout-free checkpoint format (llm_pretrain/dist_checkpoint.py) in one process: where a rank's
+"""The layout-free checkpoint format (llm_pretrain/checkpoint/dist_checkpoint.py) in one process: where a rank's
 slices sit in the global tensors, old-format checkpoints, and bad input (one line, exit code 2).
 Resuming under other layouts is tests/test_resume_any_layout.py."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llm_pretrain import dist_checkpoint as dc
+from llm_pretrain.checkpoint import dist_checkpoint as dc
 from llm_pretrain.errors import UsageError
 from models.weights import local_slice
 from parity_utils import argv, assert_same_training, base_arguments, run_single, write_json
@@ -81,7 +81,7 @@ def _to_legacy_format(checkpoint) -> None:
     """Rewrite a single-process checkpoint in the per-layout format written before dist_checkpoint."""
     import paddle
 
-    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.checkpoint import checkpointer as ckpt
 
     reader = dc.CheckpointReader(str(checkpoint))
     weights = {name: paddle.to_tensor(reader.read_full(name)) for name in reader.parameter_names()}
@@ -138,7 +138,7 @@ def test_bfloat16_weights_load_into_a_float32_model(tmp_path):
     a float32 run (e.g. one process on CPU, or export) reads them back as the same values."""
     import paddle
 
-    from llm_pretrain.distributed import Layout
+    from llm_pretrain.parallel.distributed import Layout
     from models.registry import make_config
     from models.decoder import CausalLM
 

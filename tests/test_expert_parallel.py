@@ -10,7 +10,7 @@ A second launch trains ep2 x tp2 (4 processes: the experts split like the dense 
 tensor-parallel pair, the all-to-all between the data-parallel pair), the same with sequence
 parallelism, and Qwen2-MoE with capacity and z-loss under tp2 x dp2 + SP; a third ep2 within dp4 (two
 expert groups; each expert's gradient summed over its two holders), then ep2 over the sharding ranks
-with stages 1 and 2 (fleet's own expert and moe_sharding groups, llm_pretrain/expert_optimizer.py): sd2
+with stages 1 and 2 (fleet's own expert and moe_sharding groups, llm_pretrain/parallel/expert_optimizer.py): sd2
 with 2 processes (also mixtral-real under stage 2: its 8.5M-element embedding is above the stage-2 buffer),
 and sd4 with 4 (two moe_sharding ranks hold the same experts and split their optimizer states; also resumed
 from one process and stopped for one process to resume), and the first one also trains

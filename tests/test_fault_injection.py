@@ -153,7 +153,7 @@ def test_second_run_on_a_busy_output_dir_is_refused(embedded_corpus, tmp_path):
 
     out = tmp_path / "busy"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); from llm_pretrain.checkpoint import OutputDirLock; "
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from llm_pretrain.checkpoint.checkpointer import OutputDirLock; "
         "lock = OutputDirLock(sys.argv[2]); import os; os.makedirs(sys.argv[2], exist_ok=True); lock.acquire(); "
         "print('locked', flush=True); time.sleep(120)"), str(REPO_ROOT), str(out)],
         stdout=subprocess.PIPE, text=True)
@@ -169,7 +169,7 @@ def test_second_run_on_a_busy_output_dir_is_refused(embedded_corpus, tmp_path):
         holder.kill()
         holder.wait()
     # Once the holder is gone (its lock dies with it), the directory is free again.
-    from llm_pretrain.checkpoint import OutputDirLock
+    from llm_pretrain.checkpoint.checkpointer import OutputDirLock
 
     OutputDirLock(str(out)).acquire().release()
 
@@ -266,7 +266,7 @@ def _alive(pid: int) -> bool:
 
 # ----------------------------------------------------------------------------- damaged checkpoints
 def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, tmp_path):
-    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.checkpoint import checkpointer as ckpt
 
     args_file, straight = reference
     damaged = tmp_path / "damaged"
@@ -275,7 +275,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
     assert checkpoints(damaged) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     # The verification itself: every kind of damage is found and named (checked on copies).
-    # The layout-free format (llm_pretrain/dist_checkpoint.py): the tensor index and rank 0's slices.
+    # The layout-free format (llm_pretrain/checkpoint/dist_checkpoint.py): the tensor index and rank 0's slices.
     for name, damage in (("truncated", lambda p: _truncate(p / "tensors.index.json")),
                          ("flipped", lambda p: _flip_byte(p / "tensors.rank00000.safetensors")),
                          ("bad_json", lambda p: (p / "trainer_state.json").write_text("{not json")),
@@ -303,7 +303,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
     # No usable checkpoint at all: one line (the trainer's check before fleet.init).
     from llm_pretrain.arguments import parse_arguments
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.preflight import find_resume
+    from llm_pretrain.run.preflight import find_resume
 
     for path in damaged.glob("checkpoint-*/trainer_state.json"):
         path.write_text("{}")
@@ -339,7 +339,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(e
         one_error_line(result, 1, "cannot write checkpoint-2", "no space left on device",
                        "the previous checkpoint checkpoint-1 is intact")
         assert checkpoints(out) == ["checkpoint-1"]  # the .partial is gone
-        from llm_pretrain import checkpoint as ckpt
+        from llm_pretrain.checkpoint import checkpointer as ckpt
 
         assert ckpt.verify_checkpoint(str(out / "checkpoint-1")) is None
         log_lines(out)  # whole lines only
@@ -406,8 +406,8 @@ def test_damaged_data_is_one_line_naming_the_file(embedded_corpus, tmp_path):
 
 def test_damaged_sample_index_cache_is_rebuilt(embedded_corpus, tmp_path, capsys):
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import Layout
-    from llm_pretrain.trainer import _build_datasets_rank0_first
+    from llm_pretrain.parallel.distributed import Layout
+    from llm_pretrain.run.trainer import _build_datasets_rank0_first
 
     args_file = small_run(embedded_corpus, tmp_path)
     args, _ = parse_arguments([str(args_file), "--output_dir", str(tmp_path / "out")])
@@ -456,9 +456,10 @@ def test_skip_nan_inf_steps_is_refused_under_the_pipeline(embedded_corpus, tmp_p
     """fleet's train_batch steps the optimizer before the loss can be checked: one line, not a silent no-op.
     check_startup on a 2-stage layout (a launch is not needed: it runs before fleet.init)."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import Layout
+    from llm_pretrain.parallel.distributed import Layout
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.preflight import build_model_config, check_startup
+    from llm_pretrain.parallel.layout import build_model_config
+    from llm_pretrain.run.preflight import check_startup
 
     args, _ = parse_arguments([str(small_run(embedded_corpus, tmp_path)), "--output_dir", str(tmp_path / "out"),
                                "--skip_nan_inf_steps", "1", "--pipeline_parallel_degree", "2"])
@@ -472,7 +473,7 @@ def test_skip_nan_inf_steps_is_refused_under_the_pipeline(embedded_corpus, tmp_p
 # ----------------------------------------------------------------------------- dead ranks
 def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
     """A failed collective's message names the peer whose process is gone, with its last step."""
-    from llm_pretrain.run_control import Heartbeat
+    from llm_pretrain.run.run_control import Heartbeat
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -489,7 +490,7 @@ def test_heartbeats_name_the_rank_that_stopped_first(tmp_path):
     message = Heartbeat(0, str(tmp_path)).describe_failure(3, 7, RuntimeError("timeout"))
     assert "rank 1 stopped first (still running, not answering; its last step was 5" in message
     # The launcher's line: among the workers that had failed when it noticed, the lowest step goes first.
-    from llm_pretrain.run_control import describe_first_stopped
+    from llm_pretrain.run.run_control import describe_first_stopped
     line = describe_first_stopped(str(tmp_path), {0: -6, 1: -9}, since=0, noticed=time.time())
     assert line.startswith("error: rank 1 stopped first (killed by SIGKILL); its last step was 5 (host "), line
     assert describe_first_stopped(str(tmp_path), {2: 1}, since=time.time() + 1, noticed=0).startswith(
@@ -527,8 +528,8 @@ def test_launcher_names_the_rank_that_was_killed(embedded_corpus, tmp_path):
 
 # ----------------------------------------------------------------------------- rotation, overwrite, resume checks
 def test_rotation_keeps_the_newest_checkpoint_with_finite_weights(tmp_path):
-    from llm_pretrain.checkpoint import Checkpointer
-    from llm_pretrain.distributed import Layout
+    from llm_pretrain.checkpoint.checkpointer import Checkpointer
+    from llm_pretrain.parallel.distributed import Layout
 
     for step, finite in ((1, True), (2, True), (3, False), (4, False)):
         path = tmp_path / f"checkpoint-{step}"
@@ -545,9 +546,10 @@ def test_overwrite_output_dir_starts_afresh_and_resume_checks_the_model(embedded
     """In-process runs: overwrite_output_dir removes an older run's checkpoints and log before its first
     save; resuming with another architecture or sequence length is refused, other changes are listed."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import Layout
+    from llm_pretrain.parallel.distributed import Layout
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.preflight import build_model_config, check_checkpoint_matches
+    from llm_pretrain.parallel.layout import build_model_config
+    from llm_pretrain.run.preflight import check_checkpoint_matches
     from llm_pretrain.run_pretrain import run as train  # the preflight, then the loop (as the command)
 
     out = tmp_path / "out"
@@ -581,7 +583,7 @@ def test_collective_timeout_reaches_paddles_process_group_settings(monkeypatch):
     import paddle.distributed as dist
 
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.preflight import set_collective_timeout
+    from llm_pretrain.run.preflight import set_collective_timeout
 
     monkeypatch.delenv("PADDLE_PG_TIMEOUT", raising=False)
     args, _ = parse_arguments(["--max_steps", "1", "--input_dir", "x", "--distributed_timeout_minutes", "2.5"])

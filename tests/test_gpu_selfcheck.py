@@ -6,7 +6,7 @@
   the flash blocks), and every row's arguments accepted by the trainer's checks for its layout.
 - Rows that need more GPUs than the node has are skipped with a line; GPUs are named by their
   CUDA_VISIBLE_DEVICES labels; in-process GPU tests get the launched processes' environment.
-- The fp16 overflow row's injection (llm_pretrain/parity_worker.py): on CPU, without a loss scaler,
+- The fp16 overflow row's injection (llm_pretrain/selfcheck/parity_worker.py): on CPU, without a loss scaler,
   the same infinite gradient on rank 1 makes every rank skip the step under skip_nan_inf_steps,
   judged by the row's own function.
 - The kernel table's comparison finds a difference between two paths and none between equal ones.
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch_utils import REPO_ROOT
-from llm_pretrain import parity, selfcheck
+from llm_pretrain.selfcheck import parity, rows as selfcheck
 
 SELFCHECK = REPO_ROOT / "scripts" / "gpu_selfcheck.py"
 SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -40,13 +40,10 @@ def plan():
 
 def test_the_plan_runs_production_options_on_gpus(plan):
     from llm_pretrain.arguments import Arguments
-    from llm_pretrain.layout import check_strategy, plan_layout
-    from llm_pretrain.precision import check_master_grad
+    from llm_pretrain.parallel.layout import check_strategy, plan_layout
+    from llm_pretrain.parallel.precision import check_master_grad
     from models.ring_attention import FlashBlocks, attention_blocks
-    try:  # where main keeps it since the preflight moved out of the trainer
-        from llm_pretrain.preflight import build_model_config
-    except ImportError:
-        from llm_pretrain.trainer import build_model_config
+    from llm_pretrain.parallel.layout import build_model_config
 
     assert all(row["device"] == "gpu" and {"layout", "processes", "dtype", "options"} <= set(row) for row in plan.values())
     production = {name.split(":")[1]: row for name, row in plan.items() if name.startswith("bf16-o2:")}

@@ -27,7 +27,7 @@ import json
 import numpy as np
 import pytest
 
-from llm_pretrain.layout import Layout, check_model_fits_layout
+from llm_pretrain.parallel.layout import Layout, check_model_fits_layout
 from llm_pretrain.errors import UsageError, exit_with_usage_error
 from models.registry import make_config
 from launch_utils import REPO_ROOT, launch
@@ -184,7 +184,7 @@ def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, shared_la
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (64, 64)
 
     # The export to PaddleNLP sees the same full weights as the single process's.
-    from llm_pretrain.interchange import export_to_paddlenlp
+    from llm_pretrain.checkpoint.interchange import export_to_paddlenlp
 
     exported = {}
     for run in (single, tp2):
@@ -204,7 +204,7 @@ def _load(path):
 
 def _check_replicas_identical(checkpoint, kv_width=16):
     """The replicated k/v weights (every kv head, kv_width columns, whole on every tensor-parallel rank) are written
-    once, whole, by one of the ranks (llm_pretrain/dist_checkpoint.py); assert_same_training has
+    once, whole, by one of the ranks (llm_pretrain/checkpoint/dist_checkpoint.py); assert_same_training has
     compared that copy with the single process's after 5 steps (summed gradients keep it equal)."""
     tensors = json.loads((checkpoint / "tensors.index.json").read_text())["tensors"]
     names = [n for n in tensors if (".k_proj." in n or ".v_proj." in n) and "/" not in n]

@@ -1,4 +1,4 @@
-"""Hugging Face export (llm_pretrain/hf_export.py) and import of the same layouts.
+"""Hugging Face export (llm_pretrain/checkpoint/hf_export.py) and import of the same layouts.
 
 Export reads a checkpoint written by the trainer's checkpointer; import (models/paddlenlp_interop.py)
 reads the export back, single-file and sharded, for every family with a Hugging Face class: the
@@ -20,13 +20,13 @@ import numpy as np
 import paddle
 import pytest
 
-from llm_pretrain import checkpoint as ckpt
+from llm_pretrain.checkpoint import checkpointer as ckpt
 from llm_pretrain.errors import UsageError
-from llm_pretrain.hf_export import export_hf, main
-from llm_pretrain.layout import Layout
+from llm_pretrain.checkpoint.hf_export import export_hf, main
+from llm_pretrain.parallel.layout import Layout
 from models.decoder import CausalLM
 from models.families import FAMILIES
-from llm_pretrain.interchange import import_from_paddlenlp
+from llm_pretrain.checkpoint.interchange import import_from_paddlenlp
 from models.registry import ARCHITECTURES, resolve_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,7 +283,7 @@ def test_import_bloom_saved_without_prefix(tmp_path):
 ])
 def test_export_refuses_what_gpt2_cannot_express(change, refused):
     """A GPT-3 that GPT-2's layout cannot hold is refused before anything is written, naming what."""
-    from llm_pretrain.hf_export import check_exportable
+    from llm_pretrain.checkpoint.hf_export import check_exportable
 
     config = ARCHITECTURES["gpt3-tiny"].replace(**change)
     with pytest.raises(UsageError, match="GPT2LMHeadModel cannot express") as refused_error:
@@ -303,7 +303,7 @@ def test_export_refuses_what_gpt2_cannot_express(change, refused):
 def test_export_refuses_what_the_moe_classes_cannot_express(preset, change, refused):
     """Mixtral's class has no shared expert and always renormalizes its top-k weights; Qwen2-MoE's
     always has a shared expert: a model the class would compute differently is refused, naming what."""
-    from llm_pretrain.hf_export import check_exportable
+    from llm_pretrain.checkpoint.hf_export import check_exportable
 
     with pytest.raises(UsageError, match=refused):
         check_exportable(ARCHITECTURES[preset].replace(**change))
@@ -320,7 +320,8 @@ def test_last_save_in_hf_is_refused_before_any_work(embedded_corpus, tmp_path):
     """last_save_in_hf with save_steps 0 (no final checkpoint to export) and with a family without a
     Hugging Face class: one line, exit 2, from the preflight."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.preflight import check_startup, check_layout_and_model
+    from llm_pretrain.parallel.layout import check_layout_and_model
+    from llm_pretrain.run.preflight import check_startup
 
     base = ["configs/qwen/pretrain-qwen_tiny-dp.json", "--output_dir", str(tmp_path / "out"), "--last_save_in_hf", "true",
             "--tokenizer_name_or_path", embedded_corpus["tokenizer"], "--input_dir", embedded_corpus["input_dir"]]

@@ -132,7 +132,7 @@ def _cycle_in(component: set[str], graph: dict[str, set[str]]) -> list[str]:
 # ----------------------------------------------------------------------------- the tests
 def test_no_import_circles_among_the_projects_modules():
     graph, _ = import_graph()
-    assert len(graph) > 60 and graph["llm_pretrain.checkpoint"]  # the whole tree was read
+    assert len(graph) > 60 and graph["llm_pretrain.checkpoint.checkpointer"]  # the whole tree was read
     cycles = find_cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
@@ -182,3 +182,77 @@ def test_no_source_file_names_a_path_outside_the_repository():
             text = path.read_text(encoding="utf-8")
             offending += [f"{path.relative_to(REPO_ROOT)}: {pattern!r}" for pattern in forbidden if pattern in text]
     assert not offending, "paths outside the clone:\n" + "\n".join(offending)
+
+
+# ----------------------------------------------------------------------------- the direction between packages
+# Which package of llm_pretrain may import which (each package's __init__ says the same in words).
+# "base" is llm_pretrain.arguments and llm_pretrain.errors, which every package uses; "entry" the two entry
+# points at the top of the package; "models" the model package beside it (it never imports llm_pretrain).
+BASE = {"base", "models"}
+MAY_IMPORT = {
+    "base": {"models"},
+    "cpu": BASE,
+    "data": BASE,
+    "parallel": BASE | {"cpu", "data"},
+    "checkpoint": BASE | {"cpu", "data", "parallel"},
+    "observe": BASE | {"cpu", "parallel"},
+    "planner": BASE | {"parallel", "observe"},
+    "run": BASE | {"cpu", "data", "parallel", "checkpoint", "observe", "planner"},
+    "entry": BASE | {"run"},
+    "selfcheck": BASE | {"cpu", "data", "parallel", "checkpoint", "observe", "planner", "run", "entry"},
+    "cli": BASE | {"cpu", "data", "parallel", "checkpoint", "observe", "planner", "run", "entry", "selfcheck"},
+}
+
+
+def package_of(module: str) -> str | None:
+    """The package a module of llm_pretrain/ or models/ belongs to in MAY_IMPORT (None: neither)."""
+    parts = module.split(".")
+    if parts[0] == "models":
+        return "models"
+    if parts[0] != "llm_pretrain":
+        return None
+    if len(parts) == 1 or parts[1] in ("arguments", "errors"):
+        return "base"
+    if parts[1] in ("run_pretrain", "launch"):
+        return "entry"
+    return parts[1]
+
+
+def arrows_against_the_table(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        source = package_of(module)
+        if source is None or source == "models":
+            continue
+        for target in sorted(targets):
+            to = package_of(target)
+            if to is not None and to != source and to not in MAY_IMPORT[source]:
+                wrong.append(f"{module} ({source}) imports {target} ({to})")
+    return wrong
+
+
+def test_packages_import_only_downwards():
+    graph, _ = import_graph()
+    packages = {package_of(module) for module in graph if module.startswith("llm_pretrain.")}
+    assert packages == set(MAY_IMPORT), f"a package missing from MAY_IMPORT: {packages ^ set(MAY_IMPORT)}"
+    wrong = arrows_against_the_table(graph)
+    assert not wrong, "imports against the direction table:\n" + "\n".join(wrong)
+
+
+def test_the_direction_table_has_no_circle_and_catches_an_upward_arrow():
+    table = {package: targets - {package} for package, targets in MAY_IMPORT.items()}
+    table["models"] = set()
+    assert not find_cycles(table)
+    graph, _ = import_graph()
+    graph = {module: set(targets) for module, targets in graph.items()}
+    graph["llm_pretrain.parallel.layout"].add("llm_pretrain.run.preflight")  # the arrow this move removed
+    assert arrows_against_the_table(graph) == [
+        "llm_pretrain.parallel.layout (parallel) imports llm_pretrain.run.preflight (run)"]
+
+
+def test_every_package_says_what_it_holds_and_may_import():
+    for package in sorted(set(MAY_IMPORT) - {"base", "entry"}):
+        doc = ast.get_docstring(ast.parse((REPO_ROOT / "llm_pretrain" / package / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"llm_pretrain/{package}/__init__.py: no docstring naming its imports"
+    top_level = sorted(p.name for p in (REPO_ROOT / "llm_pretrain").glob("*.py"))
+    assert top_level == ["__init__.py", "arguments.py", "errors.py", "launch.py", "run_pretrain.py"], top_level

@@ -2,7 +2,7 @@
 
 The tiny models are those of the parity test (tests/test_reference_parity.py). Export is
 checked from our own random weights -- given as (config, full weights), as a checkpoint
-directory written by llm_pretrain.checkpoint (one shard, and two tensor-parallel shards
+directory written by llm_pretrain.checkpoint.checkpointer (one shard, and two tensor-parallel shards
 written by hand), and as an imported model directory -- by loading the result with
 paddlenlp's AutoModelForCausalLM and comparing logits. Import is checked by loading the
 converted directory through models.registry.resolve_model, as the trainer does.
@@ -19,11 +19,11 @@ import numpy as np
 import paddle
 import pytest
 
-from llm_pretrain import checkpoint as ckpt
-from llm_pretrain.layout import Layout
+from llm_pretrain.checkpoint import checkpointer as ckpt
+from llm_pretrain.parallel.layout import Layout
 from llm_pretrain.errors import UsageError
 from models.decoder import CausalLM
-from llm_pretrain.interchange import export_to_paddlenlp, import_from_paddlenlp
+from llm_pretrain.checkpoint.interchange import export_to_paddlenlp, import_from_paddlenlp
 from models.paddlenlp_interop import paddlenlp_config
 from models.registry import config_from_dict, resolve_model
 from models.weights import load_full_weights, local_slice
@@ -83,7 +83,7 @@ def test_export_then_paddlenlp_loads_same_model(family, tmp_path):
 
 
 def test_export_from_checkpoint_directory(tmp_path):
-    """A checkpoint written by llm_pretrain.checkpoint.save_checkpoint, read back with its tokenizer."""
+    """A checkpoint written by llm_pretrain.checkpoint.checkpointer.save_checkpoint, read back with its tokenizer."""
     config = CASES["qwen"][3]
     model = our_random_model(config)
     tokenizer_dir = tmp_path / "tokenizer"
@@ -230,8 +230,8 @@ def test_import_baichuan_config_with_paddlenlp_llama_names(tmp_path):
 def test_imported_directory_continues_training(tmp_path):
     """The trainer's model setup takes the imported weights (continue_training) instead of a random init."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.layout import plan_layout
-    from llm_pretrain.preflight import build_model_config
+    from llm_pretrain.parallel.layout import plan_layout
+    from llm_pretrain.parallel.layout import build_model_config
 
     reference, _, _ = build_paddlenlp_model("qwen", seed=17)
     reference.save_pretrained(str(tmp_path / "pd"))

@@ -178,7 +178,7 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     record = run_record(runs.out("llama-sep2dp2"))
     assert record["strategy"] == "sep2dp2" and record["global_batch_size"] == 8
     # Sharding 2 at stages 1, 2 (cp2: every family) and 3. Under stages 2 and 3 the group-sharded wrappers
-    # reduce over the sharding group only; the sum over the sep group is ours (llm_pretrain/distributed.py
+    # reduce over the sharding group only; the sum over the sep group is ours (llm_pretrain/parallel/distributed.py
     # sum_sharded_gradients_over_sep_group; without it the ranks' weights part). At these sizes every
     # gradient is in stage 2's buffer and stage 3 slices nothing: the gradients outside the buffer and
     # stage 3's slices are summed in tests/test_real_size.py (cp2sd2_stage2, sep2sd2_stage3).

@@ -16,7 +16,7 @@ import math
 
 import pytest
 from llm_pretrain.arguments import parse_arguments
-from llm_pretrain.optim import build_schedule
+from llm_pretrain.parallel.optim import build_schedule
 from parity_utils import argv, base_arguments, run_single, train_records, write_json
 
 MAX_LR, MIN_LR = 3e-3, 3e-4

@@ -21,7 +21,7 @@ parity tests' runs of the same degrees: tests/shared_launches.py):
           (PipelineLayer's recompute_interval) in every family
 
 The run record ("built" in train_log.jsonl) is checked against the same facts: it is read
-from the built objects (llm_pretrain/run_record.py).
+from the built objects (llm_pretrain/observe/run_record.py).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def tp2_runs():
     long = {**tp, "max_seq_length": 256, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     runs["llama-long-tp"] = ("llama", long)
     runs["llama-long-sp"] = ("llama", {**long, "sequence_parallel": True})
-    # Replica check (llm_pretrain/replica_check.py): rank 1's copy of a norm weight made to differ
+    # Replica check (llm_pretrain/checkpoint/replica_check.py): rank 1's copy of a norm weight made to differ
     # by a last bit before the end-of-training check (run last: it fails on purpose).
     runs["llama-replica-differs"] = ("llama", {**tp, "sequence_parallel": True})
     runs["mixtral-sp"] = ("mixtral", {**tp, "sequence_parallel": True})  # (before the failing run)
@@ -326,7 +326,7 @@ def test_run_record_of_one_process_reads_the_model():
 
     import paddle
 
-    from llm_pretrain.run_record import built_strategy_name, describe_built_run
+    from llm_pretrain.observe.run_record import built_strategy_name, describe_built_run
     from models.decoder import CausalLM
     from models.registry import make_config
 

@@ -169,7 +169,7 @@ def test_config_json_by_model_type(tmp_path):
 
 
 def test_activated_flops():
-    from llm_pretrain.flops import model_flops_per_token
+    from llm_pretrain.observe.flops import model_flops_per_token
 
     mixtral = ARCHITECTURES["mistralai/Mixtral-8x7B-v0.1"]
     dense = mixtral.replace(num_experts=0, intermediate_size=2 * 14336)  # k = 2 experts of 14336 per token
@@ -201,7 +201,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
             assert record["expert_load_max_min_ratio"] is None or record["expert_load_max_min_ratio"] >= 1
             assert (record["tokens_dropped"] > 0) == (name == "capped")
     run = [json.loads(line) for line in (tmp_path / "mixtral" / "train_log.jsonl").read_text().splitlines()][0]
-    from llm_pretrain.flops import training_flops_per_token
+    from llm_pretrain.observe.flops import training_flops_per_token
     assert run["flops_per_token"] == training_flops_per_token(ARCHITECTURES["mixtral-tiny"].replace(
         num_hidden_layers=2, vocab_size=run["model_config"]["vocab_size"]), 32)
 
@@ -284,7 +284,7 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.layout import Layout, check_mixture_of_experts
+    from llm_pretrain.parallel.layout import Layout, check_mixture_of_experts
 
     config = ARCHITECTURES["mixtral-tiny"]
     args = SimpleNamespace(expert_parallel_degree=-1, sequence_parallel=False, fp16=False, sharding_parallel_config="")

@@ -17,11 +17,11 @@ import paddle
 import pytest
 
 from llm_pretrain.arguments import parse_arguments
-from llm_pretrain.distributed import Layout, plan_layout
+from llm_pretrain.parallel.distributed import Layout, plan_layout
 from llm_pretrain.errors import UsageError
-from llm_pretrain.layout import check_strategy, pipeline_eval_micro_batches, predict_iterations
-from llm_pretrain.preflight import build_model_config
-from llm_pretrain.trainer import BatchPlan, first_eval_sample, valid_samples
+from llm_pretrain.parallel.layout import check_strategy, pipeline_eval_micro_batches, predict_iterations
+from llm_pretrain.parallel.layout import build_model_config
+from llm_pretrain.run.trainer import BatchPlan, first_eval_sample, valid_samples
 from models.decoder import CausalLM
 from models.weights import init_weights
 

@@ -130,7 +130,7 @@ def test_dp2(parity, shared_launches):
     parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES])
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
-    # CPU defaults (llm_pretrain/cpu_threads.py), as the run record reads them from Paddle: the
+    # CPU defaults (llm_pretrain/cpu/threads.py), as the run record reads them from Paddle: the
     # harness' own OMP_NUM_THREADS=1 wins; strided views are off as nobody set FLAGS_use_stride_kernel.
     if run["built"]["runtime"]["device"] == "cpu":
         assert run["built"]["runtime"]["OMP_NUM_THREADS"] == "1" and run["built"]["runtime"]["strided_views"] is False

@@ -1,6 +1,6 @@
 """Performance tables, FLOPs and MFU, and the benchmark runner.
 
-The FLOPs cases are computed by hand from the formula in llm_pretrain/flops.py
+The FLOPs cases are computed by hand from the formula in llm_pretrain/observe/flops.py
 (written out as arithmetic here, not calling the code under test); the tables
 come from synthetic train_log.jsonl files; the runner runs two tiny CPU
 configurations and one that fails.
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from llm_pretrain import flops, perf
+from llm_pretrain.observe import flops, perf
 from models.registry import make_config, resolve_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

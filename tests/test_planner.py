@@ -24,14 +24,14 @@ MiB = 2**20
 # ----------------------------------------------------------------------------- measured on CPU
 @pytest.fixture(scope="module")
 def measured_runs(embedded_corpus, tmp_path_factory):
-    from llm_pretrain.planner.cpu_runs import run_all
+    from llm_pretrain.selfcheck.planner_runs import run_all
 
     return run_all(embedded_corpus, tmp_path_factory.mktemp("planner"))
 
 
 def test_cpu_peak_within_10_percent_in_every_layout(measured_runs):
     """Predicted per-rank peak vs Paddle's host allocator peak (max over ranks) of real trainings."""
-    from llm_pretrain.planner.cpu_runs import LAUNCHES, predict
+    from llm_pretrain.selfcheck.planner_runs import LAUNCHES, predict
 
     names = [name for _, runs in LAUNCHES.values() for name in runs]
     assert [r["name"] for r in measured_runs] == names
@@ -56,7 +56,7 @@ def test_sequence_split_lowers_the_allocator_peak_when_attention_dominates(measu
 
 def test_trainer_reports_allocator_peak_beside_rss_and_the_prediction(measured_runs):
     from parity_utils import run_record
-    from llm_pretrain.planner.cpu_runs import predict
+    from llm_pretrain.selfcheck.planner_runs import predict
 
     for run in measured_runs:
         assert 0 < run["measured_mb"] < run["rss_mb"], run
@@ -70,9 +70,9 @@ def test_gpu_memory_warning_wiring(monkeypatch):
     from types import SimpleNamespace
 
     import paddle
-    from llm_pretrain import preflight
+    from llm_pretrain.run import preflight
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.layout import plan_layout
+    from llm_pretrain.parallel.layout import build_model_config, plan_layout
 
     monkeypatch.setattr(preflight, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
@@ -80,7 +80,7 @@ def test_gpu_memory_warning_wiring(monkeypatch):
     args, _ = parse_arguments([str(REPO_ROOT / "configs" / "llama" / "pretrain-llama_13b-tp2sd4_stage2.json"),
                                "--sharding", "", "--tensor_parallel_degree", "1"])
     layout = plan_layout(args, 1)
-    config, _, _ = preflight.build_model_config(args, layout, "gpu")
+    config, _, _ = build_model_config(args, layout, "gpu")
     prediction = preflight.predict_run(args, layout, config, "gpu")
     assert prediction["fits"] is False and prediction["device_memory_mb"] == 40 * 1024
     assert prediction["top_term"]["term"] == "Adam moments (fp32)"  # 13B x 8 bytes, the largest term
@@ -179,7 +179,7 @@ def test_amp_o2_memory_terms():
 
 # ----------------------------------------------------------------------------- time terms by hand
 def test_time_terms_by_hand():
-    from llm_pretrain.flops import training_flops_per_token
+    from llm_pretrain.observe.flops import training_flops_per_token
 
     config = ARCHITECTURES["gpt3-6.7B-en"].replace(seq_length=1024, tensor_parallel_degree=2)
     setup = mem.Setup(config, 2, 8, tp=2, pp=2, dp=2, precision=mem.Precision("bf16", "O2", True))
@@ -364,8 +364,9 @@ def test_cli_search_writes_file(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- one place decides validity
 def test_trainer_and_planner_share_one_validity_module():
-    from llm_pretrain import distributed, layout, preflight
-    from llm_pretrain.planner.estimate import validated_setup  # noqa: F401 (uses llm_pretrain.layout)
+    from llm_pretrain.parallel import distributed, layout
+    from llm_pretrain.run import preflight
+    from llm_pretrain.planner.estimate import validated_setup  # noqa: F401 (uses llm_pretrain.parallel.layout)
 
     assert preflight.check_strategy is layout.check_strategy
     assert preflight.check_model_fits_layout is layout.check_model_fits_layout
@@ -378,7 +379,7 @@ def test_trainer_and_planner_share_one_validity_module():
 
 
 def test_perf_table_shows_prediction_beside_measured():
-    from llm_pretrain import perf
+    from llm_pretrain.observe import perf
 
     run = {"model": "llama-real", "strategy": "tp2", "layout": {"world_size": 2}, "device": "cpu",
            "prediction": {"peak_mem_allocated_mb": 351.6, "peak_mem_reserved_mb": None, "tokens_per_card_per_sec": None}}

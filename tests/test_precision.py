@@ -28,9 +28,9 @@ import paddle
 import pytest
 
 from launch_utils import launch
-from llm_pretrain.distributed import Layout
+from llm_pretrain.parallel.distributed import Layout
 from llm_pretrain.errors import UsageError
-from llm_pretrain.precision import AMP_BLACK_LIST, O2_WHITE_LIST, Precision, check_master_grad, loss_scaler_kind
+from llm_pretrain.parallel.precision import AMP_BLACK_LIST, O2_WHITE_LIST, Precision, check_master_grad, loss_scaler_kind
 from models.registry import make_config
 
 WORKER = Path(__file__).resolve().parent / "workers" / "precision_worker.py"
@@ -95,7 +95,7 @@ def test_master_grads_train_like_plain_gradients(overflow_runs, stage):
 
 
 def test_differing_replicas_fail_on_cpu_and_are_resynchronized_on_gpu(overflow_runs):
-    """llm_pretrain/replica_check.py: a relative difference of 2**-20 on rank 1's copy of a norm weight."""
+    """llm_pretrain/checkpoint/replica_check.py: a relative difference of 2**-20 on rank 1's copy of a norm weight."""
     r0, r1 = overflow_runs[0]["replica_resync"], overflow_runs[1]["replica_resync"]
     for r in (r0, r1):
         assert r["before"]["identical"] and r["before"]["replica_groups"] > 0
@@ -205,7 +205,7 @@ def test_prepare_builds_paddlenlps_amp_objects(dtype, level, master_grad, degree
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils import mix_precision_utils
 
-    import llm_pretrain.precision as precision_module
+    import llm_pretrain.parallel.precision as precision_module
 
     calls = {}
     monkeypatch.setattr(paddle.amp, "decorate", lambda **k: calls.setdefault("decorate", k) and (k["models"], "O2-opt"))
@@ -293,7 +293,7 @@ class _Dataset:
 
 @pytest.mark.parametrize("model_class", [_FakeModel, _FakePipeline])
 def test_every_forward_runs_under_the_runs_autocast(model_class):
-    from llm_pretrain.trainer import BatchPlan, evaluate, train_step
+    from llm_pretrain.run.trainer import BatchPlan, evaluate, train_step
 
     precision = _RecordingPrecision()
     model = model_class(precision)
@@ -330,7 +330,7 @@ def _linear_training():
 
 
 def test_single_process_scaler_logs_unscaled_norm_and_skips_schedule_on_overflow():
-    from llm_pretrain.trainer import global_grad_norm, train_step
+    from llm_pretrain.run.trainer import global_grad_norm, train_step
 
     def run(scaled: bool, inject: bool):
         layer, model, optimizer, schedule, precision = _linear_training()
@@ -358,7 +358,7 @@ def test_one_process_fp16_skipped_step_leaves_the_scaler_usable():
     """skip_nan_inf_steps with fp16 in one process: a non-finite loss drops the step after the
     scaler's unscale_ ran; the next step must unscale again (Paddle raises "unscale_() has already
     been called" unless the skipped step ended with update(), paddle/amp/grad_scaler.py:368-371)."""
-    from llm_pretrain.trainer import train_step
+    from llm_pretrain.run.trainer import train_step
 
     layer, model, optimizer, schedule, precision = _linear_training()
     precision.use_scaler(_cpu_grad_scaler(decr_every_n_nan_or_inf=1), Layout())
@@ -450,8 +450,8 @@ def test_fp16_loss_scale_and_counters_come_back_on_resume(tmp_path):
     the manifest) and comes back on resume, as paddlenlp/trainer/trainer.py:2232-2233 / 2532-2535: the
     resumed run goes on with the interrupted run's scale and good/bad step counters. The negative
     control resumes without the scaler (the code before it was saved): scale and counters restart."""
-    from llm_pretrain import checkpoint as ckpt
-    from llm_pretrain.trainer import train_step
+    from llm_pretrain.checkpoint import checkpointer as ckpt
+    from llm_pretrain.run.trainer import train_step
 
     config = _attention_config()
     tokens = np.arange(17) % 64
@@ -670,8 +670,8 @@ def test_continue_training_loads_on_the_host_and_reads_bf16(tmp_path, monkeypatc
 def test_gpu_model_config_wires_the_fused_kernels(tmp_path):
     """What build_model_config gives the model on a GPU (nothing here runs on one)."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import plan_layout
-    from llm_pretrain.preflight import build_model_config
+    from llm_pretrain.parallel.distributed import plan_layout
+    from llm_pretrain.parallel.layout import build_model_config
 
     def config_for(model, **keys):
         argv = ["--model_name_or_path", model, "--input_dir", str(tmp_path), "--max_steps", "1"]

@@ -1,4 +1,4 @@
-"""The preflight (llm_pretrain/preflight.py): a bad input is exactly one line `error: ...`, exit code 2,
+"""The preflight (llm_pretrain/run/preflight.py): a bad input is exactly one line `error: ...`, exit code 2,
 found before Paddle is imported; a good run records the CPU defaults instead of printing them early.
 
 Every command runs as a new user would: `python llm_pretrain/run_pretrain.py <file> [--key value]`
@@ -104,11 +104,11 @@ def test_run_record_holds_the_cpu_defaults_printed_when_training_starts(embedded
     assert "cpu defaults" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("module", ["llm_pretrain.preflight", "llm_pretrain.planner.estimate",
+@pytest.mark.parametrize("module", ["llm_pretrain.run.preflight", "llm_pretrain.planner.estimate",
                                     "llm_pretrain.planner.search"])
 def test_preflight_and_planner_load_neither_paddle_nor_the_trainer(module):
     code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m in ('paddle', 'llm_pretrain.trainer')))")
+            "print(sorted(m for m in sys.modules if m in ('paddle', 'llm_pretrain.run.trainer')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=fresh_env(PYTHONPATH=str(REPO_ROOT)),
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

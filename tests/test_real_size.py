@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 
 from launch_utils import REPO_ROOT
-from llm_pretrain.selfcheck import layout_output
+from llm_pretrain.selfcheck.rows import layout_output
 from parity_utils import DEVICE, SAVE_STEP, TOLERANCE, run_record, train_records
 
 SELFCHECK = REPO_ROOT / "scripts" / "gpu_selfcheck.py"
 # cp2sd2_stage2 and sep2sd2_stage3 (one launch): ring attention at this size, and the sum over the sep group
-# (llm_pretrain/distributed.py sum_sharded_gradients_over_sep_group) of stage 2's gradients kept out of its
+# (llm_pretrain/parallel/distributed.py sum_sharded_gradients_over_sep_group) of stage 2's gradients kept out of its
 # buffer (embedding and head) and of stage 3's slices (the MLP matrices, embedding and head).
 LAYOUTS = ["dp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage1", "tp2sd2_stage2", "sep2", "cp2sd2_stage2",
            "sep2sd2_stage3"]
@@ -129,7 +129,7 @@ def test_weight_decay_applies_to_the_same_parameters_as_stage3_slices():
     import paddle
 
     from llm_pretrain.arguments import Arguments
-    from llm_pretrain.optim import build_optimizer, build_schedule
+    from llm_pretrain.parallel.optim import build_optimizer, build_schedule
     from models.decoder import CausalLM
     from models.registry import ARCHITECTURES
 

@@ -176,9 +176,10 @@ def test_spike_skip_is_refused_under_the_pipeline_and_rollback_is_not(embedded_c
     rollback reloads the checkpoint (discarding that update) and is allowed. check_startup runs
     before fleet.init, so a 2-stage layout needs no launch."""
     from llm_pretrain.arguments import parse_arguments
-    from llm_pretrain.distributed import Layout
+    from llm_pretrain.parallel.distributed import Layout
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.preflight import build_model_config, check_startup
+    from llm_pretrain.parallel.layout import build_model_config
+    from llm_pretrain.run.preflight import check_startup
 
     def startup(action, layout):
         args, _ = parse_arguments([str(small_run(embedded_corpus, tmp_path)), "--loss_spike_factor", "3",
@@ -200,7 +201,7 @@ def test_async_save_writes_the_same_checkpoints_and_survives_kill_9(embedded_cor
     import signal
     import time
 
-    from llm_pretrain.checkpoint import latest_checkpoint, verify_checkpoint
+    from llm_pretrain.checkpoint.checkpointer import latest_checkpoint, verify_checkpoint
     from test_fault_injection import start_cli
 
     args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.1)

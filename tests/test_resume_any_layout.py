@@ -71,7 +71,7 @@ MODELS = {
     "llama_fused": {"fuse_attention_qkv": True, "fuse_attention_ffn": True},
     "gpt3": {"model_name_or_path": "gpt3-tiny"},
     # Weight decay 0.1 (not the 0.01 of the other models): Paddle's stage 3 renames sliced parameters
-    # ("slice@..."), which the decay filter handles (llm_pretrain/optim.py decays_parameter); missing
+    # ("slice@..."), which the decay filter handles (llm_pretrain/parallel/optim.py decays_parameter); missing
     # them would differ from one process by more than the tolerance (3e-4 in loss at decay 1.0).
     "real": {"model_name_or_path": "llama-real", "num_hidden_layers": 2, "weight_decay": 0.1},
 }

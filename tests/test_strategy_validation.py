@@ -64,7 +64,7 @@ def test_layout_errors_name_the_keys(embedded_corpus, tmp_path, monkeypatch, wor
 
 
 def test_model_sizes_that_tensor_parallelism_cannot_split():
-    from llm_pretrain.layout import Layout, check_model_fits_layout
+    from llm_pretrain.parallel.layout import Layout, check_model_fits_layout
     from models.registry import make_config
 
     layout = Layout(world_size=2, data_parallel_degree=1, tensor_parallel_degree=2, pipeline_parallel_degree=1,

@@ -11,7 +11,7 @@ import pytest
 
 from llm_pretrain.data import IndexedDataset, best_fitting_dtype, prepare_jsonl
 from llm_pretrain.errors import UsageError
-from llm_pretrain.tokenizer import load_tokenizer
+from llm_pretrain.data.tokenizer import load_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREPARE = os.path.join(REPO_ROOT, "scripts", "prepare_data.py")

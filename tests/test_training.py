@@ -115,7 +115,7 @@ def test_global_batches_read_the_same_samples_at_any_data_parallel_degree(replic
     data-parallel degree, replica r the r-th contiguous slice, micro-batches in order: so a run
     resumed under another data-parallel degree (tests/test_resume_any_layout.py) goes on with the
     samples the first part would have read, in the same order as one process."""
-    from llm_pretrain.trainer import BatchPlan
+    from llm_pretrain.run.trainer import BatchPlan
 
     dataset = [np.full(5, i) for i in range(64)]  # sample i holds tokens i
     one = BatchPlan(micro_batch_size=2, accumulation_steps=4, data_replicas=1, data_replica_rank=0)
@@ -147,8 +147,8 @@ def test_seeds_per_rank_are_paddlenlps(degrees, monkeypatch):
     import paddle.distributed
     from paddlenlp.trainer import trainer_utils
 
-    from llm_pretrain.layout import Layout
-    from llm_pretrain.trainer import distributed_seeds
+    from llm_pretrain.parallel.layout import Layout
+    from llm_pretrain.run.trainer import distributed_seeds
 
     layout = Layout(**degrees)
     sizes = [getattr(layout, k) for k in ("sharding_degree", "data_parallel_degree", "pipeline_parallel_degree",
@@ -175,7 +175,7 @@ def test_set_seed_can_run_again_in_one_process():
     """Tests train several runs in one process: the tracker's states are replaced, not refused."""
     from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 
-    from llm_pretrain.trainer import set_seed
+    from llm_pretrain.run.trainer import set_seed
 
     for seed in (3, 4, 3):
         set_seed(seed)
@@ -190,7 +190,7 @@ def test_batches_reach_the_device_as_plain_copies(embedded_corpus, tmp_path):
     """BatchPrefetcher hands out exactly the micro-batches BatchPlan reads (the next one read ahead on
     its thread), as tensors on the current place, copied synchronously (no pinned staging)."""
     from llm_pretrain.data import build_pretraining_datasets
-    from llm_pretrain.trainer import BatchPlan, BatchPrefetcher
+    from llm_pretrain.run.trainer import BatchPlan, BatchPrefetcher
 
     train, _, _ = build_pretraining_datasets(input_dir=embedded_corpus["input_dir"], split="949,50,1", seq_length=32,
                                              seed=1, num_samples=(64, 0, 0), data_cache=str(tmp_path / "cache"))
@@ -210,8 +210,8 @@ def test_batches_reach_the_device_as_plain_copies(embedded_corpus, tmp_path):
 def test_a_logged_step_reads_its_values_together():
     """metrics.reduce_for_log: the loss, the mean of the step norms (device tensors or floats) and the
     peak memory come back from one concatenated read (one process: nothing to reduce)."""
-    from llm_pretrain.layout import Layout
-    from llm_pretrain.metrics import reduce_for_log
+    from llm_pretrain.parallel.layout import Layout
+    from llm_pretrain.observe.metrics import reduce_for_log
 
     norms = [paddle.to_tensor(3.0), 5.0]
     loss, norm, memory = reduce_for_log(2.5, norms, {"peak_mem_allocated_mb": 7.0, "peak_rss_mb": 9.0}, Layout())

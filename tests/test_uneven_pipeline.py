@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from launch_utils import REPO_ROOT, launch
-from llm_pretrain.layout import paddle_has_deep_ep
+from llm_pretrain.parallel.layout import paddle_has_deep_ep
 from parity_utils import (
     argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
     run_single, write_json,
@@ -137,7 +137,7 @@ def test_automatic_split_is_fleets_uniform_segmentation():
     """The automatic split (layout.pipeline_split) is what fleet's SegmentLayers "uniform" gives PaddleNLP."""
     from paddle.distributed.fleet.meta_parallel.parallel_layers.pp_layers import SegmentLayers
 
-    from llm_pretrain.layout import pipeline_split
+    from llm_pretrain.parallel.layout import pipeline_split
 
     for layers, stages in ((4, 3), (8, 3), (70, 12), (10, 3), (13, 4), (31, 6), (30, 4)):
         items = layers + 3  # embedding, decoder layers, final norm, head

@@ -5,4 +5,7 @@
     llm-prepare-data   cli/prepare_data.py            JSON lines -> prefix.bin/.idx
     llm-benchmark      cli/benchmark.py               launch argument files, write the performance table
     llm-perf-table     cli/perf_table.py              the performance table of finished runs
+    llm-export-hf      checkpoint/hf_export.py        a checkpoint -> a Hugging Face directory
+
+May import everything in llm_pretrain; nothing in llm_pretrain imports it.
 """

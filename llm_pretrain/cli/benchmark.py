@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from llm_pretrain import perf
+from llm_pretrain.observe import perf
 
 # Launched as a script file, as users launch it (the package must be importable: installed, or on PYTHONPATH).
 RUN_PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run_pretrain.py")
@@ -98,7 +98,7 @@ def read_degrees(values: dict, nproc: int | None = None) -> dict:
 
 
 def strategy_of(degrees: dict) -> str:
-    from llm_pretrain.layout import strategy_name
+    from llm_pretrain.parallel.layout import strategy_name
 
     return strategy_name(degrees["tensor_parallel_degree"], degrees["pipeline_parallel_degree"],
                          degrees["sharding_degree"], degrees["sharding_stage"], degrees["virtual_pp_degree"],

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from llm_pretrain import perf
+from llm_pretrain.observe import perf
 
 
 def expand(paths: list[str]) -> list[str]:

@@ -6,6 +6,9 @@
     ensure_embedded_corpus(out_dir)                           the offline default corpus and tokenizer
     prepare_jsonl(inputs, tokenizer, output_prefix, ...)      JSON lines -> prefix.bin/.idx (scripts/prepare_data.py)
     IndexedDataset(prefix), IndexedWriter(prefix, dtype)      the mmap format itself
+    tokenizer.load_tokenizer(path)                            local tokenizers, offline
+
+May import: llm_pretrain.arguments, llm_pretrain.errors, models. Nothing else of llm_pretrain.
 """
 
 from llm_pretrain.data.embedded import ensure_embedded_corpus

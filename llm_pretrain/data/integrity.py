@@ -10,7 +10,7 @@
         (the trainer removes and rebuilds them)
 
 Kept apart from indexed.py / samples.py so that their hot paths stay as they are; the integrity
-check runs in the preflight (llm_pretrain/preflight.py, before Paddle is imported), the sample
+check runs in the preflight (llm_pretrain/run/preflight.py, before Paddle is imported), the sample
 index check where the datasets are opened (trainer.py).
 """
 

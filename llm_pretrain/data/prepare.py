@@ -31,7 +31,7 @@ import numpy as np
 
 from llm_pretrain.data.indexed import IndexedWriter, best_fitting_dtype
 from llm_pretrain.errors import UsageError
-from llm_pretrain.tokenizer import load_tokenizer
+from llm_pretrain.data.tokenizer import load_tokenizer
 
 # Set in each worker by _init_worker (and in the main process for workers=1).
 _worker = {}

@@ -8,8 +8,12 @@ on N processes of a device, from the same checks the run's preflight makes.
                 of nproc processes would be, then estimated; what `python scripts/plan.py estimate` prints
 
 This package estimates a checked Setup and imports neither the preflight nor the trainer;
-llm_pretrain/preflight.py records `estimate_setup` of every run in its run record, and
-planner/estimate.py (not imported here) runs the preflight's checks for an argument file.
+llm_pretrain/run/preflight.py records `estimate_setup` of every run in its run record, and
+planner/estimate.py (not imported here) runs the same checks as the preflight
+(llm_pretrain/parallel/layout.py check_layout_and_model) for an argument file.
+
+May import: llm_pretrain.arguments, llm_pretrain.errors, models, parallel (layout), observe (FLOPs, peaks).
+Never run, checkpoint, selfcheck or cli.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def device_memory_mb(device: str) -> float | None:
     """Memory of one card (MiB), None for a CPU (no fixed limit)."""
     if device_kind(device) == "cpu":
         return None
-    from llm_pretrain.flops import match_device
+    from llm_pretrain.observe.flops import match_device
 
     size = re.search(r"(\d+)\s*G", device.upper())
     if size:
@@ -63,17 +67,17 @@ def device_memory_mb(device: str) -> float | None:
     key = match_device(device)
     if key is None:
         raise UsageError(f"--device: {device!r} is not a known GPU; use one of A100-80G, A100-40G, H100-80G, H800, "
-                         "A800, V100, ... (llm_pretrain/flops.py PEAK_TFLOPS) or cpu")
+                         "A800, V100, ... (llm_pretrain/observe/flops.py PEAK_TFLOPS) or cpu")
     return DEVICE_MEMORY_GIB.get(key, 80) * 1024.0
 
 
 def check_device(device: str) -> None:
     if device_kind(device) == "gpu":
-        from llm_pretrain.flops import match_device
+        from llm_pretrain.observe.flops import match_device
 
         if match_device(device) is None:
             raise UsageError(f"--device: {device!r} is not a known GPU; use one of A100-80G, A100-40G, H100-80G, "
-                             "H800, A800, V100, ... (llm_pretrain/flops.py PEAK_TFLOPS) or cpu")
+                             "H800, A800, V100, ... (llm_pretrain/observe/flops.py PEAK_TFLOPS) or cpu")
 
 
 def setup_from(args: Arguments, layout, config, kind: str) -> Setup:

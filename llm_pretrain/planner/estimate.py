@@ -1,5 +1,5 @@
 """The planner's estimate of an argument file: the preflight's own checks of the layout and model
-(llm_pretrain/preflight.py check_layout_and_model, as a run of nproc processes makes them), then
+(llm_pretrain/run/preflight.py check_layout_and_model, as a run of nproc processes makes them), then
 the memory and speed of the checked Setup (llm_pretrain/planner/__init__.py estimate_setup).
 
 A separate module so that the planner package itself needs no preflight: the preflight records
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llm_pretrain.arguments import Arguments
 from llm_pretrain.planner import check_device, device_kind, estimate_setup, setup_from
-from llm_pretrain.preflight import check_layout_and_model
+from llm_pretrain.parallel.layout import check_layout_and_model
 
 
 def validated_setup(args: Arguments, nproc: int, device: str):
@@ -23,7 +23,7 @@ def validated_setup(args: Arguments, nproc: int, device: str):
 def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | None = None) -> dict:
     """Predicted per-rank peak memory and speed of `args` on `nproc` processes of `device`.
 
-    device: "cpu" or a GPU name of llm_pretrain/flops.py's table ("A100-80G", "H100-80G", ...). Raises the
+    device: "cpu" or a GPU name of llm_pretrain/observe/flops.py's table ("A100-80G", "H100-80G", ...). Raises the
     preflight's UsageError for a layout a run would refuse. Speed is predicted for GPUs only (None on CPU).
     """
     check_device(device)

@@ -153,7 +153,7 @@ class RankMemory:
     @property
     def checkpoint_state_bytes(self) -> float:
         """The host copy an asynchronous save holds while its background write runs (async_save,
-        llm_pretrain/checkpoint.py save_async): the weights, master weights and Adam moments this rank
+        llm_pretrain/checkpoint/checkpointer.py save_async): the weights, master weights and Adam moments this rank
         holds; at most, as a rank copies only what it writes (one data-parallel replica writes)."""
         return sum(v for k, v in self.persistent.items() if k in CHECKPOINTED_TERMS)
 
@@ -375,7 +375,7 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
     # Expert parallelism over sharding ranks (dp 1): the experts stay out of fleet's sharding wrappers; their
     # states are split over fleet's moe_sharding group (the degree / ep ranks holding the same experts; this
     # rank is number sharding_rank // ep there) by fleet's stage-1 partition, and every rank keeps the whole
-    # gradients of its experts (llm_pretrain/expert_optimizer.py).
+    # gradients of its experts (llm_pretrain/parallel/expert_optimizer.py).
     ep = c.expert_parallel_degree
     experts = ([q for q in params if ".experts." in q.name]
                if stage_ in (1, 2) and ep > 1 and setup.dp == 1 else [])

@@ -102,14 +102,14 @@ def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> lis
 
 def stage_layers(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[int]:
     """Decoder layers on pipeline stage `stage`, as models/pipeline.py's PipelineLayer cuts them: chunk c of
-    llm_pretrain.layout.pipeline_split (even, PaddleNLP's uniform fallback, or explicit) goes to stage c % pp."""
+    llm_pretrain.parallel.layout.pipeline_split (even, PaddleNLP's uniform fallback, or explicit) goes to stage c % pp."""
     return [layer for chunk in stage_chunks(config, pp, vpp, stage, layers_per_stage) for layer in chunk]
 
 
 def stage_chunks(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_stage=None,
                  dualpipev: bool = False) -> list[list[int]]:
     """The decoder layers of each of this stage's chunks (one chunk without interleaving, two in DualPipeV's V)."""
-    from llm_pretrain.layout import pipeline_split, stage_layer_indices
+    from llm_pretrain.parallel.layout import pipeline_split, stage_layer_indices
 
     split = pipeline_split(config.num_hidden_layers, pp, 2 if dualpipev else vpp, layers_per_stage)
     return stage_layer_indices(split, pp, stage, dualpipev)

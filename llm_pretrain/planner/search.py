@@ -31,7 +31,7 @@ def _divisors(n: int) -> list[int]:
 
 def base_arguments(model: str, seq: int, device: str) -> dict:
     """The run-independent keys of a written file, in configs/ style (bf16 O2 on GPUs with bf16)."""
-    from llm_pretrain.flops import PEAK_TFLOPS, match_device
+    from llm_pretrain.observe.flops import PEAK_TFLOPS, match_device
 
     bf16 = "bf16" in PEAK_TFLOPS.get(match_device(device) or "", {})
     return {
@@ -162,7 +162,7 @@ def explain(result: dict) -> list[str]:
 
 def file_strategy_name(arguments: dict) -> str:
     """The strategy part of a configs/ file name (data parallelism left out, as configs/README.md says)."""
-    from llm_pretrain.layout import strategy_name
+    from llm_pretrain.parallel.layout import strategy_name
 
     stage = int(arguments["sharding"][-1]) if arguments.get("sharding") else 0
     return strategy_name(arguments.get("tensor_parallel_degree", 1), arguments.get("pipeline_parallel_degree", 1),

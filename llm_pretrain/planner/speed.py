@@ -18,7 +18,7 @@ data-parallel / sharding gradient traffic.
     optimizer step    neglected (AdamW reads/writes ~16 bytes per parameter: ~1 % of a step at the
                       Megatron table's sizes)
 
-Compute is `training_flops_per_token` of llm_pretrain/flops.py (recompute included) at a fraction
+Compute is `training_flops_per_token` of llm_pretrain/observe/flops.py (recompute included) at a fraction
 of the device's peak (`matmul_efficiency`). Collectives run at ring-algorithm volumes:
 all-reduce 2 (n-1)/n x bytes, all-gather / reduce-scatter (n-1)/n x bytes, over NVLink when the
 group lies inside a node and over InfiniBand otherwise.
@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from llm_pretrain.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
+from llm_pretrain.observe.flops import device_peak_tflops, model_flops_per_token, recompute_flops_args, training_flops_per_token
 from llm_pretrain.planner.memory import Setup
 
 CALIBRATION_SOURCE = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
@@ -72,7 +72,7 @@ class Cluster:
     inter_node_gbps: float | None = None
 
     def links(self) -> tuple[float, float]:
-        from llm_pretrain.flops import match_device
+        from llm_pretrain.observe.flops import match_device
 
         default = DEFAULT_LINKS.get(match_device(self.device) or "", FALLBACK_LINKS)
         return (self.intra_node_gbps or default[0], self.inter_node_gbps or default[1])

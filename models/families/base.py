@@ -32,7 +32,7 @@ class PaddleNLPClass:
 
 @dataclass(frozen=True)
 class HuggingFaceClass:
-    """The Hugging Face transformers class that computes what the family does (llm_pretrain/hf_export.py).
+    """The Hugging Face transformers class that computes what the family does (llm_pretrain/checkpoint/hf_export.py).
 
     table(config): our canonical names -> Hugging Face's (models/paddlenlp_interop.Rule list; PyTorch
     [out, in] matrices: "_transpose" joins). Import reads the same table back (the family's

@@ -38,7 +38,7 @@ def workload():
 
 before = workload()
 
-from llm_pretrain.cpu_compat import _MpOpsCpuKernels, apply_cpu_compat  # noqa: E402
+from llm_pretrain.cpu.compat import _MpOpsCpuKernels, apply_cpu_compat  # noqa: E402
 
 apply_cpu_compat()
 apply_cpu_compat()  # idempotent

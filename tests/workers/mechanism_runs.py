@@ -42,7 +42,7 @@ import json
 import sys
 from collections import defaultdict
 
-from llm_pretrain.cpu_threads import apply_cpu_defaults  # imports no Paddle
+from llm_pretrain.cpu.threads import apply_cpu_defaults  # imports no Paddle
 
 
 def runs_device(runs_file: str) -> str | None:
@@ -55,7 +55,7 @@ def runs_device(runs_file: str) -> str | None:
         return json.load(f).get("device")
 
 
-# run_pretrain sets its CPU defaults (llm_pretrain/cpu_threads.py: strided views off, threads) before
+# run_pretrain sets its CPU defaults (llm_pretrain/cpu/threads.py: strided views off, threads) before
 # Paddle loads; the probes import Paddle first, so they are set here, as run_pretrain would: the runs
 # are the runs run_pretrain trains (the parity runs sharing these launches read them in their records).
 if __name__ == "__main__":
@@ -66,7 +66,7 @@ import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
-from llm_pretrain import run_record  # noqa: E402
+from llm_pretrain.observe import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
 from models import parallel_layers, ring_attention  # noqa: E402
 from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
@@ -299,8 +299,10 @@ def perturbed_replica_run(run: dict) -> dict:
     {"rank": r, "parameter": canonical name}). The check must stop the run naming both."""
     import paddle.distributed as dist
 
-    from llm_pretrain import replica_check, trainer
+    from llm_pretrain.checkpoint import replica_check
 
+
+    from llm_pretrain.run import trainer
     target = run["perturb_replica"]
     check = trainer.check_replicas
 

@@ -27,12 +27,12 @@ from unittest import mock
 
 from worker_common import dist, init_fleet, np, paddle, write_result
 
-from llm_pretrain.distributed import Layout, record_grad_norm, wrap_for_training
-from llm_pretrain.optim import build_optimizer, build_schedule
-from llm_pretrain.precision import (
+from llm_pretrain.parallel.distributed import Layout, record_grad_norm, wrap_for_training
+from llm_pretrain.parallel.optim import build_optimizer, build_schedule
+from llm_pretrain.parallel.precision import (
     Precision, fix_scale_update, keep_master_grads, loss_scaler_kind,
 )
-from llm_pretrain.trainer import train_step
+from llm_pretrain.run.trainer import train_step
 from models.registry import make_config
 from models.decoder import CausalLM
 from models.weights import init_weights
@@ -131,7 +131,7 @@ def run_replica_case(hcg) -> dict:
     leaves): the strict check (CPU) must refuse, the resynchronizing one (GPU) must report the
     difference and give rank 1 rank 0's copy, after which the replicas are bitwise equal again."""
     from llm_pretrain.errors import RunError
-    from llm_pretrain.replica_check import check_replicas
+    from llm_pretrain.checkpoint.replica_check import check_replicas
 
     rank = dist.get_rank()
     layout, model, optimizer, schedule, unwrapped, parameters = build(hcg, 1)

@@ -14,7 +14,7 @@ import paddle.distributed as dist  # noqa: E402
 from paddle.distributed import fleet  # noqa: E402
 
 from launch_utils import write_result  # noqa: E402  (tests/launch_utils.launch puts the repo and tests/ on PYTHONPATH)
-from llm_pretrain.cpu_compat import apply_cpu_compat  # noqa: E402
+from llm_pretrain.cpu.compat import apply_cpu_compat  # noqa: E402
 
 
 def init_fleet(**hybrid_configs):

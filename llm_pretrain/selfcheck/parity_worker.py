@@ -1,17 +1,17 @@
 """Run several trainings one after the other in this process (the parity harness launches it once per layout).
 
-    python llm_pretrain/parity_worker.py runs.json
-    python -m paddle.distributed.launch --nproc_per_node 2 llm_pretrain/parity_worker.py runs.json
+    python llm_pretrain/selfcheck/parity_worker.py runs.json
+    python -m paddle.distributed.launch --nproc_per_node 2 llm_pretrain/selfcheck/parity_worker.py runs.json
 
 runs.json is a list of runs, each an argument list for llm_pretrain/run_pretrain.py, e.g.
 [["base.json", "--tensor_parallel_degree", "2", "--output_dir", "out/tp2"], ...], or
 {"argv": [...], "inject_overflow": {"rank": 1, "step": 2}}: that rank alone gets an infinite
 gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow.
 Every run of one launch must have the same parallel layout (fleet is initialized once).
-Under llm_pretrain.parity.launch each rank writes what it observed in the runs with an injection:
+Under llm_pretrain.selfcheck.parity.launch each rank writes what it observed in the runs with an injection:
 whether each step's optimizer step ran and the loss scale after it (keyed by output_dir). Only
 those runs import the trainer before run_pretrain does: the others keep run_pretrain's order
-(its CPU defaults are set before Paddle loads, llm_pretrain/cpu_threads.py).
+(its CPU defaults are set before Paddle loads, llm_pretrain/cpu/threads.py).
 """
 
 import json
@@ -21,7 +21,7 @@ import sys
 
 def observe_steps(inject: dict | None, observed: dict):
     """Wrap the trainer's train_step: record each step's outcome; inject the overflow if asked."""
-    from llm_pretrain import trainer
+    from llm_pretrain.run import trainer
 
     original = trainer.train_step
     calls = {"n": 0}
@@ -72,8 +72,8 @@ def main(runs_file: str) -> int:
         # allocator peak (metrics.peak_memory_mb) is its own.
         if "paddle.distributed.fleet" in sys.modules:
             sys.modules["paddle.distributed.fleet"].fleet.user_defined_optimizer = None
-    if os.environ.get("LAUNCH_RESULT_DIR"):  # under llm_pretrain.parity.launch: report what was observed
-        from llm_pretrain.parity import write_result
+    if os.environ.get("LAUNCH_RESULT_DIR"):  # under llm_pretrain.selfcheck.parity.launch: report what was observed
+        from llm_pretrain.selfcheck.parity import write_result
 
         write_result({"runs": len(runs), "observations": observations})
     return 0

@@ -33,7 +33,7 @@ lines when the value is the one set here, and with them when it is the user's ow
 Nothing here imports Paddle (that would be too late). Two questions need answers without it:
 
 * Is the run on CPU? The `device` argument when given; otherwise what Paddle's own default
-  would be (llm_pretrain.preflight.choose_device: gpu when Paddle is compiled with CUDA),
+  would be (llm_pretrain.run.preflight.choose_device: gpu when Paddle is compiled with CUDA),
   read from the build's version file: paddle/version/__init__.py is written when the wheel is
   built and holds `cuda_version = 'False'` (and `hip_version = None`) in CPU builds; it is what
   `paddle.version.cuda()` returns. Found through importlib's spec of the package, not imported.
@@ -137,7 +137,6 @@ def apply_cpu_defaults(device: str | None) -> str | None:
     """
     if "paddle" in sys.modules:
         return None
-    from llm_pretrain.flops import cpu_count, cpu_vendor  # neither imports Paddle
 
     settings = cpu_defaults(device, dict(os.environ), launcher_environment(dict(os.environ)), cpu_count(),
                             cpu_vendor(), paddle_build())
@@ -175,3 +174,28 @@ def import_paddle():
             real.write(shown)
             real.flush()
     return paddle
+
+
+# ----------------------------------------------------------------------------- the machine
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpuinfo_field(key: str) -> str | None:
+    """The first `key : value` of /proc/cpuinfo ("vendor_id", "model name", ...); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_vendor() -> str | None:
+    """"GenuineIntel", "AuthenticAMD", ... (None off Linux)."""
+    return cpuinfo_field("vendor_id")

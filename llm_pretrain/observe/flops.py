@@ -56,6 +56,7 @@ import os
 import re
 import time
 
+from llm_pretrain.cpu.threads import cpu_count, cpu_vendor, cpuinfo_field  # noqa: F401 (perf and scripts read them here)
 from models.config import ModelConfig
 
 RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
@@ -244,13 +245,6 @@ def mfu(tflops_per_card: float, peak_tflops: float) -> float:
 
 
 # ----------------------------------------------------------------------------- CPU peak
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _best_tflops(matmul, size: int, min_seconds: float, min_repeats: int = 2) -> float:
     """Best (not mean: the peak is what the hardware *can* do) throughput of repeated n x n products."""
     matmul()  # warm-up: thread pools, page faults, kernel selection
@@ -329,23 +323,6 @@ def cpu_matmul_benchmark(size: int = 2048, min_seconds: float = 0.5) -> dict:
             "peak_tflops": max(paddle_tflops, numpy_tflops),
             "library": "paddle" if paddle_tflops >= numpy_tflops else "numpy", "size": size, "cpus": cpu_count(),
             **threads, "cpu_vendor": cpu_vendor(), "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE")}
-
-
-def cpuinfo_field(key: str) -> str | None:
-    """The first `key : value` of /proc/cpuinfo ("vendor_id", "model name", ...); None elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_vendor() -> str | None:
-    """"GenuineIntel", "AuthenticAMD", ... (None off Linux)."""
-    return cpuinfo_field("vendor_id")
 
 
 def measure_cpu_peak_tflops(size: int = 2048) -> float:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # llm_pretrain/
 SOURCE_ROOT = PACKAGE_DIR.parent  # the directory holding llm_pretrain/ and models/ (a clone, or site-packages)
-TRAIN_RUNS = PACKAGE_DIR / "parity_worker.py"
+TRAIN_RUNS = PACKAGE_DIR / "selfcheck" / "parity_worker.py"
 RUN_PRETRAIN = PACKAGE_DIR / "run_pretrain.py"
 RESULT_DIR_ENV = "LAUNCH_RESULT_DIR"
 TOLERANCE = 1e-5
@@ -311,7 +311,7 @@ def run_record(output_dir: Path) -> dict:
 
 
 def final_weights(output_dir: Path, step: int = 5) -> dict[str, np.ndarray]:
-    from llm_pretrain.checkpoint import merge_checkpoint
+    from llm_pretrain.checkpoint.checkpointer import merge_checkpoint
 
     return merge_checkpoint(str(Path(output_dir) / f"checkpoint-{step}"))
 
@@ -359,7 +359,7 @@ class LayoutCheck:
 
     def launch_key(self) -> tuple:
         degrees = {k: v for k, v in self.overrides.items() if k in LAUNCH_DEGREE_KEYS}
-        # sep and cp both give fleet its sep group (llm_pretrain/distributed.py build_strategy): one launch
+        # sep and cp both give fleet its sep group (llm_pretrain/parallel/distributed.py build_strategy): one launch
         sequence = self.overrides.get("sep_parallel_degree", 1) * self.overrides.get("context_parallel_degree", 1)
         if sequence > 1:
             degrees.pop("context_parallel_degree", None)
@@ -410,18 +410,18 @@ def summary_records(output_dir: Path) -> list[dict]:
 def assert_every_replica_matches(reference: Path, other: Path, step: int = 5, tolerance: float = TOLERANCE) -> dict:
     """Every rank's copy of every weight and of its optimizer state equals the single-process one.
 
-    In two parts, since a checkpoint stores each replicated tensor once (llm_pretrain/dist_checkpoint.py):
+    In two parts, since a checkpoint stores each replicated tensor once (llm_pretrain/checkpoint/dist_checkpoint.py):
     - what was written: every slice of every tensor in the checkpoint's index (tensor-parallel
       slices, stage-3 flat slices, the one copy of each replica; weights and AdamW states) equals
       the same box of the single-process checkpoint, and every tensor of that one (every optimizer
       state) is in this one, and no other;
     - the copies not written: each run (the first part of a resumed run too) reports in its summary
-      that its replica check (llm_pretrain/replica_check.py) found every replica of every box (data-
+      that its replica check (llm_pretrain/checkpoint/replica_check.py) found every replica of every box (data-
       parallel replicas, tensor-parallel norms, both pipeline ends' tied embedding, parameters whole
       on every sharding rank, and their optimizer states) bitwise identical to the copy written.
     Returns the largest differences and the number of replica groups of the last run.
     """
-    from llm_pretrain.dist_checkpoint import CheckpointReader
+    from llm_pretrain.checkpoint.dist_checkpoint import CheckpointReader
 
     ref_dir, got_dir = Path(reference) / f"checkpoint-{step}", Path(other) / f"checkpoint-{step}"
     worst = {"weights": 0.0, "optimizer": 0.0}

@@ -96,7 +96,7 @@ def apply_cpu_compat() -> None:
         return
     if paddle.__version__ != PADDLE_VERSION:
         warnings.warn(
-            f"llm_pretrain.cpu_compat patches Paddle {PADDLE_VERSION} internals; this is Paddle {paddle.__version__}"
+            f"llm_pretrain.cpu.compat patches Paddle {PADDLE_VERSION} internals; this is Paddle {paddle.__version__}"
         )
     _patch_gloo_process_group()
     _patch_mp_ops()

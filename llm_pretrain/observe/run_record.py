@@ -141,8 +141,8 @@ def describe_sharding(model, optimizer) -> dict | None:
 
 def describe_expert_states(optimizer) -> dict | None:
     """Under expert parallelism over sharding ranks: the experts' own optimizer and the share of this rank's
-    experts whose optimizer states it keeps (llm_pretrain/expert_optimizer.py)."""
-    from llm_pretrain.expert_optimizer import ExpertShardedOptimizer
+    experts whose optimizer states it keeps (llm_pretrain/parallel/expert_optimizer.py)."""
+    from llm_pretrain.parallel.expert_optimizer import ExpertShardedOptimizer
 
     if not isinstance(optimizer, ExpertShardedOptimizer):
         return None
@@ -155,7 +155,7 @@ def describe_expert_states(optimizer) -> dict | None:
 
 def _sep_gradient_sum(function) -> dict:
     """Under sep or cp: the size of the sep group the stage-2/3 gradients are summed over before the step
-    (llm_pretrain/distributed.py sum_sharded_gradients_over_sep_group marks the function it installs)."""
+    (llm_pretrain/parallel/distributed.py sum_sharded_gradients_over_sep_group marks the function it installs)."""
     group = getattr(function, "sep_group", None)
     return {"gradients_summed_over_sep_group": group.nranks} if group is not None else {}
 
@@ -264,7 +264,7 @@ def describe_precision(model, optimizer, precision=None) -> dict:
 
 def describe_runtime() -> dict:
     """What this process' kernels run with: the device, and on CPU the thread count, MKL's code path
-    switch and whether views are strided (llm_pretrain/cpu_threads.py sets these when the user did not),
+    switch and whether views are strided (llm_pretrain/cpu/threads.py sets these when the user did not),
     read from Paddle and the environment it loaded with."""
     import os
 
@@ -318,7 +318,7 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
 
 def built_strategy_name(built: dict) -> str:
     """The PaddleNLP-style strategy name (pp4vpp2tp2sd2_stage1 ...) of what was built."""
-    from llm_pretrain.layout import strategy_name
+    from llm_pretrain.parallel.layout import strategy_name
 
     layout, schedule, sharding = built["layout"], built["schedule"], built["sharding"]
     return strategy_name(layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"],

@@ -1,10 +1,10 @@
 """The parallel layout of a run: degrees from the arguments, fleet initialization, wrapping.
 
 The layout is read from the arguments and the launcher's world size and checked
-by llm_pretrain/layout.py *before* fleet.init (a wrong combination is a one-line
+by llm_pretrain/parallel/layout.py *before* fleet.init (a wrong combination is a one-line
 UsageError), then handed
 to fleet as a `DistributedStrategy`. On CPU the compatibility layer
-(llm_pretrain/cpu_compat.py) is applied first; nothing else here depends on
+(llm_pretrain/cpu/compat.py) is applied first; nothing else here depends on
 the device.
 """
 
@@ -16,9 +16,9 @@ import paddle
 import paddle.distributed as dist
 
 from llm_pretrain.arguments import Arguments
-# Moved to llm_pretrain/layout.py (one module decides validity); imported here for build_strategy
+# Moved to llm_pretrain/parallel/layout.py (one module decides validity); imported here for build_strategy
 # and for callers that still import them from this module.
-from llm_pretrain.layout import (  # noqa: F401
+from llm_pretrain.parallel.layout import (  # noqa: F401
     PARALLEL_CONFIG_OPTIONS, REFUSED_PARALLEL_CONFIG_OPTIONS, Layout, experts_over_sharding, parallel_config_settings,
     plan_layout,
 )
@@ -83,7 +83,7 @@ def init_distributed(layout: Layout, device: str, args: Arguments) -> Layout:
     if not layout.distributed:
         return layout
     if device == "cpu":
-        from llm_pretrain.cpu_compat import apply_cpu_compat
+        from llm_pretrain.cpu.compat import apply_cpu_compat
 
         apply_cpu_compat()
     from paddle.distributed import fleet
@@ -132,8 +132,8 @@ def wrap_for_training(model, optimizer, layout: Layout, accumulation_steps: int)
         register_sequence_parallel_allreduce_hooks(model, accumulation_steps, fuse_sequence_parallel_allreduce=False)
     if layout.sharding_stage and any(getattr(p, "expert_parallel", False) for p in model.parameters()):
         # Expert parallelism over the sharding ranks: fleet's sharding wrappers over the replicated weights,
-        # the experts' own optimizer path beside them (llm_pretrain/expert_optimizer.py).
-        from llm_pretrain.expert_optimizer import wrap_experts_over_sharding
+        # the experts' own optimizer path beside them (llm_pretrain/parallel/expert_optimizer.py).
+        from llm_pretrain.parallel.expert_optimizer import wrap_experts_over_sharding
 
         return wrap_experts_over_sharding(model, optimizer, lambda m, o: _wrap_dense(m, o, layout, hcg))
     model, optimizer = _wrap_dense(model, optimizer, layout, hcg)
@@ -341,7 +341,7 @@ def record_grad_norm(optimizer):
     )
     from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedClipGrad
 
-    from llm_pretrain.expert_optimizer import ShardedGlobalNormClip
+    from llm_pretrain.parallel.expert_optimizer import ShardedGlobalNormClip
 
     clip, inner = None, optimizer
     while inner is not None and clip is None:

@@ -1,6 +1,6 @@
 """Every copy of a replicated tensor is the same on every rank that holds it.
 
-A checkpoint stores each replicated tensor once (llm_pretrain/dist_checkpoint.py), so a replica
+A checkpoint stores each replicated tensor once (llm_pretrain/checkpoint/dist_checkpoint.py), so a replica
 that drifted from the others (a data-parallel rank that missed a gradient all-reduce, a
 tensor-parallel norm whose sequence-parallel hook did not fire, the pipeline's second copy of a
 tied embedding not updated like the first, a stage-1/2 broadcast that did not arrive) would
@@ -44,7 +44,7 @@ from llm_pretrain.errors import RunError
 
 def local_hashes(model, optimizer, layout) -> dict[str, str]:
     """'<tensor>@<offsets>' -> hash of that box's bytes, for every box this rank holds."""
-    from llm_pretrain.dist_checkpoint import held_tensors
+    from llm_pretrain.checkpoint.dist_checkpoint import held_tensors
 
     hashes = {}
     for t in held_tensors(model, optimizer, layout):
@@ -95,7 +95,7 @@ def resynchronize(model, optimizer, layout, step: int, differing: dict[str, list
     were not deterministic). Returns each box's largest absolute and relative difference."""
     import paddle.distributed as dist
 
-    from llm_pretrain.dist_checkpoint import held_tensors
+    from llm_pretrain.checkpoint.dist_checkpoint import held_tensors
 
     mine = {}  # key -> (held tensor, piece) on this rank
     for t in held_tensors(model, optimizer, layout):

@@ -23,9 +23,9 @@ from types import MethodType
 
 import paddle
 
-# check_master_grad decides whether a layout is valid, so it lives in llm_pretrain/layout.py (which has
+# check_master_grad decides whether a layout is valid, so it lives in llm_pretrain/parallel/layout.py (which has
 # no Paddle import: the preflight runs it before Paddle loads); imported here for existing callers.
-from llm_pretrain.layout import check_master_grad  # noqa: F401
+from llm_pretrain.parallel.layout import check_master_grad  # noqa: F401
 
 # paddlenlp/trainer/trainer.py autocast_smart_context_manager: reductions and the (parallel)
 # cross entropy stay in float32; under O2 the embedding lookup returns half precision too

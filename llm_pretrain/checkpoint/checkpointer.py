@@ -5,14 +5,14 @@ Layout of a checkpoint directory:
     trainer_state.json                  step, consumed samples, arguments, model config, layout
     tensors.index.json                  every weight and optimizer tensor (single-process name, shape,
                                         dtype) -> its slices (offsets, shape) -> the file holding each
-    tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/dist_checkpoint.py)
+    tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/checkpoint/dist_checkpoint.py)
     rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
     scaler.pdparams                     fp16 only: the loss scaler's scale and good/bad step counters
     manifest.json                       size and sha256 of every file above, and which rank wrote it
     COMPLETE                            written last: only such directories are resumed from
 
 What goes into the files is `write_rank_files` / `load_checkpoint` (the layout-free format of
-llm_pretrain/dist_checkpoint.py); the lifecycle
+llm_pretrain/checkpoint/dist_checkpoint.py); the lifecycle
 around them treats the files generically (whatever a rank writes is listed in the
 manifest), so the file format can change without touching it:
 
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from llm_pretrain import dist_checkpoint
-from llm_pretrain.distributed import Layout, all_reduce_max, barrier
+from llm_pretrain.checkpoint import dist_checkpoint
+from llm_pretrain.parallel.distributed import Layout, all_reduce_max, barrier
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -133,7 +133,7 @@ def set_rng_states(states: dict) -> None:
 
 def write_rank_files(staging: str, model, optimizer, layout: Layout, scaler=None) -> list[str]:
     """This rank's part of a checkpoint: the slices it holds of every weight and optimizer tensor
-    (llm_pretrain/dist_checkpoint.py; nothing is gathered), its RNG states and, on rank 0 under fp16,
+    (llm_pretrain/checkpoint/dist_checkpoint.py; nothing is gathered), its RNG states and, on rank 0 under fp16,
     the loss scaler's state. Returns the file names."""
     return write_snapshot_files(staging, snapshot_rank_state(model, optimizer, layout, scaler, copy=False), layout)
 
@@ -613,7 +613,7 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) ->
     given); returns the trainer state.
 
     A checkpoint in the layout-free format loads under any layout; one written before it (per-layout
-    model_state/optimizer files) only under the layout that wrote it (checked by the preflight, llm_pretrain/preflight.py)."""
+    model_state/optimizer files) only under the layout that wrote it (checked by the preflight, llm_pretrain/run/preflight.py)."""
     trainer_state = read_trainer_state(path)
     if dist_checkpoint.is_layout_free(path):
         dist_checkpoint.load_state(path, model, optimizer, layout)

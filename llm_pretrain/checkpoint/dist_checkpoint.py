@@ -210,7 +210,7 @@ def _sharding_optimizer(optimizer):
 
 def _expert_optimizer(optimizer):
     """The experts' own optimizer path under expert parallelism over sharding ranks (None otherwise)."""
-    from llm_pretrain.expert_optimizer import ExpertShardedOptimizer
+    from llm_pretrain.parallel.expert_optimizer import ExpertShardedOptimizer
 
     return optimizer if isinstance(optimizer, ExpertShardedOptimizer) else None
 
@@ -267,7 +267,7 @@ class HeldTensor:
 def held_tensors(model, optimizer, layout) -> list[HeldTensor]:
     """Every parameter and optimizer state this rank holds, with the boxes of the global tensor it
     holds: what save_state writes (minus the copies another rank writes) and what
-    llm_pretrain/replica_check.py compares across ranks."""
+    llm_pretrain/checkpoint/replica_check.py compares across ranks."""
     held = holdings(model, layout)
     by_internal = {h.param.name: h for h in held}
     result = [HeldTensor(h.name, h, None, _stage3_storage(h.param) if h.stage3_slice else h.param,

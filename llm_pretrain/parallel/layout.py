@@ -6,19 +6,24 @@
                              stages, option strings via parallel_config_settings)
     strategy_name            the PaddleNLP-style name of a layout (also `Layout.strategy`)
     pipeline_split           decoder layers of each pipeline chunk (even, PaddleNLP's uniform, or explicit)
+    check_layout_and_model   the layout on N processes and the model it trains (build_model_config), both
+                             checked: what the run's preflight and the planner's estimate both run
 
 Every check raises a one-line UsageError before any process group exists
-(llm_pretrain/preflight.py runs them before fleet.init; llm_pretrain/planner uses the same
+(llm_pretrain/run/preflight.py runs them before fleet.init; llm_pretrain/planner uses the same
 functions, so a layout the planner proposes is one the trainer accepts). No Paddle import here.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 from llm_pretrain.arguments import Arguments
 from llm_pretrain.errors import UsageError
 from models.config import ModelConfig
+from models.registry import resolve_model
 
 
 @dataclass
@@ -532,7 +537,7 @@ def experts_over_sharding(layout: Layout, ep: int) -> bool:
 
 
 def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> None:
-    """What fleet's expert group over sharding ranks cannot honour (llm_pretrain/expert_optimizer.py)."""
+    """What fleet's expert group over sharding ranks cannot honour (llm_pretrain/parallel/expert_optimizer.py)."""
     stage, sd = layout.sharding_stage, layout.sharding_degree
     if stage == 3:
         raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
@@ -553,5 +558,77 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
     if args.fp16:
         raise UsageError(f"fp16: not supported with expert_parallel_degree {ep} over sharding ranks (the loss scaler "
                          "unscales fleet's sharding optimizer, not the experts' own one, "
-                         "llm_pretrain/expert_optimizer.py); "
+                         "llm_pretrain/parallel/expert_optimizer.py); "
                          "use bf16")
+
+
+# ----------------------------------------------------------------------------- the model a layout trains
+def check_layout_and_model(args: Arguments, world_size: int, device: str
+                           ) -> tuple[Layout, ModelConfig, str | None, list[str]]:
+    """The layout on world_size processes and the model it trains, both checked (the planner runs this too)."""
+    layout = plan_layout(args, world_size)
+    config, weights_file, notes = build_model_config(args, layout, device)
+    config = with_moe_options(args, config)
+    check_model_fits_layout(config, layout)
+    check_mixture_of_experts(args, config, layout)
+    check_strategy(args, config, layout)
+    return layout, config, weights_file, notes
+
+
+def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
+    """The architecture from model_name_or_path with the run's overrides and runtime options."""
+    config, weights_file = resolve_model(args.model_name_or_path)
+    notes = []
+    overrides = {key: getattr(args, key) for key in (
+        "num_hidden_layers", "initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob",
+        "fuse_attention_qkv", "fuse_attention_ffn") if getattr(args, key) is not None}
+    config = config.replace(**overrides)
+    if not args.continue_training:
+        # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
+        config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
+        tokenizer_vocab = _local_tokenizer_vocab_size(args.tokenizer_path)
+        if tokenizer_vocab is not None:
+            config.vocab_size = max(config.vocab_size, ((tokenizer_vocab - 1) // 128 + 1) * 128)
+    if args.max_seq_length > config.max_position_embeddings:
+        # As PaddleNLP's run_pretrain.py with continue_training: the checkpoint's max_position_embeddings
+        # stays and rotary tables (ALiBi biases) are computed for the longer sequence; a learned position
+        # table has no rows beyond it.
+        if config.position_embedding == "learned":
+            raise UsageError(f"max_seq_length: {args.max_seq_length} exceeds the model's max_position_embeddings "
+                             f"{config.max_position_embeddings} (learned positions have no rows beyond it)")
+        notes.append(f"max_seq_length {args.max_seq_length} exceeds the model's max_position_embeddings "
+                     f"{config.max_position_embeddings}: its {config.position_embedding} positions are extended "
+                     "beyond the length it was trained on (as PaddleNLP does with continue_training)")
+    gpu = device == "gpu"
+    config = config.replace(
+        seq_length=args.max_seq_length,
+        tensor_parallel_degree=layout.tensor_parallel_degree,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
+        recompute_granularity=args.recompute_granularity,
+        no_recompute_layers=list(args.no_recompute_layers or []),
+        pp_recompute_interval=args.pp_recompute_interval,
+        use_flash_attention=args.use_flash_attention and gpu,
+        use_fused_rms_norm=args.use_fused_rms_norm and gpu,
+        use_fused_rope=args.use_fused_rope and gpu,
+        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
+        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
+    )
+    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
+        raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
+                         "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
+    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
+        notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
+                     "use_fused_rms_norm is its fused kernel)")
+    if args.continue_training and weights_file is None:
+        notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
+                     "(model_state.pdparams); starting from a random initialization")
+    return config, (weights_file if args.continue_training else None), notes
+
+
+def _local_tokenizer_vocab_size(path: str) -> int | None:
+    if not os.path.exists(path):
+        return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
+    from llm_pretrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).vocab_size

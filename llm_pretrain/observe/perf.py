@@ -23,7 +23,7 @@ How the figures are made, so that they can be trusted:
   max_memory_allocated (then max_memory_reserved); CPU: Paddle's host allocator
   peak (then the process's peak resident set) -- beside the planner's prediction
   of it (the run record's "prediction", llm_pretrain/planner).
-* TFLOPs are *model* FLOPs (llm_pretrain/flops.py: no recompute) times the
+* TFLOPs are *model* FLOPs (llm_pretrain/observe/flops.py: no recompute) times the
   median speed. MFU divides them by the card's peak: the datasheet figure
   for a GPU (flops.PEAK_TFLOPS), for a CPU the fp32 matmul peak measured on
   the machine (flops.measure_cpu_peak_tflops) divided among the processes of
@@ -41,9 +41,9 @@ import platform
 import re
 import statistics
 
-from llm_pretrain import flops
+from llm_pretrain.observe import flops
 
-TRAIN_LOG = "train_log.jsonl"  # written by llm_pretrain/metrics.py
+TRAIN_LOG = "train_log.jsonl"  # written by llm_pretrain/observe/metrics.py
 RESULTS_FILE = "results.jsonl"  # written by scripts/benchmark.py, one record per run
 ENVIRONMENT_FILE = "environment.json"  # the machine the runner ran on
 DEFAULT_WARMUP_STEPS = 3
@@ -154,10 +154,10 @@ def run_fields(run: dict) -> dict:
 
 
 def built_fields(built: dict | None) -> dict:
-    """What the trainer found it had built (llm_pretrain/run_record.py), for the table and the CSV."""
+    """What the trainer found it had built (llm_pretrain/observe/run_record.py), for the table and the CSV."""
     if not built:
         return {}
-    from llm_pretrain.run_record import summary_line
+    from llm_pretrain.observe.run_record import summary_line
 
     schedule, sharding = built.get("schedule"), built.get("sharding")
     recompute = built.get("recompute") or {}
@@ -309,7 +309,7 @@ def format_environment(env: dict, warmup_steps: int | None) -> str:
                 "a process's share of it is its card's peak")
     if warmup_steps is not None:
         lines.append(f"- Speed: median tokens/card/sec over the steps after the first {warmup_steps} "
-                     f"(warm-up, excluded). {MEMORY_LEGEND} TFLOPs: model FLOPs (llm_pretrain/flops.py, "
+                     f"(warm-up, excluded). {MEMORY_LEGEND} TFLOPs: model FLOPs (llm_pretrain/observe/flops.py, "
                      "no recompute). (predicted ...): the planner's prediction (llm_pretrain/planner).")
     return "\n".join(lines)
 

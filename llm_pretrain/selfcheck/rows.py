@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_pretrain.parity import (
+from llm_pretrain.selfcheck.parity import (
     LAYOUTS, SAVE_STEP, TOLERANCE, argv, final_weights, run_launch, run_record, run_single, summary_records,
     train_records,
 )
@@ -39,7 +39,7 @@ from llm_pretrain.parity import (
 # Argument keys of a production run on GPU, as PaddleNLP's llama pretraining configs set them
 # (llm/config/llama/pretrain-*.json of PaddleNLP 2.8.1: bf16, fp16_opt_level O2, amp_master_grad,
 # use_flash_attention, use_fused_rope, use_fused_rms_norm). The fused swiglu has no key: the trainer
-# uses it whenever the device is a GPU, as PaddleNLP's LLaMA does (llm_pretrain/trainer.py build_model_config).
+# uses it whenever the device is a GPU, as PaddleNLP's LLaMA does (llm_pretrain/run/trainer.py build_model_config).
 KERNEL_OPTIONS = {"use_flash_attention": True, "use_fused_rope": True, "use_fused_rms_norm": True}
 PRECISIONS = {
     "fp32": {},
@@ -101,8 +101,8 @@ def master_grad_refusal(layout: str) -> str | None:
     from types import SimpleNamespace
 
     from llm_pretrain.errors import UsageError
-    from llm_pretrain.layout import plan_layout
-    from llm_pretrain.precision import check_master_grad
+    from llm_pretrain.parallel.layout import plan_layout
+    from llm_pretrain.parallel.precision import check_master_grad
 
     options = layout_options(layout)
     args = SimpleNamespace(amp_master_grad=True, bf16=True, fp16=False, fp16_opt_level="O2")
@@ -291,7 +291,7 @@ def replica_report(output: Path) -> dict:
 
 def judge_parity(reference: Path, output: Path, dtype: str) -> dict:
     """fp32: absolute 1e-5 on loss, grad norm, weights, and bitwise replicas. Half precision: relative bound."""
-    from llm_pretrain.parity import training_differences
+    from llm_pretrain.selfcheck.parity import training_differences
 
     starts = [r["start_step"] for r in map(json.loads, (output / "train_log.jsonl").read_text().splitlines())
               if r["event"] == "run"]

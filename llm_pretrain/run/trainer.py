@@ -1,4 +1,4 @@
-"""The pretraining loop, top to bottom, of a run the preflight planned (llm_pretrain/preflight.py RunPlan).
+"""The pretraining loop, top to bottom, of a run the preflight planned (llm_pretrain/run/preflight.py RunPlan).
 
     fleet.init                           (only for several processes)
     build model, optimizer, data         (weights identical at every parallel layout)
@@ -23,25 +23,25 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from llm_pretrain import checkpoint as ckpt
-from llm_pretrain.checkpoint import Checkpointer
+from llm_pretrain.checkpoint import checkpointer as ckpt
+from llm_pretrain.checkpoint.checkpointer import Checkpointer
 from llm_pretrain.arguments import Arguments, arguments_to_dict, wants_async_save
 from llm_pretrain.data import build_pretraining_datasets
-from llm_pretrain.distributed import (
+from llm_pretrain.parallel.distributed import (
     all_reduce_mean_over_replicas, barrier, init_distributed, record_grad_norm, wrap_for_training,
 )
 from llm_pretrain.data.integrity import damaged_sample_index_files
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
-from llm_pretrain.flops import training_flops_per_token
-from llm_pretrain.layout import Layout, pipeline_chunks, pipeline_eval_micro_batches, pipeline_split, predict_iterations
-from llm_pretrain.metrics import MetricsLogger, reset_peak_memory, scalar
-from llm_pretrain.optim import build_optimizer, build_schedule
-from llm_pretrain import run_record
-from llm_pretrain.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
-from llm_pretrain.replica_check import check_replicas
-from llm_pretrain.resilience import DataSkips, LossSpikeGuard, sample_range
-from llm_pretrain.precision import Precision
-from llm_pretrain.run_control import Heartbeat, StopRequest, wait_for_hang_report
+from llm_pretrain.observe.flops import training_flops_per_token
+from llm_pretrain.parallel.layout import Layout, pipeline_chunks, pipeline_eval_micro_batches, pipeline_split, predict_iterations
+from llm_pretrain.observe.metrics import MetricsLogger, reset_peak_memory, scalar
+from llm_pretrain.parallel.optim import build_optimizer, build_schedule
+from llm_pretrain.observe import run_record
+from llm_pretrain.run.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
+from llm_pretrain.checkpoint.replica_check import check_replicas
+from llm_pretrain.run.resilience import DataSkips, LossSpikeGuard, sample_range
+from llm_pretrain.parallel.precision import Precision
+from llm_pretrain.run.run_control import Heartbeat, StopRequest, wait_for_hang_report
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.weights import init_weights, load_weights_file
@@ -194,7 +194,7 @@ class StepResult:
     nonfinite: str | None = None  # what was not finite on some rank ("loss", "gradient norm"); then no update
     stop_requested: bool = False  # some rank received SIGTERM/SIGINT
     optimizer_stepped: bool = True  # False: no update (non-finite, or the fp16 scaler's overflow on some rank)
-    agreed_loss: float = math.nan  # the largest loss over the ranks (the loss spike check's, llm_pretrain/resilience.py)
+    agreed_loss: float = math.nan  # the largest loss over the ranks (the loss spike check's, llm_pretrain/run/resilience.py)
     write_pending: bool = False  # some rank's asynchronous checkpoint write is still running
 
 
@@ -384,7 +384,7 @@ def train(plan: RunPlan) -> dict:
 
 
 def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
-    # 1. The run as the preflight checked and planned it (llm_pretrain/preflight.py).
+    # 1. The run as the preflight checked and planned it (llm_pretrain/run/preflight.py).
     args, args_file, device, config = plan.args, plan.args_file, plan.device, plan.config
     weights_file, prediction = plan.weights_file, plan.prediction
     resume_index, resume_candidates = plan.resume_index, plan.resume_candidates
@@ -459,7 +459,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         "prediction": prediction, "cpu_defaults": plan.cpu_defaults,
     })
     if plan.cpu_defaults:
-        metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu_threads.py set before Paddle loaded
+        metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu/threads.py set before Paddle loaded
     resumed = f", resumed from {resume_from}" if resume_from else ""
     metrics.say(f"training {args.model_name_or_path} ({config.family}, "
                 f"{sum(int(np.prod(p.shape)) for p in parameters):,} parameters on rank 0) with {name} on "
@@ -470,7 +470,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     heartbeat = Heartbeat(layout.rank)
     heartbeat.watch_for_hangs(layout.world_size, args.output_dir, args.hang_timeout_minutes, start_step)
     run.callback(heartbeat.stop_watching)
-    replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/replica_check.py)
+    replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/checkpoint/replica_check.py)
     gpu = device == "gpu"  # GPU kernels are not deterministic by construction: resynchronize, never fail
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
     spikes, data_skips = LossSpikeGuard.from_args(args, state), DataSkips(args.skip_data_intervals, state)
@@ -587,7 +587,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                                                         layout, precision))
     if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
         # After every collective (other ranks need not wait): the final checkpoint, saved in the loop.
-        from llm_pretrain.hf_export import export_final_checkpoint
+        from llm_pretrain.checkpoint.hf_export import export_final_checkpoint
         metrics.say(export_final_checkpoint(args.output_dir, step))
     return metrics.finish(**({"replica_check": replicas} if replicas else {}), **resilience_summary(events))
 

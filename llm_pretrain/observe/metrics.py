@@ -158,7 +158,7 @@ def summarize(step_records: list[dict], warmup_steps: int) -> dict:
     return summary
 
 
-# What the summary counts besides steps (llm_pretrain/trainer.py, llm_pretrain/resilience.py).
+# What the summary counts besides steps (llm_pretrain/run/trainer.py, llm_pretrain/run/resilience.py).
 RESILIENCE_COUNTS = ("loss_spikes", "spike_skipped_steps", "rollbacks", "data_skipped_steps")
 
 

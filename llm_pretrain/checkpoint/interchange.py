@@ -4,7 +4,7 @@
     import_from_paddlenlp(paddlenlp_dir, out_dir)       PaddleNLP / HF -> ours (a directory the trainer trains from)
 
 This module reads and writes directories: our checkpoints (output_dir/checkpoint-N, merged across
-their shards by llm_pretrain/checkpoint.py), our model directories, PaddleNLP/HF directories
+their shards by llm_pretrain/checkpoint/checkpointer.py), our model directories, PaddleNLP/HF directories
 (.pdparams, sharded or safetensors weights) and the tokenizer files beside them. The mapping of
 names, layouts and config.json is models/paddlenlp_interop.py's (see its docstring for what each
 family exports as and what is folded into the weights).
@@ -88,7 +88,7 @@ def _read_our_weights(path: str) -> tuple[ModelConfig, dict, str | None]:
     """(config, full weights, a local tokenizer directory or None) of a checkpoint or model directory."""
     if not os.path.isdir(path):
         raise UsageError(f"{path} is not a directory (expected output_dir/checkpoint-N or a model directory)")
-    from llm_pretrain import checkpoint as ckpt  # imports paddle: after the cheap checks
+    from llm_pretrain.checkpoint import checkpointer as ckpt  # imports paddle: after the cheap checks
     from models.registry import config_from_dict, find_weights_file, read_config_json
 
     if os.path.isfile(os.path.join(path, ckpt.TRAINER_STATE)):

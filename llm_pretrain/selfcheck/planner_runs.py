@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llm_pretrain.parity import argv, run_launch, run_single, train_records, write_json  # on CPU (their default)
+from llm_pretrain.selfcheck.parity import argv, run_launch, run_single, train_records, write_json  # on CPU (their default)
 
 BASE = {
     "model_name_or_path": "llama-real", "max_seq_length": 128, "per_device_train_batch_size": 1,

@@ -1,13 +1,13 @@
 """Export a checkpoint as a Hugging Face model directory, reading it one tensor at a time.
 
     python scripts/export_hf.py output/checkpoint-1000 hf_model [--max-shard-size 5GB] [--dtype bfloat16]
-    (console command `llm-export-hf`: llm_pretrain.hf_export:main)
+    (console command `llm-export-hf`: llm_pretrain.checkpoint.hf_export:main)
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained("hf_model")
 
 CHECKPOINT is output_dir/checkpoint-N (any step; the layout-free format of
-llm_pretrain/dist_checkpoint.py, written under any parallel layout). OUT_DIR gets what
+llm_pretrain/checkpoint/dist_checkpoint.py, written under any parallel layout). OUT_DIR gets what
 transformers' save_pretrained writes:
 
     config.json                     the class's keys (architectures, model_type, torch_dtype,
@@ -87,8 +87,8 @@ check_exportable = hugging_face_class
 
 def open_checkpoint(path: str, verify_checksums: bool = True):
     """(ModelConfig, trainer_state) of a complete, undamaged layout-free checkpoint (else UsageError)."""
-    from llm_pretrain import checkpoint as ckpt
-    from llm_pretrain import dist_checkpoint
+    from llm_pretrain.checkpoint import checkpointer as ckpt
+    from llm_pretrain.checkpoint import dist_checkpoint
     from models.registry import config_from_dict
 
     if not os.path.isdir(path):
@@ -288,7 +288,7 @@ TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "added_t
 def run_tokenizer(trainer_state: dict) -> str | None:
     """The run's tokenizer (tokenizer_name_or_path, else model_name_or_path) when it is a local tokenizer
     here: a built-in architecture name, or a directory without tokenizer files, has none to copy."""
-    from llm_pretrain.tokenizer import _find_files
+    from llm_pretrain.data.tokenizer import _find_files
 
     args = trainer_state.get("args") or {}
     path = args.get("tokenizer_name_or_path") or args.get("model_name_or_path")
@@ -304,7 +304,7 @@ def run_tokenizer(trainer_state: dict) -> str | None:
 def copy_tokenizer(path: str, out_dir: str) -> dict:
     """The tokenizer files (and a tokenizer_config.json naming the class when none is there); returns
     {"files", "eos_token_id", "kind"}."""
-    from llm_pretrain.tokenizer import _find_files, load_tokenizer
+    from llm_pretrain.data.tokenizer import _find_files, load_tokenizer
 
     kind, files = _find_files(path, "tokenizer")
     directory = os.path.dirname(files[0])
@@ -342,7 +342,7 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
     replace: out_dir may exist and is replaced (the trainer's own final export); otherwise it must
     be new or empty. Returns {"out_dir", "class", "files", "tensors", "parameters", "bytes", "seconds"}.
     """
-    from llm_pretrain.dist_checkpoint import CheckpointReader
+    from llm_pretrain.checkpoint.dist_checkpoint import CheckpointReader
 
     started = time.perf_counter()
     if dtype is not None and dtype not in OUTPUT_DTYPES:

@@ -4,9 +4,9 @@
                                and nothing else (Paddle prints on import):
         device                 the `device` argument, else Paddle's own default (gpu when the build
                                has CUDA) read from the installed build without importing it
-                               (llm_pretrain/cpu_threads.py paddle_build)
+                               (llm_pretrain/cpu/threads.py paddle_build)
         layout, model          plan_layout, build_model_config, check_model_fits_layout, check_strategy
-                               (validity is decided by llm_pretrain/layout.py; the planner runs the same
+                               (validity is decided by llm_pretrain/parallel/layout.py; the planner runs the same
                                check_layout_and_model)
         startup checks         tokenizer, split, sequence length, activations against the CPU's memory
         data                   check_data_inputs, then check_data_integrity (reads every file once, cached)
@@ -19,28 +19,24 @@
         resume                 the newest intact checkpoint and whether it is of this model
         collective timeout     PADDLE_PG_TIMEOUT on GPU
 
-`plan_run` is both; llm_pretrain/run_pretrain.py hands its RunPlan to llm_pretrain/trainer.py train().
+`plan_run` is both; llm_pretrain/run_pretrain.py hands its RunPlan to llm_pretrain/run/trainer.py train().
 Every mistake is a one-line UsageError (exit code 2) raised before fleet.init.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
 
 from llm_pretrain.arguments import Arguments, arguments_to_dict
-from llm_pretrain.cpu_threads import apply_cpu_defaults, import_paddle, paddle_build
+from llm_pretrain.cpu.threads import apply_cpu_defaults, import_paddle, paddle_build
 from llm_pretrain.data import check_data_inputs, parse_split
 from llm_pretrain.data.integrity import check_data_integrity
 from llm_pretrain.errors import UsageError
-from llm_pretrain.layout import (
-    Layout, check_mixture_of_experts, check_model_fits_layout, check_strategy, plan_layout, with_moe_options,
-)
+from llm_pretrain.parallel.layout import Layout, check_layout_and_model
 from llm_pretrain.planner import estimate_setup, setup_from
 from models.config import ModelConfig
-from models.registry import resolve_model
 
 GPU_ONLY_OPTIONS = {
     "bf16": "Paddle's CPU build has no bfloat16 kernels",
@@ -67,11 +63,11 @@ class RunPlan:
     config: ModelConfig  # the architecture with the run's overrides and runtime options
     weights_file: str | None  # continue_training: the weights to load; None: a random initialization
     warnings: list[str]  # printed once by rank 0 after fleet.init (arguments, GPU-only options, model, resume)
-    cpu_defaults: str | None = None  # the `cpu defaults: ...` note (llm_pretrain/cpu_threads.py), or None
+    cpu_defaults: str | None = None  # the `cpu defaults: ...` note (llm_pretrain/cpu/threads.py), or None
     prediction: dict = field(default_factory=dict)  # the planner's estimate of this run (the run record)
     resume_candidates: list[str] = field(default_factory=list)  # checkpoints to resume from, newest first
     resume_index: int = 0  # the newest candidate this rank found intact (the ranks agree after fleet.init)
-    output_dir_lock: object | None = None  # rank 0's llm_pretrain.checkpoint.OutputDirLock, held for the run
+    output_dir_lock: object | None = None  # rank 0's llm_pretrain.checkpoint.checkpointer.OutputDirLock, held for the run
 
 
 def warn(message: str) -> None:
@@ -118,83 +114,12 @@ def choose_device(args: Arguments) -> str:
     return device
 
 
-def check_layout_and_model(args: Arguments, world_size: int, device: str
-                           ) -> tuple[Layout, ModelConfig, str | None, list[str]]:
-    """The layout on world_size processes and the model it trains, both checked (the planner runs this too)."""
-    layout = plan_layout(args, world_size)
-    config, weights_file, notes = build_model_config(args, layout, device)
-    config = with_moe_options(args, config)
-    check_model_fits_layout(config, layout)
-    check_mixture_of_experts(args, config, layout)
-    check_strategy(args, config, layout)
-    return layout, config, weights_file, notes
-
-
 def gpu_only_warnings(args: Arguments, device: str) -> list[str]:
     """On CPU, GPU-only options run the plain float32 path; say so once each."""
     if device == "gpu":
         return []
     return [f"{key} has no effect on CPU ({why}); training in plain float32"
             for key, why in GPU_ONLY_OPTIONS.items() if getattr(args, key)]
-
-
-def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
-    """The architecture from model_name_or_path with the run's overrides and runtime options."""
-    config, weights_file = resolve_model(args.model_name_or_path)
-    notes = []
-    overrides = {key: getattr(args, key) for key in (
-        "num_hidden_layers", "initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob",
-        "fuse_attention_qkv", "fuse_attention_ffn") if getattr(args, key) is not None}
-    config = config.replace(**overrides)
-    if not args.continue_training:
-        # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
-        config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
-        tokenizer_vocab = _local_tokenizer_vocab_size(args.tokenizer_path)
-        if tokenizer_vocab is not None:
-            config.vocab_size = max(config.vocab_size, ((tokenizer_vocab - 1) // 128 + 1) * 128)
-    if args.max_seq_length > config.max_position_embeddings:
-        # As PaddleNLP's run_pretrain.py with continue_training: the checkpoint's max_position_embeddings
-        # stays and rotary tables (ALiBi biases) are computed for the longer sequence; a learned position
-        # table has no rows beyond it.
-        if config.position_embedding == "learned":
-            raise UsageError(f"max_seq_length: {args.max_seq_length} exceeds the model's max_position_embeddings "
-                             f"{config.max_position_embeddings} (learned positions have no rows beyond it)")
-        notes.append(f"max_seq_length {args.max_seq_length} exceeds the model's max_position_embeddings "
-                     f"{config.max_position_embeddings}: its {config.position_embedding} positions are extended "
-                     "beyond the length it was trained on (as PaddleNLP does with continue_training)")
-    gpu = device == "gpu"
-    config = config.replace(
-        seq_length=args.max_seq_length,
-        tensor_parallel_degree=layout.tensor_parallel_degree,
-        sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute,
-        recompute_granularity=args.recompute_granularity,
-        no_recompute_layers=list(args.no_recompute_layers or []),
-        pp_recompute_interval=args.pp_recompute_interval,
-        use_flash_attention=args.use_flash_attention and gpu,
-        use_fused_rms_norm=args.use_fused_rms_norm and gpu,
-        use_fused_rope=args.use_fused_rope and gpu,
-        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
-        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
-    )
-    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
-        raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
-                         "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
-    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
-        notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
-                     "use_fused_rms_norm is its fused kernel)")
-    if args.continue_training and weights_file is None:
-        notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
-                     "(model_state.pdparams); starting from a random initialization")
-    return config, (weights_file if args.continue_training else None), notes
-
-
-def _local_tokenizer_vocab_size(path: str) -> int | None:
-    if not os.path.exists(path):
-        return None  # a hub name such as facebook/llama-7b: the model's vocabulary is used
-    from llm_pretrain.tokenizer import load_tokenizer
-
-    return load_tokenizer(path).vocab_size
 
 
 def looks_like_a_path(name: str) -> bool:
@@ -219,7 +144,7 @@ def check_startup(args: Arguments, config: ModelConfig, layout: Layout, device: 
         raise UsageError("skip_nan_inf_steps: not available with pipeline_parallel_degree > 1 (fleet's train_batch "
                          "applies the optimizer step before the loss and gradient norm can be checked)")
     if args.last_save_in_hf:  # the family must have a Hugging Face class that can express the model
-        from llm_pretrain.hf_export import check_exportable
+        from llm_pretrain.checkpoint.hf_export import check_exportable
         check_exportable(config)
     if args.loss_spike_factor and args.loss_spike_action == "skip" and layout.pipeline_parallel_degree > 1:
         raise UsageError("loss_spike_action: skip is not available with pipeline_parallel_degree > 1 (fleet's "
@@ -339,7 +264,7 @@ def memory_warning(prediction: dict) -> str:
 
 def take_output_dir(args: Arguments):
     """Rank 0, before any work: output_dir created and writable, locked, debris of crashed saves removed."""
-    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.checkpoint import checkpointer as ckpt
 
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -359,7 +284,7 @@ def find_resume(args: Arguments, world_size: int) -> tuple[int, list[str]]:
     checkpoint in output_dir is a candidate (none with overwrite_output_dir). Damaged ones
     are one warning each, naming the file. The ranks agree after fleet.init (agree_on_checkpoint).
     """
-    from llm_pretrain import checkpoint as ckpt
+    from llm_pretrain.checkpoint import checkpointer as ckpt
 
     if args.resume_from_checkpoint:
         problem = ckpt.verify_checkpoint(args.resume_from_checkpoint)
@@ -384,10 +309,10 @@ def no_usable_checkpoint(args: Arguments) -> UsageError:
 
 def check_checkpoint_matches(path: str, layout: Layout, config: ModelConfig, args: Arguments) -> list[str]:
     """UsageError unless the checkpoint is of this model (architecture, vocabulary, sequence length);
-    any layout may resume it (llm_pretrain/dist_checkpoint.py). Returns a warning listing the other
+    any layout may resume it (llm_pretrain/checkpoint/dist_checkpoint.py). Returns a warning listing the other
     keys that changed (learning rate, steps, seed, degrees ...)."""
-    from llm_pretrain import checkpoint as ckpt
-    from llm_pretrain.dist_checkpoint import check_resumable
+    from llm_pretrain.checkpoint import checkpointer as ckpt
+    from llm_pretrain.checkpoint.dist_checkpoint import check_resumable
 
     state = ckpt.read_trainer_state(path)
     check_resumable(path, state, config.architecture_dict(), args.max_seq_length, layout_summary(layout))
