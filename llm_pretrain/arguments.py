@@ -19,7 +19,6 @@ expensive work starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -27,7 +26,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from llm_pretrain.errors import UsageError
+from llm_pretrain.errors import UsageError, closest_matches
 
 
 def _key(default, help: str, choices: tuple | None = None, minimum: float | None = None):
@@ -369,7 +368,7 @@ def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
 
 
 def _unknown_key_error(key: str, where: str) -> UsageError:
-    nearest = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.5)
+    nearest = closest_matches(key, KNOWN_KEYS, n=1, cutoff=0.5)
     hint = f"; did you mean '{nearest[0]}'?" if nearest else "; see docs/arguments-and-launch.md or --help for the accepted keys"
     return UsageError(f"unknown key '{key}' ({where}){hint}")
 

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from models.errors import UsageError  # noqa: F401 (the one class; llm_pretrain.errors.UsageError is it)
+from models.errors import closest_matches  # noqa: F401 (the one "did you mean": keys, model names and types)
 
 USAGE_EXIT_CODE = 2
 

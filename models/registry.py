@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 
-from models.errors import UsageError
+from models.errors import UsageError, closest_matches
 from models.config import RUNTIME_KEYS, ModelConfig
 from models.families import FAMILIES, FAMILY_NAMES, family_for_model_type, get_family, supported_model_types
 
@@ -88,11 +88,37 @@ def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:
                 f"with `python scripts/import_paddlenlp.py {name_or_path} OUT_DIR` and use OUT_DIR"
             )
         return config, weights_file
-    names = ", ".join(known_model_names())
-    raise UsageError(
-        f"model_name_or_path: {name_or_path!r} is neither a built-in architecture nor a local directory "
-        f"(models are never downloaded); built-in: {names}"
-    )
+    raise UsageError(unknown_model_message(name_or_path))
+
+
+LIST_MODELS_COMMAND = "llm-plan models"  # every built-in name with its family and size (llm_pretrain/cli/plan.py)
+
+
+def unknown_model_message(name: str, n: int = 5) -> str:
+    """One line: `name` is not a model here, its `n` closest built-in names, and the command listing them all."""
+    names = known_model_names()
+    # A hub name also answers to its part after the "/" (Llama-3.1-8B finds meta-llama/Llama-3.1-8B).
+    spellings = {**{full.split("/")[-1]: full for full in names}, **{full: full for full in names}}
+    closest = closest_matches(name, spellings, n=n, cutoff=0.6)
+    hint = f"; closest built-in names: {', '.join(closest)}" if closest else ""
+    return (f"model_name_or_path: {name!r} is neither a built-in architecture nor a local directory (models are "
+            f"never downloaded){hint}; `{LIST_MODELS_COMMAND}` lists all {len(names)}")
+
+
+def built_in_models() -> list[dict]:
+    """Every built-in name, by family (FAMILY_NAMES order) then size: name, family, parameters, weights_needed.
+
+    A built-in name is an architecture only (models/families/<family>.py): no weights come with it, and a run
+    starts from a random initialization, so no weights file is needed (`resolve_model` returns none for it).
+    Training from weights needs a local directory instead (continue_training; PaddleNLP/HF weights converted
+    once with scripts/import_paddlenlp.py).
+    """
+    rows = []
+    for family in FAMILIES.values():
+        entries = [(parameter_count(config), name) for name, config in family.architectures.items()]
+        for count, name in sorted(entries):
+            rows.append({"name": name, "family": family.name, "parameters": count, "weights_needed": False})
+    return rows
 
 
 def read_config_json(config_file: str) -> dict:
@@ -156,15 +182,15 @@ def config_from_dict(raw: dict, source: str) -> ModelConfig:
         family = raw["family"]
         if family not in FAMILIES:
             raise UsageError(f"model_name_or_path: {source} has family {family!r}; "
-                             f"supported: {', '.join(FAMILY_NAMES)}")
+                             f"supported: {', '.join(FAMILY_NAMES)}{_closest_note(family, FAMILY_NAMES)}")
         sizes = {k: v for k, v in raw.items() if k in _ARCHITECTURE_KEYS}
         return _make(family, sizes, source)
 
     model_type = str(raw.get("model_type", "llama")).lower()
     record = family_for_model_type(model_type)
     if record is None:
-        raise UsageError(f"model_name_or_path: {source} has model_type {raw.get('model_type')!r}; "
-                         f"supported: {', '.join(supported_model_types())}")
+        raise UsageError(f"model_name_or_path: {source} has model_type {raw.get('model_type')!r}; supported: "
+                         f"{', '.join(supported_model_types())}{_closest_note(model_type, supported_model_types())}")
     sizes = {}
     for key, value in raw.items():
         key = _KEY_ALIASES.get(key, key)
@@ -172,6 +198,15 @@ def config_from_dict(raw: dict, source: str) -> ModelConfig:
             sizes[key] = value
     sizes = record.read_config(raw, sizes, source)
     return _make(sizes.pop("family", record.name), sizes, source)
+
+
+def _closest_note(value: str, supported) -> str:
+    """" (closest: 'x')" for the supported value closest to `value` (difflib, as unknown argument keys), else "".
+
+    Said as the closest, not "did you mean": a model type that is near one of ours by spelling (mistral,
+    qwen3) is often another architecture, which changing the word would not make readable."""
+    nearest = closest_matches(str(value), supported, n=1, cutoff=0.6)
+    return f" (closest: {nearest[0]!r})" if nearest else ""
 
 
 def _make(family: str, sizes: dict, source: str) -> ModelConfig:

@@ -136,8 +136,8 @@ def test_tiny_presets_split_two_ways():
     assert tiny.position_embedding == "alibi" and tiny.norm_head
 
 
-def test_unknown_name_lists_the_built_in_ones():
-    with pytest.raises(UsageError, match="qwen/qwen-7b"):
+def test_unknown_name_says_the_closest_built_in_ones():
+    with pytest.raises(UsageError, match="closest built-in names: qwen/qwen-7b, .*`llm-plan models` lists all"):
         resolve_model("qwen/qwen-700b")
 
 

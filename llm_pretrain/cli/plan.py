@@ -5,6 +5,7 @@
     llm-plan estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
     llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
         --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
+    llm-plan models [--json]
 
 estimate: per-rank peak memory (the allocator's peak, as the trainer's peak_mem_allocated_mb; on GPU also
 the allocator's reserve, which decides an out-of-memory), step time, tokens/card/s and MFU (GPU), each
@@ -18,6 +19,10 @@ micro-batch sizes; keeps those under the card's memory minus --headroom; ranks t
 tokens/card/s; --write writes the best as an argument file (a directory gets the configs/ name
 pretrain-<model>-<strategy>.json, the strategy from llm_pretrain.parallel.layout.strategy_name).
 
+models: every built-in model name (what model_name_or_path and --model accept besides a local directory),
+with its family, its parameter count and whether it needs a weights file (none does: a built-in name is an
+architecture, trained from a random initialization; weights come from a local directory).
+
 Bandwidths (GB/s per GPU, one direction): --intra_node_gbps (NVLink; default 240 for A100, 360 for H100,
 llm_pretrain/planner/speed.py DEFAULT_LINKS) and --inter_node_gbps (InfiniBand; 25 = HDR 200 Gb/s per
 GPU on A100 nodes, 50 = NDR 400 Gb/s on H100 nodes).
@@ -28,7 +33,7 @@ from __future__ import annotations
 import json
 import sys
 
-from llm_pretrain.errors import UsageArgumentParser, UsageError, exit_with_usage_error
+from llm_pretrain.errors import UsageArgumentParser, UsageError, closest_matches, exit_with_usage_error
 
 
 def _cluster_options(opts) -> dict:
@@ -139,14 +144,57 @@ def cmd_search(argv: list[str]) -> int:
     return 0 if result["top"] else 1
 
 
+def human_count(n: int) -> str:
+    """6738415616 -> '6.74B': three significant digits, K / M / B / T."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def cmd_models(argv: list[str]) -> int:
+    parser = UsageArgumentParser(prog="plan.py models", description="every built-in model name: family, parameters, "
+                                 "whether a weights file is needed")
+    parser.add_argument("--json", action="store_true")
+    opts = parser.parse_args(argv)
+    from models.registry import built_in_models
+
+    rows = built_in_models()
+    if opts.json:
+        return _print(json.dumps(rows, indent=1))
+    lines = ["| name | family | parameters | weights file needed |", "|---|---|---:|---|"]
+    for row in rows:
+        weights = "yes" if row["weights_needed"] else "no (random init)"
+        lines.append(f"| {row['name']} | {row['family']} | {human_count(row['parameters'])} | {weights} |")
+    lines.append(f"{len(rows)} built-in names, each an architecture without weights: a run starts from a random "
+                 "initialization. To start from weights, give model_name_or_path a local directory (config.json "
+                 "and model_state.pdparams; PaddleNLP/Hugging Face weights converted once with "
+                 "scripts/import_paddlenlp.py) and continue_training true.")
+    return _print("\n".join(lines))
+
+
+def _print(text: str) -> int:
+    """Print, and end quietly when the reader has gone (`llm-plan models | head`)."""
+    import os
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"estimate": cmd_estimate, "search": cmd_search}
+    commands = {"estimate": cmd_estimate, "search": cmd_search, "models": cmd_models}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     if argv[0] not in commands:
-        exit_with_usage_error(UsageError(f"unknown command {argv[0]!r}; use estimate or search (see --help)"))
+        nearest = closest_matches(argv[0], list(commands), n=1, cutoff=0.6)
+        hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+        exit_with_usage_error(UsageError(f"unknown command {argv[0]!r}; {hint}use estimate, search or models "
+                                         "(see --help)"))
     try:
         return commands[argv[0]](argv[1:])
     except UsageError as error:
