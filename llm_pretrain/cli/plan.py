@@ -16,8 +16,9 @@ search: every layout the trainer accepts (tensor parallelism inside a node unles
 --allow_inter_node_tp), with sequence parallelism, recompute none/full/full_attn/core_attn and
 micro-batch sizes; keeps those under the card's memory minus --headroom; ranks them by predicted
 tokens/card/s (layouts whose weights and optimizer states alone exceed the limit are skipped before
-validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an argument file (a directory gets the configs/ name
-pretrain-<model>-<strategy>.json, the strategy from llm_pretrain.layout.strategy_name).
+validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an
+argument file (a directory gets the configs/ name pretrain-<model>-<strategy>.json, the strategy
+from llm_pretrain.layout.strategy_name).
 
 Bandwidths (GB/s per GPU, one direction): --intra_node_gbps (NVLink; default 240 for A100, 360 for H100,
 llm_pretrain/planner/speed.py DEFAULT_LINKS) and --inter_node_gbps (InfiniBand; 25 = HDR 200 Gb/s per
