@@ -16,8 +16,10 @@ run_pretrain.py.
 search: every layout the trainer accepts (tensor parallelism inside a node unless
 --allow_inter_node_tp), with sequence parallelism, recompute none/full/full_attn/core_attn and
 micro-batch sizes; keeps those under the card's memory minus --headroom; ranks them by predicted
-tokens/card/s; --write writes the best as an argument file (a directory gets the configs/ name
-pretrain-<model>-<strategy>.json, the strategy from llm_pretrain.parallel.layout.strategy_name).
+tokens/card/s (layouts whose weights and optimizer states alone exceed the limit are skipped before
+validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an
+argument file (a directory gets the configs/ name pretrain-<model>-<strategy>.json, the strategy
+from llm_pretrain.parallel.layout.strategy_name).
 
 models: every built-in model name (what model_name_or_path and --model accept besides a local directory),
 with its family, its parameter count and whether it needs a weights file (none does: a built-in name is an
@@ -118,15 +120,18 @@ def cmd_search(argv: list[str]) -> int:
     if opts.gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1:
         raise UsageError("--gpus, --seq and --global_batch_size must be positive")
     result = search(opts.model, opts.device, opts.gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
-                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp)
+                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp,
+                    progress=not opts.json)  # a bar on stderr after 2 s; none with --json
     written = None
     if opts.write and result["top"]:
         written = write_arguments(result["top"][0]["arguments"], opts.write)
     if opts.json:
         print(json.dumps(dict(result, written=written), indent=1))
     else:
-        print(f"{result['examined']} layouts examined, {result['refused_by_trainer']} refused by the trainer's "
-              f"validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
+        skipped = (f"{result['not_validated']} over the memory limit by their weights and optimizer states alone "
+                   "(not validated), " if result["not_validated"] else "")
+        print(f"{result['examined']} layouts examined, {skipped}{result['refused_by_trainer']} refused by the "
+              f"trainer's validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
         print("| rank | strategy | micro-batch | acc | SP | recompute | reserved MB | step s | tokens/card/s | MFU | bottleneck |")
         print("|---:|---|---:|---:|---|---|---:|---:|---:|---:|---|")
         for i, r in enumerate(result["top"], 1):
