@@ -64,9 +64,9 @@ SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe)  # mixtral-short, qwen2-moe-short
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
-# family -> sharding stages in sd2 (Mixtral's stage 1, as its stage 2, with ep2 over the sharding ranks in
-# tests/test_expert_parallel.py; the stages without ep here: Qwen2-MoE's three, Mixtral's 2 and 3)
-MOE_SHARDING = {"mixtral-short": (2, 3), "qwen2-moe-short": (1, 2, 3)}
+# family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
+# over the sharding ranks in tests/test_expert_parallel.py)
+MOE_SHARDING = {"mixtral-short": (3,), "qwen2-moe-short": (1, 2, 3)}
 # Uneven pipeline stages beside tests/test_uneven_pipeline.py's LLaMA and GPT-3 (tied head): Llama 3.1 pp2 [3, 5],
 # the mixtures of experts [1, 3] of 4 layers (their router statistics carried between uneven stages). The other
 # dense families share LLaMA's split by path (models/pipeline.py; docs/parallel-layouts.md says so).
