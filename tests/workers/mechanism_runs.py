@@ -206,9 +206,11 @@ def watch_pipeline_schedule():
 
 
 def grad_fingerprint(model) -> float | None:
-    """Sum of one decoder weight's gradient (None before the first backward of a step)."""
+    """Sum of one decoder weight's gradient (None before the first backward of a step): the MLP's down
+    projection, a mixture of experts' router (replicated on every rank, whatever the experts' layout)."""
     try:
-        grad = model.layers[0].mlp.down_proj.weight.grad
+        mlp = model.layers[0].mlp
+        grad = (mlp.gate.weight if hasattr(mlp, "experts") else mlp.down_proj.weight).grad
         return None if grad is None else float(grad.astype("float64").sum())
     except Exception:  # noqa: BLE001 - stage 3 releases parameters and gradients between uses
         return None
