@@ -37,8 +37,10 @@ Before the runs, this worker wraps (counting, then calling the original):
 Each rank writes {run name: observations} with launch_utils.write_result.
 """
 
+import contextlib
 import gc
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -328,6 +330,41 @@ def perturbed_replica_run(run: dict) -> dict:
     return {"exit_code": code, "error": probe.get("replica_error")}
 
 
+@contextlib.contextmanager
+def slowed(run: dict):
+    """A rank made slow on purpose (tests/test_resilience.py), each undone after the run:
+    run["slow_rank"] = {"rank": r, "seconds": s}: rank r sleeps s before each step's flag reduction (the
+    end of its own share of the step, llm_pretrain/run/trainer.py agree_on_step);
+    run["slow_disk"] = {"rank": r, "seconds": s}: rank r's checkpoint writes start s late (on the writer
+    thread under async_save: training goes on meanwhile)."""
+    import time
+
+    from llm_pretrain.checkpoint import dist_checkpoint
+    from llm_pretrain.run import trainer
+
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    undo = []
+
+    def delay(owner, name, seconds):
+        original = getattr(owner, name)
+
+        def delayed(*args, **kwargs):
+            time.sleep(seconds)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, delayed)
+        undo.append(lambda: setattr(owner, name, original))
+
+    for key, owner, name in (("slow_rank", trainer, "agree_on_step"), ("slow_disk", dist_checkpoint, "write_snapshot")):
+        if run.get(key) and run[key]["rank"] == rank:
+            delay(owner, name, run[key]["seconds"])
+    try:
+        yield
+    finally:
+        for restore in undo:
+            restore()
+
+
 if __name__ == "__main__":
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
@@ -350,7 +387,8 @@ if __name__ == "__main__":
         if run.get("perturb_replica"):  # expected to fail: record the replica check's error
             results[run["name"]] = perturbed_replica_run(run)
             continue
-        code = main([str(a) for a in run["argv"]])
+        with slowed(run):
+            code = main([str(a) for a in run["argv"]])
         if code:
             sys.exit(code)
         results[run["name"]] = observations()
