@@ -179,6 +179,10 @@ MUTATIONS = [
              "checkpoint's", "llm_pretrain/run/trainer.py",
              'spikes.losses.extend(state.get("loss_spike_window_losses", []))', "pass",
              ("tests/test_resilience.py::test_a_spike_right_after_a_rollbacks_skipped_steps_is_caught",)),
+    Mutation("elastic_global_batch_not_kept", "elastic ignores the checkpoint's global batch (the data-parallel "
+             "degree of the ranks left shrinks it)", "llm_pretrain/run/preflight.py",
+             "    if resumed:\n        saved_args", "    if False:\n        saved_args",
+             ("tests/test_elastic.py::test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch",)),
 ]
 
 

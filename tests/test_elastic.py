@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from parity_utils import write_json
+from parity_utils import argv, base_arguments, run_record, train_records, write_json
+from shared_launches import contribute
 from test_planner import run_plan
 
 # Llama-2-7B at sequence 512 on 40 GB cards, 2 per node: 8, 6 and 4 GPUs hold it, 2 do not (its AdamW
@@ -123,3 +124,89 @@ def test_bad_elastic_keys_are_one_line():
         validate_arguments(_args(elastic_keep=["tensor_parallel"]))
     with pytest.raises(UsageError, match=r"^elastic_keep: set elastic true too"):
         validate_arguments(_args(elastic=False, elastic_keep=["sharding"]))
+
+
+# ----------------------------------------------------------------------------- a node lost: 4 ranks, then 2
+# dp2 x tp2 (global batch 2 x 2 x 2 = 8) trains 5 steps in the session's dp2tp2 launch and stops with
+# checkpoint-5; the same command with elastic on 2 ranks (the tp2 launch) continues to step 10 with the
+# layout the rule picks (tp2 kept, dp 1: accumulation 2 -> 4, global batch 8), beside a by-hand resume of
+# checkpoint-5 under that layout.
+def _lost_node_file(work: Path, corpus: dict) -> Path:
+    return write_json(work / "lost-node.json", base_arguments(corpus, work, num_hidden_layers=2, max_steps=10,
+                                                              save_steps=5, tensor_parallel_degree=2,
+                                                              per_device_train_batch_size=2,
+                                                              gradient_accumulation_steps=2))
+
+
+contribute("dp2tp2", 4, "elastic", lambda work, corpus: [
+    {"name": "four-ranks", "argv": argv(_lost_node_file(work, corpus), work / "lost-node", exit_interval=5)}])
+contribute("tp2", 2, "elastic", lambda work, corpus: [
+    {"name": "by-hand", "argv": argv(_lost_node_file(work, corpus), work / "by-hand", gradient_accumulation_steps=4,
+                                     resume_from_checkpoint=str(work / "lost-node" / "checkpoint-5"))},
+    {"name": "elastic", "argv": argv(_lost_node_file(work, corpus), work / "lost-node", elastic=True)},
+], after=("dp2tp2",))
+
+
+def test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch(shared_launches):
+    shared_launches.results("tp2", "elastic")
+    work = shared_launches.work_dir("elastic")
+    first, continued, by_hand = (run_record(work / "lost-node"), *[
+        [r for r in map(json.loads, (work / name / "train_log.jsonl").read_text().splitlines()) if r["event"] == "run"][-1]
+        for name in ("lost-node", "by-hand")])
+    first = [r for r in map(json.loads, (work / "lost-node" / "train_log.jsonl").read_text().splitlines())
+             if r["event"] == "run"][0]
+    assert first["layout"]["world_size"] == 4 and first["strategy"] == "tp2dp2" and first["global_batch_size"] == 8
+    assert continued["layout"]["world_size"] == 2 and continued["strategy"] == "tp2" and continued["start_step"] == 5
+    assert continued["global_batch_size"] == 8 == by_hand["global_batch_size"]
+    elastic = continued["elastic"]
+    assert elastic["reason"] == "checkpoint-5 was written by 4 ranks, 2 are present", elastic
+    assert elastic["changes"] == {"gradient_accumulation_steps": [2, 4]} and elastic["global_batch_size"] == 8
+    events = [r for r in map(json.loads, (work / "lost-node" / "train_log.jsonl").read_text().splitlines())
+              if r["event"] == "elastic"]
+    assert len(events) == 1 and events[0]["step"] == 5 and events[0]["changes"] == elastic["changes"]
+    log0 = (shared_launches.root / "tp2.log" / "workerlog.0").read_text(errors="replace")
+    assert ("elastic: checkpoint-5 was written by 4 ranks, 2 are present; continuing on 2 ranks with "
+            "gradient_accumulation_steps 2 -> 4, global batch 8") in log0.splitlines()
+    # from the checkpoint on, the same losses as the by-hand resume under the layout chosen
+    got = {r["step"]: r["loss"] for r in train_records(work / "lost-node") if r["step"] > 5}
+    want = {r["step"]: r["loss"] for r in train_records(work / "by-hand")}
+    assert sorted(got) == sorted(want) == list(range(6, 11))
+    assert all(abs(got[step] - want[step]) < 1e-5 for step in want), (got, want)
+
+
+def _fake_checkpoint(output_dir: Path, world_size: int, dp: int, micro: int, accumulation: int) -> None:
+    """A complete checkpoint's trainer_state as written by `world_size` ranks (what the preflight reads)."""
+    path = output_dir / "checkpoint-5"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({
+        "global_step": 5, "consumed_samples": 40, "layout": {"world_size": world_size, "data_parallel_degree": dp,
+                                                             "sharding_degree": 1},
+        "args": {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}}))
+    (path / "COMPLETE").write_text("5\n")
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({}, ("elastic: the global batch 8 cannot be split over the 3 ranks left (3 data replicas); the nearest "
+          "global batches they can split: 6 or 9",)),
+    ({"elastic_keep": ["tensor_parallel_degree"]}, ("elastic_keep: tensor_parallel_degree 2 cannot be kept on 3 ranks",)),
+])
+def test_elastic_bad_input_on_the_ranks_left_is_one_line_before_paddle(embedded_corpus, tmp_path, overrides, fragments):
+    """checkpoint-5 of dp2 x tp2 (global batch 8), 3 ranks present: no layout keeps it. One line, exit 2,
+    nothing else printed, before Paddle is imported (the preflight's checks)."""
+    import os
+    import subprocess
+    import sys
+
+    from parity_utils import RUN_PRETRAIN
+
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 4, 2, 2, 2)
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    command = [sys.executable, str(RUN_PRETRAIN), str(args_file), "--output_dir", str(out), "--elastic", "true"]
+    for key, value in overrides.items():
+        command += [f"--{key}", json.dumps(value)]
+    env = {**os.environ, "PADDLE_TRAINERS_NUM": "3", "PADDLE_TRAINER_ID": "0"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr[-2000:])
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr

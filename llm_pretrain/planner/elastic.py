@@ -93,51 +93,60 @@ def _kept(args: Arguments, overrides: dict, keep: list[str]) -> list[str]:
     return changed
 
 
-def continue_on(args: Arguments, world_size: int, global_batch: int, device: str) -> tuple[Arguments, dict]:
+def continue_on(args: Arguments, world_size: int, global_batch: int | None, device: str) -> tuple[Arguments, dict]:
     """The arguments of the layout the run continues with on `world_size` ranks keeping `global_batch`
-    (the rule of the module docstring), and what changed ({key: [old, new]}). UsageError, one line,
+    (the rule of the module docstring; None: no checkpoint, the file's micro-batch and accumulation per
+    data replica), and what changed ({key: [old, new]}). UsageError, one line,
     when no layout keeps it: naming the elastic_keep key that prevents one, or the nearest global
     batches the ranks can split."""
     keep = list(args.elastic_keep or [])
     blocked_by_keep, indivisible, refusals = [], [], []
     for overrides in candidate_layouts(args):
+        changed_kept = _kept(args, overrides, keep)
+        if changed_kept:  # elastic_keep rules this layout out before anything else is asked of it
+            blocked_by_keep.append(changed_kept[0])
+            continue
         candidate = dataclasses.replace(args, **overrides)
         try:
             layout, _, _, _ = check_layout_and_model(candidate, world_size, device)
         except UsageError as error:
             refusals.append(str(error))
             continue
-        if layout.data_replicas and global_batch % layout.data_replicas:
+        if global_batch is None:  # no checkpoint: no global batch to keep, the file's per-replica batch
+            per_replica = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        elif global_batch % layout.data_replicas:
             indivisible.append(layout.data_replicas)
             continue
-        micro, accumulation = _micro_and_accumulation(args, global_batch // layout.data_replicas)
+        else:
+            per_replica = global_batch // layout.data_replicas
+        micro, accumulation = _micro_and_accumulation(args, per_replica)
         overrides = dict(overrides, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
         changed_kept = _kept(args, overrides, keep)
         if changed_kept:
-            blocked_by_keep.append((changed_kept[0], overrides))
+            blocked_by_keep.append(changed_kept[0])
             continue
         candidate = dataclasses.replace(args, **overrides)
         check_layout_and_model(candidate, world_size, device)  # the micro-batch too
         changes = {key: [getattr(args, key), value] for key, value in overrides.items()
                    if _degree(getattr(args, key)) != _degree(value) and key not in ("sharding_degree",)}
         return candidate, changes
-    if blocked_by_keep:
-        key, overrides = blocked_by_keep[0]
-        raise UsageError(f"elastic_keep: {key} {getattr(args, key)} cannot be kept on {world_size} ranks (the layout "
-                         f"that keeps the global batch {global_batch} there has {key} {overrides[key]}); remove it "
-                         "from elastic_keep or bring the ranks back")
     if indivisible:
         replicas = min(indivisible)
         nearest = " or ".join(map(str, nearest_global_batches(global_batch, replicas)))
         raise UsageError(f"elastic: the global batch {global_batch} cannot be split over the {world_size} ranks left "
                          f"({replicas} data replicas); the nearest global batches they can split: {nearest}")
+    if blocked_by_keep:
+        key = blocked_by_keep[0]
+        why = f" ({refusals[0]})" if refusals else ""
+        raise UsageError(f"elastic_keep: {key} {getattr(args, key)} cannot be kept on {world_size} ranks{why}; remove "
+                         "it from elastic_keep or bring the ranks back")
     raise UsageError(f"elastic: no layout of this run fits on {world_size} ranks: {refusals[0]}")
 
 
 def describe_change(changes: dict, world_size: int, why: str, global_batch: int) -> str:
     """The one line the preflight prints."""
     what = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items()) or "no key changes"
-    return f"elastic: {why}; continuing on {world_size} ranks with {what} (global batch {global_batch} kept)"
+    return f"elastic: {why}; continuing on {world_size} ranks with {what}, global batch {global_batch}"
 
 
 # ----------------------------------------------------------------------------- the planner's view (GPUs)
