@@ -319,10 +319,10 @@ def test_async_save_writes_the_state_at_the_save_while_the_disk_is_slow(monkeypa
 
 
 # Two-rank runs in the session's dp2 and sd2 launches (tests/shared_launches.py): the same run saved
-# synchronously and asynchronously with rank 1's disk slow (its writes start SLOW_DISK_S late, on the
-# writer thread, while training goes on), and on dp2 a run whose rank 1 is slow (STRAGGLER_DELAY_S
-# before each step's flag reduction, tests/workers/mechanism_runs.py slowed).
-SLOW_DISK_S, STRAGGLER_DELAY_S = 1.0, 0.5
+# synchronously and asynchronously with rank 1's disk slow (its first write, on the writer thread, starts
+# only after training has gone SLOW_DISK_STEPS steps further), and on dp2 a run whose rank 1 is slow
+# (STRAGGLER_DELAY_S before each step's flag reduction); tests/workers/mechanism_runs.py slowed.
+SLOW_DISK_STEPS, STRAGGLER_DELAY_S = 2, 1.0
 
 
 def two_rank_runs(layout: str):
@@ -332,7 +332,7 @@ def two_rank_runs(layout: str):
                                                                        save_steps=4, **sharding))
         runs = [{"name": f"{layout}-sync", "argv": argv(args_file, work / layout / "sync")},
                 {"name": f"{layout}-async", "argv": argv(args_file, work / layout / "async", async_save=True),
-                 "slow_disk": {"rank": 1, "seconds": SLOW_DISK_S}}]
+                 "slow_disk": {"rank": 1, "steps": SLOW_DISK_STEPS}}]
         if layout == "dp2":
             runs.append({"name": "dp2-straggler", "slow_rank": {"rank": 1, "seconds": STRAGGLER_DELAY_S},
                          "argv": argv(args_file, work / layout / "straggler", max_steps=4, logging_steps=2,
@@ -347,10 +347,10 @@ contribute("sd2", 2, "resilience", two_rank_runs("sd2"))
 
 @pytest.mark.parametrize("layout", ["dp2", "sd2"])
 def test_async_save_on_two_ranks_with_a_slow_disk_writes_the_state_at_the_save(shared_launches, layout):
-    """dp2 and sharding stage 2: rank 1's writes finish long after rank 0's while training goes on;
-    each checkpoint is finalized only once both ranks' writes ended (the step's flag reduction carries
-    "write pending"), and holds exactly the synchronous run's weights and optimizer states (stage 2:
-    each rank writes the states it owns)."""
+    """dp2 and sharding stage 2: rank 1's write of checkpoint-4 starts after steps 5 and 6 changed the
+    weights (rank 0's ended at once); checkpoint-4 is finalized only after both ranks' writes ended (the
+    step's flag reduction carries "write pending": not before step 7), and every checkpoint holds exactly
+    the synchronous run's weights and optimizer states (each rank writes its share of them)."""
     from llm_pretrain.checkpoint.checkpointer import verify_checkpoint
     from llm_pretrain.checkpoint.dist_checkpoint import CheckpointReader
 
@@ -360,7 +360,7 @@ def test_async_save_on_two_ranks_with_a_slow_disk_writes_the_state_at_the_save(s
     assert losses(asynchronous) == losses(sync)
     assert [(r["step"], r["async"]) for r in events(asynchronous, "save")] == [(4, True), (8, True)]
     completed = {r["step"]: r["completed_at_step"] for r in events(asynchronous, "save_completed")}
-    assert completed == {4: completed[4], 8: 8} and 4 < completed[4] <= 8, completed
+    assert completed == {4: completed[4], 8: 8} and 4 + SLOW_DISK_STEPS < completed[4] <= 8, completed
     for step in (4, 8):
         path = asynchronous / f"checkpoint-{step}"
         assert verify_checkpoint(str(path)) is None
@@ -382,7 +382,8 @@ def test_a_slow_rank_is_named_and_its_own_time_exceeds_the_others_by_the_delay(s
     for record in records:
         own = record["rank_step_time_s"]
         assert record["slowest_rank"]["rank"] == 1 and record["fastest_rank"]["rank"] == 0, record
-        assert 0.8 * STRAGGLER_DELAY_S < own[1] - own[0] < STRAGGLER_DELAY_S + 0.5, own
+        # about the delay: the ranks' own compute differs by a few tenths of a second on a loaded machine
+        assert 0.6 * STRAGGLER_DELAY_S < own[1] - own[0] < STRAGGLER_DELAY_S + 1.0, own
         assert record["step_time_s"] > STRAGGLER_DELAY_S  # every rank's step waited for rank 1
 
 
