@@ -210,3 +210,21 @@ def test_elastic_bad_input_on_the_ranks_left_is_one_line_before_paddle(embedded_
     assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr[-2000:])
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
     assert all(fragment in result.stderr for fragment in fragments), result.stderr
+
+
+def test_without_a_checkpoint_elastic_only_repairs_degrees_the_ranks_cannot_form(tmp_path, capsys):
+    """No checkpoint: nothing to keep but the file's per-replica batch. Degrees that fit are left alone
+    (no line, no record); tp2 on 3 ranks becomes tp1 x dp3, said in one line."""
+    from llm_pretrain.run.preflight import adapt_to_the_ranks_present
+
+    args = _args(tensor_parallel_degree=2, output_dir=str(tmp_path / "out"))
+    assert adapt_to_the_ranks_present(args, 2, "cpu") == (args, None)
+    assert capsys.readouterr().out == ""
+    chosen, record = adapt_to_the_ranks_present(args, 3, "cpu")
+    assert (chosen.tensor_parallel_degree, chosen.per_device_train_batch_size, chosen.gradient_accumulation_steps) \
+        == (1, 2, 2)
+    assert record["global_batch_size"] == 12 and record["checkpoint"] is None and record["written_by"] is None
+    assert record["reason"].startswith("the argument file's degrees do not fit 3 ranks (world size 3 is not a "
+                                       "multiple of tensor_parallel_degree 2")
+    assert capsys.readouterr().out.splitlines() == [record["line"]]
+    assert record["line"].endswith("continuing on 3 ranks with tensor_parallel_degree 2 -> 1, global batch 12")
