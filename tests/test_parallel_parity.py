@@ -360,9 +360,13 @@ def test_sharding_stages(parity, shared_launches):
     assert run_record(parity.out("sd2-stage2"))["strategy"] == "sd2_stage2"
 
 
-def test_dp2_tp2(parity):
-    run_launch(4, [parity.run("dp2tp2-sp", tensor_parallel_degree=2, sequence_parallel=True,
-                              gradient_accumulation_steps=2)], parity.work, "dp2tp2")
+@shared("dp2tp2", 4)  # beside the elastic test's first part (tests/test_elastic.py)
+def dp2_tp2_runs(parity: Parity) -> list[list[str]]:
+    return [parity.run("dp2tp2-sp", tensor_parallel_degree=2, sequence_parallel=True, gradient_accumulation_steps=2)]
+
+
+def test_dp2_tp2(parity, shared_launches):
+    shared_launches.results("dp2tp2", "parity")
     parity.check([("dp2tp2-sp", "llama")])
     assert run_record(parity.out("dp2tp2-sp"))["strategy"] == "tp2dp2"
 
