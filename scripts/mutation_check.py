@@ -164,6 +164,16 @@ MUTATIONS = [
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
+    # Loading files someone else wrote runs no code (models/weights.py read_paddle_pickle; issue 37).
+    Mutation("unpickler_admits_any_class", "the weights unpickler imports whatever class a pickle names, as "
+             "pickle.load does", "models/weights.py",
+             'raise pickle.UnpicklingError(f"it would load {module}.{name}")',
+             "return super().find_class(module, name)",
+             ("tests/test_safe_loading.py::test_a_pickle_that_would_run_a_command_is_refused_and_runs_nothing",)),
+    Mutation("rng_json_paddle_not_restored", "a checkpoint's JSON RNG file restores Python's and NumPy's streams "
+             "but leaves Paddle's where it is", "llm_pretrain/checkpoint/checkpointer.py",
+             '"paddle": [_generator_state(s) for s in encoded["paddle"]]}', '"paddle": paddle.get_rng_state()}',
+             ("tests/test_safe_loading.py::test_rng_state_round_trips_through_json_and_old_pickles_still_resume",)),
 ]
 
 
