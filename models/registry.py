@@ -24,6 +24,7 @@ import os
 from models.errors import UsageError, closest_matches
 from models.config import RUNTIME_KEYS, ModelConfig
 from models.families import FAMILIES, FAMILY_NAMES, family_for_model_type, get_family, supported_model_types
+from models.families.hf_config_keys import check_config_keys
 
 # Every family's entries (models/families/<family>.py), in family order.
 ARCHITECTURES: dict[str, ModelConfig] = {
@@ -191,6 +192,7 @@ def config_from_dict(raw: dict, source: str) -> ModelConfig:
     if record is None:
         raise UsageError(f"model_name_or_path: {source} has model_type {raw.get('model_type')!r}; supported: "
                          f"{', '.join(supported_model_types())}{_closest_note(model_type, supported_model_types())}")
+    check_config_keys(raw, model_type, source)  # a value the decoder cannot compute: one line naming the key
     sizes = {}
     for key, value in raw.items():
         key = _KEY_ALIASES.get(key, key)

@@ -174,6 +174,14 @@ MUTATIONS = [
              "but leaves Paddle's where it is", "llm_pretrain/checkpoint/checkpointer.py",
              '"paddle": [_generator_state(s) for s in encoded["paddle"]]}', '"paddle": paddle.get_rng_state()}',
              ("tests/test_safe_loading.py::test_rng_state_round_trips_through_json_and_old_pickles_still_resume",)),
+    # Every config.json form read, none silently defaulted (models/rope.py, models/families/hf_config_keys.py).
+    Mutation("rope_parameters_theta_ignored", "transformers 5's rope_parameters: its rope_theta not read (the "
+             "top-level key or the default instead)", "models/rope.py",
+             'theta = parameters.get("rope_theta", top_theta)', "theta = top_theta",
+             ("tests/test_hf_config_keys.py::test_rope_theta_inside_rope_parameters_is_read",)),
+    Mutation("config_refusals_off", "config.json values the decoder cannot compute accepted silently",
+             "models/families/hf_config_keys.py", "if isinstance(entry, Refused) and not entry.honoured(value, raw):",
+             "if False:", ("tests/test_hf_config_keys.py::test_refused_keys_are_one_line_naming_the_key",)),
 ]
 
 
