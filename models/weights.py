@@ -141,7 +141,13 @@ def load_full_weights(model, config, full_state: dict, source: str) -> None:
 
 def load_weights_file(model, config, path: str) -> None:
     """continue_training: full weights from a file, read on the host (as numpy); each rank copies only
-    its slice to the device, never the whole checkpoint (26 GB for a 13B fp16 model)."""
+    its slice to the device, never the whole checkpoint (26 GB for a 13B fp16 model). A Hugging Face
+    directory's safetensors (models/hf_directory.py) are read and mapped one tensor at a time."""
+    if path.endswith((".safetensors", ".safetensors.index.json")):
+        from models.hf_directory import load_hf_weights
+
+        load_hf_weights(model, config, path)
+        return
     load_full_weights(model, config, read_paddle_pickle(path), path)
 
 
