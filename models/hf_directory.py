@@ -4,11 +4,11 @@
     model.safetensors                   or model-0000N-of-0000M.safetensors + model.safetensors.index.json
     tokenizer files                     read by the run's tokenizer (tokenizer_name_or_path defaults to the directory)
 
-`load_hf_weights(model, config, directory)` maps Hugging Face's names to ours with the family's import
+`stream_hf_weights` maps Hugging Face's names to ours with the family's import
 table (models/families/<family>.py; the same table `llm-import-hf` and scripts/import_paddlenlp.py use)
 as it reads: each Hugging Face tensor is read from its file (seek + read: nothing else of the file is
 touched), split / transposed into our tensors, and each rank copies its slice of them into its
-parameters before the next tensor is read. Peak host memory is therefore a few times the largest
+parameters (models/weights.py load_weights_file) before the next tensor is read. Peak host memory is therefore a few times the largest
 tensor, never a shard or the model (benchmarks/checkpoint_io.md).
 
 Before any tensor is read, the file headers are checked against the model: a tensor the model needs
@@ -126,12 +126,10 @@ def plan_hf_tensors(config, raw: dict, files: SafetensorsFiles, source: str) -> 
     return rules
 
 
-def check_hf_weights(config, weights_file: str) -> None:
+def check_hf_weights(config, raw: dict, weights_file: str) -> None:
     """Before Paddle is imported (the run's preflight): the safetensors headers hold every tensor the model
-    needs and none it has no place for (else one UsageError naming the tensor). Nothing but headers is read."""
-    from models.registry import read_config_json
-
-    raw = read_config_json(os.path.join(os.path.dirname(weights_file), "config.json"))
+    (of config.json `raw`) needs and none it has no place for (else one UsageError naming the tensor).
+    Nothing but headers is read."""
     plan_hf_tensors(config, raw, SafetensorsFiles(weights_file), weights_file)
 
 
@@ -183,32 +181,3 @@ def stream_hf_weights(config, raw: dict, files: SafetensorsFiles, source: str, w
                                  f"{name} the shape {list(piece.shape)}; config.json needs {expected[name]}")
             if wanted(name):
                 yield name, piece
-
-
-def load_hf_weights(model, config, weights_file: str) -> int:
-    """continue_training from a Hugging Face directory: every parameter of this rank from the safetensors,
-    one tensor at a time (each rank keeps its tensor-parallel slice). Returns the parameters set."""
-    import paddle
-
-    from models.registry import read_config_json
-    from models.weights import full_shape, host_tensor, local_slice
-    from models import parallel_layers as pl
-
-    directory = os.path.dirname(weights_file)
-    raw = read_config_json(os.path.join(directory, "config.json"))
-    files = SafetensorsFiles(weights_file)
-    params = dict(model.canonical_named_parameters())
-    tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
-    loaded = set()
-    with paddle.no_grad():
-        for name, value in stream_hf_weights(config, raw, files, weights_file, wanted=params.__contains__):
-            param = params[name]
-            if list(value.shape) != full_shape(param, tp_degree):  # our layout differs from the config's: a bug
-                raise RuntimeError(f"{name}: read {list(value.shape)}, the parameter needs {full_shape(param, tp_degree)}")
-            param.set_value(host_tensor(np.ascontiguousarray(local_slice(value, param, tp_rank, tp_degree)),
-                                        param.dtype))
-            loaded.add(name)
-    missing = [name for name in params if name not in loaded]
-    if missing:
-        raise UsageError(f"{weights_file}: no tensor gives parameter {missing[0]!r} ({len(missing)} missing)")
-    return len(loaded)

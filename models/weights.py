@@ -10,6 +10,7 @@ compare against, and what users expect when they change strategy mid-project.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import zlib
 
@@ -144,11 +145,36 @@ def load_weights_file(model, config, path: str) -> None:
     its slice to the device, never the whole checkpoint (26 GB for a 13B fp16 model). A Hugging Face
     directory's safetensors (models/hf_directory.py) are read and mapped one tensor at a time."""
     if path.endswith((".safetensors", ".safetensors.index.json")):
-        from models.hf_directory import load_hf_weights
+        from models.hf_directory import SafetensorsFiles, stream_hf_weights
+        from models.registry import read_config_json
 
-        load_hf_weights(model, config, path)
+        raw = read_config_json(os.path.join(os.path.dirname(path), "config.json"))
+        params = dict(model.canonical_named_parameters())
+        load_weight_stream(model, config, stream_hf_weights(config, raw, SafetensorsFiles(path), path,
+                                                            wanted=params.__contains__), path)
         return
     load_full_weights(model, config, read_paddle_pickle(path), path)
+
+
+@paddle.no_grad()
+def load_weight_stream(model, config, weights, source: str) -> None:
+    """Full weights given one at a time as (canonical name, host array) (a Hugging Face directory,
+    models/hf_directory.py): each rank copies its slice of each before the next is made; every parameter
+    this rank holds must come (else one UsageError naming the first missing)."""
+    from models.errors import UsageError
+
+    params = dict(model.canonical_named_parameters())
+    tp_rank, tp_degree = pl.tensor_parallel_rank_and_degree(config)
+    loaded = set()
+    for name, value in weights:
+        param = params[name]
+        if list(value.shape) != full_shape(param, tp_degree):  # the stream checked config.json's shapes: a bug
+            raise RuntimeError(f"{name}: given {list(value.shape)}, the parameter needs {full_shape(param, tp_degree)}")
+        param.set_value(host_tensor(np.ascontiguousarray(local_slice(value, param, tp_rank, tp_degree)), param.dtype))
+        loaded.add(name)
+    missing = [name for name in params if name not in loaded]
+    if missing:
+        raise UsageError(f"{source}: nothing gives parameter {missing[0]!r} ({len(missing)} missing)")
 
 
 # ----------------------------------------------------------------------------- pickles someone else wrote

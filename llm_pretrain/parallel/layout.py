@@ -24,7 +24,7 @@ from llm_pretrain.arguments import Arguments
 from llm_pretrain.errors import UsageError
 from models.config import ModelConfig
 from models.hf_directory import check_hf_weights
-from models.registry import resolve_model
+from models.registry import read_config_json, resolve_model
 
 
 @dataclass
@@ -591,7 +591,8 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         "fuse_attention_qkv", "fuse_attention_ffn") if getattr(args, key) is not None}
     config = config.replace(**overrides)
     if weights_file and weights_file.endswith((".safetensors", ".safetensors.index.json")):
-        check_hf_weights(config, weights_file)  # every tensor there (and used), from the file headers alone
+        # every tensor there (and used), from the file headers alone
+        check_hf_weights(config, read_config_json(os.path.join(args.model_name_or_path, "config.json")), weights_file)
     if not continue_training:
         # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
         config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
