@@ -182,6 +182,18 @@ MUTATIONS = [
     Mutation("config_refusals_off", "config.json values the decoder cannot compute accepted silently",
              "models/families/hf_config_keys.py", "if isinstance(entry, Refused) and not entry.honoured(value, raw):",
              "if False:", ("tests/test_hf_config_keys.py::test_refused_keys_are_one_line_naming_the_key",)),
+    # Training from a Hugging Face directory (models/hf_directory.py) and the export round trip.
+    Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
+             "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",
+             ("tests/test_hf_directory.py::test_bad_directories_are_one_line_naming_the_tensor_or_key",)),
+    Mutation("hf_continue_training_not_implied", "a Hugging Face directory without continue_training starts from "
+             "a random initialization", "llm_pretrain/parallel/layout.py", "        continue_training = True\n",
+             "        continue_training = False\n",
+             ("tests/test_hf_directory.py::test_continue_training_is_implied_with_the_directorys_weights",)),
+    Mutation("norm_head_export_in_float32", "Baichuan2's NormHead normalized in float32 on export (not "
+             "idempotent: export -> import -> export changes the head's bits)", "llm_pretrain/checkpoint/hf_export.py",
+             "head = to_float32(array, dtype).astype(np.float64)", "head = to_float32(array, dtype)",
+             ("tests/test_hf_directory.py::test_export_import_export_gives_the_same_files",)),
 ]
 
 
