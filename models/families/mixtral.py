@@ -19,7 +19,9 @@ Sizes are the published config.json files (mistralai/* on the Hugging Face hub):
                       mistralai's own file (whose later revisions use the 32768 vocabulary of v0.3)
 Sliding-window attention: the files carry "sliding_window" (null, or 4096 in the first 8x7B
 revision). PaddleNLP 2.8.1's MixtralForCausalLM ignores it ("We do not support sliding window
-attention for now", mixtral/modeling.py); so does this decoder (full causal attention).
+attention for now", mixtral/modeling.py); this decoder computes full causal attention, so a window
+shorter than max_position_embeddings (which transformers applies) is refused in one line
+(models/families/hf_config_keys.py); null is read.
 """
 
 from __future__ import annotations
