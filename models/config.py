@@ -25,8 +25,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # Llama 3.1's rotary frequency scaling, as its config.json gives it: {"rope_type": "llama3", "factor",
-    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} (models/rope.py); None: none.
+    # Rotary frequency scaling (models/rope.py): {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1) or {"rope_type": "linear", "factor"};
+    # None: none.
     rope_scaling: Optional[dict] = None
     initializer_range: float = 0.02
     hidden_dropout_prob: float = 0.0

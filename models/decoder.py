@@ -22,15 +22,15 @@ import paddle.nn.functional as F
 from models import parallel_layers as pl
 from models.config import ModelConfig
 from models.moe import MoE, RouterMetrics, router_losses
-from models.rope import llama3_scaled_inv_freq
+from models.rope import scaled_inv_freq
 
 
 # ----------------------------------------------------------------------------- positions
 def rotary_cos_sin(seq_length: int, head_dim: int, theta: float, scaling: dict | None = None):
-    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: Llama 3.1's, models/rope.py)."""
+    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: linear or Llama 3.1's, models/rope.py)."""
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
     if scaling:
-        inv_freq = paddle.to_tensor(llama3_scaled_inv_freq(inv_freq.numpy(), scaling))
+        inv_freq = paddle.to_tensor(scaled_inv_freq(inv_freq.numpy(), scaling))
     positions = paddle.arange(seq_length, dtype="float32")
     freqs = paddle.outer(positions, inv_freq)
     angles = paddle.concat([freqs, freqs], axis=-1)

@@ -6,10 +6,12 @@
 * our own config.json (it has a "family" key), as written by
   scripts/import_paddlenlp.py, with `model_state.pdparams` in our canonical
   parameter names -- such a directory can be trained from (continue_training);
-* a PaddleNLP / Hugging Face config.json (model_type llama, baichuan, qwen, qwen2, gpt2,
-  gpt, bloom): its architecture is read here (see `config_from_dict`), but its
-  weights use PaddleNLP's or Hugging Face's names, so a directory that holds
-  weights must be converted once with scripts/import_paddlenlp.py.
+* a Hugging Face directory (config.json in the 4.x or 5.x form, model.safetensors or a sharded
+  index): trained from directly, its weights mapped by name as they are read (models/hf_directory.py);
+  `llm-import-hf` converts it once for those who want a directory of ours;
+* a PaddleNLP config.json (model_type llama, baichuan, qwen, qwen2, gpt, bloom): its architecture
+  is read here (see `config_from_dict`), but its .pdparams use PaddleNLP's names, so a directory
+  that holds them must be converted once with scripts/import_paddlenlp.py.
 
 The entries come from the family records (models/families/<family>.py), which give
 their sources. Names follow PaddleNLP's (its hub ids, "gpt3-1.3B-en" style for GPT-3);
@@ -24,6 +26,7 @@ import os
 from models.errors import UsageError, closest_matches
 from models.config import RUNTIME_KEYS, ModelConfig
 from models.families import FAMILIES, FAMILY_NAMES, family_for_model_type, get_family, supported_model_types
+from models.families.hf_config_keys import check_config_keys
 
 # Every family's entries (models/families/<family>.py), in family order.
 ARCHITECTURES: dict[str, ModelConfig] = {
@@ -68,10 +71,11 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:
-    """The architecture and, for a directory with weights, the weights file.
+    """The architecture and, for a directory with weights, the weights file (ours: model_state.pdparams;
+    a Hugging Face directory: its model.safetensors or model.safetensors.index.json).
 
-    Raises UsageError for a name that is neither built in nor a directory, and for a
-    PaddleNLP/Hugging Face directory with weights (they need scripts/import_paddlenlp.py).
+    Raises UsageError for a name that is neither built in nor a directory, and for a PaddleNLP
+    directory with weights (they need scripts/import_paddlenlp.py).
     """
     if name_or_path in ARCHITECTURES:
         return ARCHITECTURES[name_or_path].replace(), None
@@ -82,11 +86,18 @@ def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:
         raw = read_config_json(config_file)
         config = config_from_dict(raw, source=config_file)
         weights_file = find_weights_file(name_or_path)
-        if "family" not in raw and (weights_file or _has_foreign_weights(name_or_path)):
-            raise UsageError(
-                f"model_name_or_path: {name_or_path} holds weights in PaddleNLP/Hugging Face names; convert it once "
-                f"with `python scripts/import_paddlenlp.py {name_or_path} OUT_DIR` and use OUT_DIR"
-            )
+        if "family" not in raw:
+            from models.hf_directory import hf_weights_file
+
+            hf_weights = hf_weights_file(name_or_path)
+            if hf_weights:  # a Hugging Face directory: trained from directly (models/hf_directory.py)
+                return config, hf_weights
+            if weights_file or _has_foreign_weights(name_or_path):
+                raise UsageError(
+                    f"model_name_or_path: {name_or_path} holds weights in PaddleNLP names (or PyTorch's "
+                    f"pytorch_model.bin); convert it once with `python scripts/import_paddlenlp.py {name_or_path} "
+                    "OUT_DIR` and use OUT_DIR (a Hugging Face directory with model.safetensors trains as it is)"
+                )
         return config, weights_file
     raise UsageError(unknown_model_message(name_or_path))
 
@@ -191,6 +202,7 @@ def config_from_dict(raw: dict, source: str) -> ModelConfig:
     if record is None:
         raise UsageError(f"model_name_or_path: {source} has model_type {raw.get('model_type')!r}; supported: "
                          f"{', '.join(supported_model_types())}{_closest_note(model_type, supported_model_types())}")
+    check_config_keys(raw, model_type, source)  # a value the decoder cannot compute: one line naming the key
     sizes = {}
     for key, value in raw.items():
         key = _KEY_ALIASES.get(key, key)

@@ -1,10 +1,23 @@
-"""Llama 3.1's rotary frequency scaling (config.json "rope_scaling" with rope_type "llama3").
+"""Rotary position embeddings: which config.json settings this toolkit computes, and their frequencies.
 
-Frequencies whose wavelength is shorter than original_max_position_embeddings / high_freq_factor
-stay; those longer than original_max_position_embeddings / low_freq_factor are divided by
-`factor`; the band between is interpolated smoothly. As Hugging Face transformers'
-`_compute_llama3_parameters` (modeling_rope_utils.py) and Meta's llama3 reference
-(`apply_scaling` in llama/model.py) compute it.
+Hugging Face config.json files give the rotary base and its scaling in two forms:
+
+    transformers 4.x   top-level "rope_theta" and "rope_scaling" ({"rope_type" or "type", "factor", ...})
+    transformers 5.x   "rope_parameters": {"rope_theta", "rope_type", "factor", ...} and no top-level keys
+                       (modeling_rope_utils.py RopeParameters / convert_rope_params_to_dict)
+
+`read_rope_config` reads both into ours (ModelConfig.rope_theta, ModelConfig.rope_scaling). Rope types
+computed here, as transformers' ROPE_INIT_FUNCTIONS compute them (modeling_rope_utils.py):
+
+    default   no scaling
+    linear    every inverse frequency divided by `factor` (_compute_linear_scaling_rope_parameters)
+    llama3    Llama 3.1's: frequencies whose wavelength is shorter than original_max_position_embeddings /
+              high_freq_factor stay, those longer than original / low_freq_factor are divided by `factor`,
+              the band between is interpolated smoothly (_compute_llama3_parameters; Meta's apply_scaling)
+
+"dynamic", "yarn" and "longrope" (and any other type) are refused in one line naming the key: their
+frequencies depend on the sequence length (dynamic, longrope) or scale the attention logits (yarn,
+longrope), which this decoder does not compute.
 """
 
 from __future__ import annotations
@@ -12,6 +25,73 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from models.errors import UsageError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+KNOWN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# The keys each supported type reads besides rope_type / rope_theta (transformers' validation functions).
+ROPE_TYPE_KEYS = {"default": (), "linear": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _refuse(source: str, key: str, value, allowed: str) -> None:
+    raise UsageError(f"model_name_or_path: {source}: {key} {value!r} cannot be computed by this toolkit's decoder "
+                     f"(allowed: {allowed})")
+
+
+def read_rope_config(raw: dict, source: str) -> tuple[float | None, dict | None]:
+    """(rope_theta or None when the file gives none, our rope_scaling or None) of a Hugging Face config.json."""
+    parameters = raw.get("rope_parameters")
+    top_theta, legacy_scaling = raw.get("rope_theta"), raw.get("rope_scaling")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            _refuse(source, "rope_parameters", parameters, "a JSON object with rope_theta and rope_type")
+        if "rope_type" not in parameters and "type" not in parameters and "full_attention" in parameters:
+            # transformers 5 per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+            others = sorted(set(parameters) - {"full_attention"})
+            if others:
+                _refuse(source, "rope_parameters", parameters, "one set of rope parameters for full attention only")
+            parameters = parameters["full_attention"]
+        key = "rope_parameters"
+        theta = parameters.get("rope_theta", top_theta)
+        if top_theta is not None and theta is not None and float(top_theta) != float(theta):
+            _refuse(source, "rope_theta", top_theta, f"the rope_parameters' rope_theta {theta} or none")
+        if legacy_scaling and legacy_scaling != parameters:
+            _refuse(source, "rope_scaling", legacy_scaling, "null beside rope_parameters (transformers 5 reads one)")
+        scaling = parameters
+    else:
+        key, theta, scaling = "rope_scaling", top_theta, legacy_scaling or {}
+        if not isinstance(scaling, dict):
+            _refuse(source, "rope_scaling", scaling, "null or a JSON object with rope_type")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        _refuse(source, f"{key}.rope_type", kind, ", ".join(SUPPORTED_ROPE_TYPES))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse(source, f"{key}.partial_rotary_factor", scaling["partial_rotary_factor"], "1.0 (every dimension rotated)")
+    needed = ROPE_TYPE_KEYS[kind]
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        raise UsageError(f"model_name_or_path: {source}: {key} has no {missing[0]!r} "
+                         f"(rope_type {kind!r} needs {', '.join(needed)})")
+    unread = sorted(set(scaling) - set(needed) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if unread:
+        _refuse(source, f"{key}.{unread[0]}", scaling[unread[0]],
+                f"for rope_type {kind!r} only {', '.join(('rope_theta',) + needed) or 'rope_theta'}")
+    if kind == "default" or (kind == "linear" and float(scaling["factor"]) == 1.0):
+        return theta, None
+    return theta, {"rope_type": kind, **{k: scaling[k] for k in needed}}
+
+
+def scaled_inv_freq(inv_freq: np.ndarray, scaling: dict | None) -> np.ndarray:
+    """The rotary inverse frequencies [head_dim / 2] after `scaling` (ours: rope_type linear or llama3)."""
+    if not scaling:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if scaling["rope_type"] == "llama3":
+        return llama3_scaled_inv_freq(inv_freq, scaling)
+    raise ValueError(f"rope_scaling {scaling!r}: unknown rope_type")  # read_rope_config admits no other
 
 
 def llama3_scaled_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:

@@ -183,6 +183,36 @@ MUTATIONS = [
              "degree of the ranks left shrinks it)", "llm_pretrain/run/preflight.py",
              "    if resumed:\n        saved_args", "    if False:\n        saved_args",
              ("tests/test_elastic.py::test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch",)),
+    # Loading files someone else wrote runs no code (models/weights.py read_paddle_pickle; issue 37).
+    Mutation("unpickler_admits_any_class", "the weights unpickler imports whatever class a pickle names, as "
+             "pickle.load does", "models/weights.py",
+             'raise pickle.UnpicklingError(f"it would load {module}.{name}")',
+             "return super().find_class(module, name)",
+             ("tests/test_safe_loading.py::test_a_pickle_that_would_run_a_command_is_refused_and_runs_nothing",)),
+    Mutation("rng_json_paddle_not_restored", "a checkpoint's JSON RNG file restores Python's and NumPy's streams "
+             "but leaves Paddle's where it is", "llm_pretrain/checkpoint/checkpointer.py",
+             '"paddle": [_generator_state(s) for s in encoded["paddle"]]}', '"paddle": paddle.get_rng_state()}',
+             ("tests/test_safe_loading.py::test_rng_state_round_trips_through_json_and_old_pickles_still_resume",)),
+    # Every config.json form read, none silently defaulted (models/rope.py, models/families/hf_config_keys.py).
+    Mutation("rope_parameters_theta_ignored", "transformers 5's rope_parameters: its rope_theta not read (the "
+             "top-level key or the default instead)", "models/rope.py",
+             'theta = parameters.get("rope_theta", top_theta)', "theta = top_theta",
+             ("tests/test_hf_config_keys.py::test_rope_theta_inside_rope_parameters_is_read",)),
+    Mutation("config_refusals_off", "config.json values the decoder cannot compute accepted silently",
+             "models/families/hf_config_keys.py", "if isinstance(entry, Refused) and not entry.honoured(value, raw):",
+             "if False:", ("tests/test_hf_config_keys.py::test_refused_keys_are_one_line_naming_the_key",)),
+    # Training from a Hugging Face directory (models/hf_directory.py) and the export round trip.
+    Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
+             "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",
+             ("tests/test_hf_directory.py::test_bad_directories_are_one_line_naming_the_tensor_or_key",)),
+    Mutation("hf_continue_training_not_implied", "a Hugging Face directory without continue_training starts from "
+             "a random initialization", "llm_pretrain/parallel/layout.py", "        continue_training = True\n",
+             "        continue_training = False\n",
+             ("tests/test_hf_directory.py::test_continue_training_is_implied_with_the_directorys_weights",)),
+    Mutation("norm_head_export_in_float32", "Baichuan2's NormHead normalized in float32 on export (not "
+             "idempotent: export -> import -> export changes the head's bits)", "llm_pretrain/checkpoint/hf_export.py",
+             "head = to_float32(array, dtype).astype(np.float64)", "head = to_float32(array, dtype)",
+             ("tests/test_hf_directory.py::test_export_import_export_gives_the_same_files",)),
 ]
 
 

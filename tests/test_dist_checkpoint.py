@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -91,6 +92,11 @@ def _to_legacy_format(checkpoint) -> None:
     optimizer["LR_Scheduler"] = reader.index["lr_scheduler"]
     paddle.save(weights, str(checkpoint / "model_state.tp00_pp00.pdparams"))
     paddle.save(optimizer, str(checkpoint / "optimizer.tp00_pp00.pdopt"))
+    # The RNG states as the old code pickled them (rng_state.rank*.pkl, before the JSON files)
+    rng_json = checkpoint / ckpt.rng_file(ckpt.Layout())
+    with open(checkpoint / ckpt.legacy_rng_file(ckpt.Layout()), "wb") as f:
+        pickle.dump(ckpt.rng_states_from_json(json.loads(rng_json.read_text())), f)
+    os.remove(rng_json)
     for name in os.listdir(checkpoint):
         if name.startswith("tensors."):
             os.remove(checkpoint / name)

@@ -279,7 +279,7 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(reference, t
     for name, damage in (("truncated", lambda p: _truncate(p / "tensors.index.json")),
                          ("flipped", lambda p: _flip_byte(p / "tensors.rank00000.safetensors")),
                          ("bad_json", lambda p: (p / "trainer_state.json").write_text("{not json")),
-                         ("missing", lambda p: (p / "rng_state.rank00000.pkl").unlink())):
+                         ("missing", lambda p: (p / "rng_state.rank00000.json").unlink())):
         copy = tmp_path / name
         shutil.copytree(damaged / "checkpoint-6", copy)
         damage(copy)

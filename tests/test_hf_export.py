@@ -255,9 +255,13 @@ def test_script_and_last_save_in_hf_then_training_continues(embedded_corpus, tmp
     runs = [argv(args_file, tmp_path / name, model_name_or_path=str(tmp_path / directory), continue_training=True,
                  last_save_in_hf=False, max_steps=2, save_steps=0)
             for name, directory in (("from_import", "imported"), ("from_checkpoint", "reference"))]
+    # and the Hugging Face directory itself (models/hf_directory.py), continue_training implied (issue 37)
+    runs.append(argv(args_file, tmp_path / "from_hf_dir", model_name_or_path=str(exported), last_save_in_hf=False,
+                     max_steps=2, save_steps=0))
     run_single(runs, tmp_path, "continue")
     from_import, from_checkpoint = train_records(tmp_path / "from_import"), train_records(tmp_path / "from_checkpoint")
     assert [r["loss"] for r in from_import] == [r["loss"] for r in from_checkpoint] and len(from_import) == 2
+    assert [r["loss"] for r in train_records(tmp_path / "from_hf_dir")] == [r["loss"] for r in from_import]
     first = train_records(tmp_path / "first")
     assert from_import[0]["loss"] < first[0]["loss"]  # it did continue from the trained weights
 

@@ -16,8 +16,8 @@ COMMANDS = PYPROJECT["project"]["scripts"]
 
 
 def test_the_commands_are_installed():
-    assert sorted(COMMANDS) == ["llm-benchmark", "llm-export-hf", "llm-perf-table", "llm-plan", "llm-prepare-data",
-                                "llm-pretrain"]
+    assert sorted(COMMANDS) == ["llm-benchmark", "llm-export-hf", "llm-import-hf", "llm-perf-table", "llm-plan",
+                                "llm-prepare-data", "llm-pretrain"]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -6,7 +6,8 @@ Layout of a checkpoint directory:
     tensors.index.json                  every weight and optimizer tensor (single-process name, shape,
                                         dtype) -> its slices (offsets, shape) -> the file holding each
     tensors.rank00000.safetensors       the slices rank 0 holds (llm_pretrain/checkpoint/dist_checkpoint.py)
-    rng_state.rank00000.pkl             every rank's Python/NumPy/Paddle RNG states
+    rng_state.rank00000.json            every rank's Python/NumPy/Paddle RNG states (JSON: reading it runs no code;
+                                        checkpoints written before hold rng_state.rank00000.pkl, still read)
     scaler.pdparams                     fp16 only: the loss scaler's scale and good/bad step counters
     manifest.json                       size and sha256 of every file above, and which rank wrote it
     COMPLETE                            written last: only such directories are resumed from
@@ -42,7 +43,6 @@ import fcntl
 import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -55,6 +55,7 @@ import paddle
 from llm_pretrain.checkpoint import dist_checkpoint
 from llm_pretrain.parallel.distributed import Layout, all_reduce_max, barrier
 from llm_pretrain.errors import DivergenceError, RunError, UsageError
+from models.weights import merge_slices, read_paddle_pickle
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
@@ -107,6 +108,11 @@ def optimizer_file(layout: Layout) -> str:
 
 
 def rng_file(layout: Layout) -> str:
+    return f"rng_state.rank{layout.rank:05d}.json"
+
+
+def legacy_rng_file(layout: Layout) -> str:
+    """The pickle checkpoints written before the JSON RNG files hold (read by the restricted unpickler)."""
     return f"rng_state.rank{layout.rank:05d}.pkl"
 
 
@@ -119,6 +125,54 @@ def rng_states() -> dict:
     except Exception:  # fleet not initialized: no tensor-parallel RNG streams
         pass
     return states
+
+
+def _generator_state(saved):
+    """A paddle GeneratorState from its __getstate__ tuple (the form pybind11 pickles it in)."""
+    from paddle.base.libpaddle import GeneratorState
+
+    state = GeneratorState.__new__(GeneratorState)
+    state.__setstate__(tuple(saved))
+    return state
+
+
+def rng_states_to_json(states: dict) -> dict:
+    """rng_states() as JSON values: Python's and NumPy's state tuples as lists, every paddle
+    GeneratorState as its __getstate__ tuple (device, seed, offset, the Mersenne Twister's text)."""
+    kind, keys, position, has_gauss, cached_gaussian = states["numpy"]
+    version, internal, gauss_next = states["python"]
+    encoded = {"python": [version, list(internal), gauss_next],
+               "numpy": [kind, np.asarray(keys).tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+               "paddle": [list(s.__getstate__()) for s in states["paddle"]]}
+    if "tensor_parallel" in states:
+        encoded["tensor_parallel"] = {name: [list(s.__getstate__()) for s in generators]
+                                      for name, generators in states["tensor_parallel"].items()}
+    return encoded
+
+
+def rng_states_from_json(encoded: dict) -> dict:
+    version, internal, gauss_next = encoded["python"]
+    kind, keys, position, has_gauss, cached_gaussian = encoded["numpy"]
+    states = {"python": (version, tuple(internal), gauss_next),
+              "numpy": (kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian),
+              "paddle": [_generator_state(s) for s in encoded["paddle"]]}
+    if "tensor_parallel" in encoded:
+        states["tensor_parallel"] = {name: [_generator_state(s) for s in generators]
+                                     for name, generators in encoded["tensor_parallel"].items()}
+    return states
+
+
+def read_rng_states(path: str, layout: Layout) -> dict:
+    """The RNG states `layout`'s rank saved in checkpoint `path`: the JSON file, or the pickle of a
+    checkpoint written before it, unpickled admitting only paddle's GeneratorState besides arrays."""
+    json_file = os.path.join(path, rng_file(layout))
+    if os.path.isfile(json_file) or not os.path.isfile(os.path.join(path, legacy_rng_file(layout))):
+        with open(json_file) as f:
+            return rng_states_from_json(json.load(f))
+    from paddle.base.libpaddle import GeneratorState
+
+    return read_paddle_pickle(os.path.join(path, legacy_rng_file(layout)),
+                              allow={("paddle.base.libpaddle", "GeneratorState"): GeneratorState})
 
 
 def set_rng_states(states: dict) -> None:
@@ -150,8 +204,8 @@ def snapshot_rank_state(model, optimizer, layout: Layout, scaler=None, copy: boo
 
 def write_snapshot_files(staging: str, snapshot: dict, layout: Layout) -> list[str]:
     written = dist_checkpoint.write_snapshot(staging, layout, snapshot["tensors"])
-    with open(os.path.join(staging, rng_file(layout)), "wb") as f:
-        pickle.dump(snapshot["rng"], f)
+    with open(os.path.join(staging, rng_file(layout)), "w") as f:
+        json.dump(rng_states_to_json(snapshot["rng"]), f)
     written.append(rng_file(layout))
     if snapshot["scaler"] is not None:
         paddle.save(snapshot["scaler"], os.path.join(staging, SCALER_FILE))
@@ -166,7 +220,7 @@ def load_scaler_state(path: str, scaler) -> bool:
     file = os.path.join(path, SCALER_FILE)
     if scaler is None or not os.path.isfile(file):
         return False
-    scaler.load_state_dict(paddle.load(file, return_numpy=True))  # paddle/amp/grad_scaler.py:628
+    scaler.load_state_dict(read_paddle_pickle(file))  # paddle/amp/grad_scaler.py:628
     return True
 
 
@@ -624,8 +678,7 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) ->
     # streams fleet derived for its new rank (dropout masks differ across layouts, see docs/checkpoints.md).
     saved_layout = trainer_state.get("layout") or {}
     same_layout = bool(saved_layout) and all(getattr(layout, key) == value for key, value in saved_layout.items())
-    with open(os.path.join(path, rng_file(layout) if same_layout else rng_file(Layout())), "rb") as f:
-        states = pickle.load(f)
+    states = read_rng_states(path, layout if same_layout else Layout())
     if not same_layout:
         states.pop("tensor_parallel", None)
     set_rng_states(states)
@@ -635,12 +688,15 @@ def load_checkpoint(path: str, model, optimizer, layout: Layout, scaler=None) ->
 
 def load_legacy_state(path: str, model, optimizer, layout: Layout) -> None:
     """A checkpoint of the per-layout format (before the layout-free one), under its own layout."""
-    weights = paddle.load(os.path.join(path, model_file(layout)))
+    weights = read_paddle_pickle(os.path.join(path, model_file(layout)))
     with paddle.no_grad():
         for name, param in model.canonical_named_parameters():
             param.set_value(weights[name])
     canonical_to_internal = {v: k for k, v in _internal_to_canonical(model).items()}
-    optimizer_state = paddle.load(os.path.join(path, optimizer_file(layout)))
+    optimizer_state = read_paddle_pickle(os.path.join(path, optimizer_file(layout)))
+    if "master_weights" in optimizer_state:  # the optimizer computes with these, as tensors (paddle.load gives them so)
+        optimizer_state["master_weights"] = {name: paddle.to_tensor(value)
+                                             for name, value in optimizer_state["master_weights"].items()}
     optimizer.set_state_dict(rename_optimizer_state(optimizer_state, canonical_to_internal))
 
 
@@ -655,14 +711,12 @@ def merge_checkpoint(path: str) -> dict[str, np.ndarray]:
         return dist_checkpoint.read_full_weights(path)
     from types import SimpleNamespace
 
-    from models.weights import merge_slices
-
     files = sorted(f for f in os.listdir(path) if f.startswith("model_state.") and f.endswith(".pdparams"))
     by_name: dict[str, dict[int, np.ndarray]] = {}
     split: dict[str, list] = {}
     for file in files:
         tp_rank = int(re.search(r"tp(\d+)", file).group(1))
-        state = paddle.load(os.path.join(path, file), return_numpy=True)
+        state = read_paddle_pickle(os.path.join(path, file))
         for name, (axis, parts, replica) in state.pop(SPLIT_KEY).items():
             if replica:
                 continue

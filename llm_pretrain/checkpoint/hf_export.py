@@ -183,10 +183,12 @@ class _Source:
         if name == "lm_head.weight" and self.config.norm_head:
             # Baichuan2's NormHead, folded in: each vocab column of our [hidden, vocab] head has unit norm
             # (its code normalizes again at run time, which changes nothing), as export_to_paddlenlp does.
+            # Computed in float64, then rounded: normalizing an already normalized head then gives the same
+            # bits, so export -> import -> export writes the same file (tests/test_hf_directory.py).
             dtype = self.reader.entry(name)["dtype"]
-            head = to_float32(array, dtype)
+            head = to_float32(array, dtype).astype(np.float64)
             head = head / np.maximum(np.linalg.norm(head, axis=0, keepdims=True), 1e-12)
-            array = convert(head, "float32", dtype)
+            array = convert(head.astype(np.float32), "float32", dtype)
         return array
 
 

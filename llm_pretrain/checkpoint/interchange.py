@@ -108,16 +108,17 @@ def _read_our_weights(path: str) -> tuple[ModelConfig, dict, str | None]:
         raw = read_config_json(config_file)
         if "family" not in raw:
             raise UsageError(f"{path} looks like a PaddleNLP directory already (its config.json has no 'family')")
-        import paddle
+        from models.weights import read_paddle_pickle
 
-        return config_from_dict(raw, source=config_file), paddle.load(weights_file), path
+        return config_from_dict(raw, source=config_file), read_paddle_pickle(weights_file), path
     raise UsageError(f"{path} is neither a checkpoint (no {ckpt.TRAINER_STATE}) nor a model directory "
                      "(config.json + model_state.pdparams)")
 
 
 def _load_foreign_weights(directory: str) -> tuple[dict, str]:
-    """Full weights of a PaddleNLP/HF directory: model_state.pdparams, sharded .pdparams or safetensors."""
-    import paddle
+    """Full weights of a PaddleNLP/HF directory: model_state.pdparams, sharded .pdparams or safetensors
+    (pickles read by models/weights.py read_paddle_pickle: no code runs)."""
+    from models.weights import read_paddle_pickle
 
     def path(name):
         return os.path.join(directory, name)
@@ -126,8 +127,8 @@ def _load_foreign_weights(directory: str) -> tuple[dict, str]:
         raise UsageError(f"{directory} holds tensor-parallel shards (model_state.tpXX.pdparams); merge them with "
                          "PaddleNLP first (save_pretrained with merge_tensor_parallel, or a unified checkpoint)")
     if os.path.isfile(path("model_state.pdparams")):
-        return paddle.load(path("model_state.pdparams")), path("model_state.pdparams")
-    for index, loader in (("model_state.pdparams.index.json", paddle.load),
+        return read_paddle_pickle(path("model_state.pdparams")), path("model_state.pdparams")
+    for index, loader in (("model_state.pdparams.index.json", read_paddle_pickle),
                           ("model.safetensors.index.json", _load_safetensors)):
         if os.path.isfile(path(index)):
             with open(path(index), encoding="utf-8") as f:

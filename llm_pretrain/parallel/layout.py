@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from llm_pretrain.arguments import Arguments
 from llm_pretrain.errors import UsageError
 from models.config import ModelConfig
-from models.registry import resolve_model
+from models.hf_directory import check_hf_weights
+from models.registry import read_config_json, resolve_model
 
 
 @dataclass
@@ -579,11 +580,20 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
     """The architecture from model_name_or_path with the run's overrides and runtime options."""
     config, weights_file = resolve_model(args.model_name_or_path)
     notes = []
+    continue_training = args.continue_training
+    if weights_file and weights_file.endswith((".safetensors", ".safetensors.index.json")) and not continue_training:
+        # A Hugging Face directory with weights is a checkpoint to continue from (as PaddleFormers trains it)
+        continue_training = True
+        notes.append(f"continue_training: implied: {args.model_name_or_path} is a Hugging Face directory with "
+                     f"weights ({os.path.basename(weights_file)}); training continues from them")
     overrides = {key: getattr(args, key) for key in (
         "num_hidden_layers", "initializer_range", "hidden_dropout_prob", "attention_probs_dropout_prob",
         "fuse_attention_qkv", "fuse_attention_ffn") if getattr(args, key) is not None}
     config = config.replace(**overrides)
-    if not args.continue_training:
+    if weights_file and weights_file.endswith((".safetensors", ".safetensors.index.json")):
+        # every tensor there (and used), from the file headers alone
+        check_hf_weights(config, read_config_json(os.path.join(args.model_name_or_path, "config.json")), weights_file)
+    if not continue_training:
         # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
         config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
         tokenizer_vocab = _local_tokenizer_vocab_size(args.tokenizer_path)
@@ -620,10 +630,10 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
     if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
         notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
                      "use_fused_rms_norm is its fused kernel)")
-    if args.continue_training and weights_file is None:
+    if continue_training and weights_file is None:
         notes.append(f"continue_training: {args.model_name_or_path} has no local weights "
-                     "(model_state.pdparams); starting from a random initialization")
-    return config, (weights_file if args.continue_training else None), notes
+                     "(model_state.pdparams or model.safetensors); starting from a random initialization")
+    return config, (weights_file if continue_training else None), notes
 
 
 def _local_tokenizer_vocab_size(path: str) -> int | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
     unsupported
+from models.rope import read_rope_config
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, QKV_WEIGHTS, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu")
@@ -107,32 +108,22 @@ ARCHITECTURES = {
 
 
 # ----------------------------------------------------------------------------- config.json
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def read_rope_scaling(raw: dict, source: str):
-    """Hugging Face's "rope_scaling" (Llama 3.1: rope_type "llama3") -> ours; other scalings are refused."""
-    scaling = raw.get("rope_scaling")
+def read_rope(raw: dict, sizes: dict, source: str) -> dict:
+    """The rotary base and scaling of a config.json in either transformers form (models/rope.py
+    read_rope_config: 4.x top-level rope_theta / rope_scaling, 5.x rope_parameters) into `sizes`."""
     if raw.get("rope_scaling_type"):  # PaddleNLP 2.8's own switch: linear / ntk / dynamic_ntk
         unsupported(source, f"rope_scaling_type {raw['rope_scaling_type']!r}")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind != "llama3":
-        unsupported(source, f"rope_scaling {scaling!r} (supported: rope_type 'llama3')")
-    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
-    if missing:
-        from models.errors import UsageError
-
-        raise UsageError(f"model_name_or_path: {source}: rope_scaling has no {missing[0]!r} "
-                         f"(rope_type 'llama3' needs {', '.join(ROPE_SCALING_KEYS)})")
-    return {"rope_type": "llama3", **{k: scaling[k] for k in ROPE_SCALING_KEYS}}
+    theta, scaling = read_rope_config(raw, source)
+    if theta is not None:
+        sizes["rope_theta"] = theta
+    sizes["rope_scaling"] = scaling
+    return sizes
 
 
 def read_config(raw: dict, sizes: dict, source: str) -> dict:
     if raw.get("alibi"):
         sizes["position_embedding"] = "alibi"
-    sizes["rope_scaling"] = read_rope_scaling(raw, source)
+    read_rope(raw, sizes, source)
     # PaddleNLP runs Baichuan checkpoints as LlamaForCausalLM; ALiBi or a NormHead says it is one.
     if sizes.get("position_embedding") == "alibi" or raw.get("norm_head"):
         sizes["family"] = "baichuan"

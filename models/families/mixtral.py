@@ -19,7 +19,9 @@ Sizes are the published config.json files (mistralai/* on the Hugging Face hub):
                       mistralai's own file (whose later revisions use the 32768 vocabulary of v0.3)
 Sliding-window attention: the files carry "sliding_window" (null, or 4096 in the first 8x7B
 revision). PaddleNLP 2.8.1's MixtralForCausalLM ignores it ("We do not support sliding window
-attention for now", mixtral/modeling.py); so does this decoder (full causal attention).
+attention for now", mixtral/modeling.py); this decoder computes full causal attention, so a window
+shorter than max_position_embeddings (which transformers applies) is refused in one line
+(models/families/hf_config_keys.py); null is read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
     unsupported
-from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, read_rope_scaling
+from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, read_rope
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, R, _attn, _mlp
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", num_experts=8,
@@ -61,7 +63,7 @@ ARCHITECTURES = {
 
 def read_config(raw: dict, sizes: dict, source: str) -> dict:
     sizes["num_experts"] = raw.get("num_local_experts", 8)
-    sizes["rope_scaling"] = read_rope_scaling(raw, source)
+    read_rope(raw, sizes, source)
     sizes.setdefault("tie_word_embeddings", False)
     sizes.setdefault("num_key_value_heads", 8)  # MixtralConfig's default
     sizes.setdefault("rope_theta", 1e6)

@@ -47,7 +47,7 @@ from models.config import ModelConfig
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
     unsupported
 from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, llama_style_table, \
-    read_rope_scaling
+    read_rope
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qkv_bias=True)
 SMALL_VOCAB, LARGE_VOCAB = 151936, 152064
@@ -97,7 +97,7 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
         unsupported(source, f"use_sliding_window true (sliding_window {raw.get('sliding_window')})")
     if raw.get("attention_bias") is False:  # PaddleNLP 3's Qwen2Config switch (default true)
         sizes["qkv_bias"] = False
-    sizes["rope_scaling"] = read_rope_scaling(raw, source)
+    read_rope(raw, sizes, source)
     sizes.setdefault("tie_word_embeddings", False)  # Qwen2Config's default (the published files say it)
     return sizes
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
     unsupported
-from models.families.llama import is_hugging_face, read_rope_scaling
+from models.families.llama import is_hugging_face, read_rope
 from models.families.mixtral import reference_kwargs
 from models.families.qwen2 import HF_QWEN2_CLASS, hf_qwen2_config
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, QKV_BIASES, R, _attn, _mlp
@@ -74,7 +74,7 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
     sizes.setdefault("shared_expert_intermediate_size", 5632)
     sizes.setdefault("norm_topk_prob", False)
     sizes.setdefault("tie_word_embeddings", False)
-    sizes["rope_scaling"] = read_rope_scaling(raw, source)
+    read_rope(raw, sizes, source)
     return sizes
 
 
