@@ -59,7 +59,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/run/preflight.py",
+    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/parallel/layout.py",
              "sequence_parallel=args.sequence_parallel,", "sequence_parallel=False,", (TP2,)),
     Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/parallel/distributed.py",
              "register_sequence_parallel_allreduce_hooks(model, accumulation_steps,",
@@ -164,6 +164,10 @@ MUTATIONS = [
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
+    # Issue 33 findings (i33-findings).
+    Mutation("seeds_without_sep_rank", "dropout seeds leave out the sep/cp rank (sep/cp ranks draw the same masks)",
+             "llm_pretrain/run/trainer.py", "offset = (layout.sep_parallel_rank * mp +", "offset = (0 * mp +",
+             ("tests/test_training.py::test_seeds_per_rank_are_paddlenlps",)),
 ]
 
 

@@ -49,14 +49,16 @@ from models.weights import init_weights, load_weights_file
 
 def distributed_seeds(seed: int, layout: Layout) -> tuple[int, int, int]:
     """(global, local, random) seeds of this rank, as paddlenlp/trainer/trainer_utils.py
-    _get_distributed_seeds (lines 64-145; no sep group here): the global seed is the same within a
-    tensor-parallel group and differs across data-parallel, pipeline and sharding ranks (dropout on
-    activations that tensor-parallel ranks replicate must match; data replicas should not share
-    masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline stage.
-    One process: (seed, seed + 1, seed)."""
-    mp, pp, dp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.data_parallel_degree
-    offset = (layout.pipeline_parallel_rank * mp + layout.data_parallel_rank * mp * pp
-              + layout.sharding_rank * mp * pp * dp)
+    _get_distributed_seeds (lines 64-145): the global seed is the same within a tensor-parallel group
+    and differs across sep/cp, data-parallel, pipeline and sharding ranks (dropout on activations that
+    tensor-parallel ranks replicate must match; ranks holding other tokens or other samples should not
+    share masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline
+    stage. The sep rank is fleet's sep group (sep or cp, Layout.sequence_group_degree), placed between
+    tensor and pipeline as there. One process: (seed, seed + 1, seed)."""
+    mp, sep, pp = layout.tensor_parallel_degree, layout.sequence_group_degree, layout.pipeline_parallel_degree
+    dp = layout.data_parallel_degree
+    offset = (layout.sep_parallel_rank * mp + layout.pipeline_parallel_rank * mp * sep
+              + layout.data_parallel_rank * mp * sep * pp + layout.sharding_rank * mp * sep * pp * dp)
     return seed + offset, seed + layout.world_size + layout.tensor_parallel_rank + offset, \
         seed + 100 * layout.pipeline_parallel_rank
 
