@@ -543,6 +543,15 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
         raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
                          "parameter over the whole sharding group, whose ranks hold different experts); use stage1 "
                          "or stage2")
+    if layout.pipeline_parallel_degree > 1:
+        # Refused rather than made to work: fleet's pipeline asserts its own optimizer class, and the experts'
+        # clip (expert_optimizer.ShardedGlobalNormClip) sums squares over the sharding group only.
+        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} cannot be combined with "
+                         f"expert_parallel_degree {ep} over sharding ranks (sharding stage{stage}): fleet's pipeline "
+                         "train_batch asserts a HybridParallelOptimizer (pipeline_parallel.py:1311-1313), which the "
+                         "experts' own optimizer beside fleet's sharding optimizer is not, and their global-norm "
+                         "clip sums over the sharding group only, not the stages; use data parallelism for pipeline "
+                         "x experts (no sharding), or expert_parallel_degree 1")
     if sd % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
                          "split over groups of sharding ranks; fleet's moe_sharding degree is their quotient)")
