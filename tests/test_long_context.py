@@ -232,7 +232,12 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
                                                {"name": "mixtral", "argv": argv(args, tmp_path / "mixtral",
                                                                                 model_name_or_path="mixtral-tiny",
                                                                                 num_hidden_layers=2,
-                                                                                moe_capacity_factor=0.5)}])
+                                                                                moe_capacity_factor=0.5)}]
+                      + [{"name": f"{name}{kind}", "argv": argv(args, tmp_path / f"{name}{kind}", max_steps=2,
+                                                                **degrees),
+                          "fp32_master_grad": kind == "-master-grad"}
+                         for name, degrees in (("sep2", {}), ("cp2", {"sep_parallel_degree": 1, **CP2}))
+                         for kind in ("-master-grad", "-2-steps")])
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 2, [str(spec)], log_dir=tmp_path / "log",
                     timeout=600).check()
     ranks = result.results()
@@ -267,6 +272,20 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     before_step = [[value for kind, value in ranks[r]["cp2"]["grad_fingerprints"] if kind == "step"][0] for r in (0, 1)]
     assert before_step[0] != pytest.approx(before_step[1], rel=1e-6), "gradients equal before the cp reduction"
     assert run_record(tmp_path / "cp2")["built"]["context_parallel"]["chunks_of_2cp"] == [0, 3]
+
+    # amp_master_grad under sep2 and cp2 alone (issue 33, finding 9: no longer refused as pure data parallelism):
+    # fleet's hybrid optimizer sums main_grad over the sep group; 2 steps with fleet's float32 master gradients
+    # equal the same 2 steps without (losses and grad norms: the second step's loss is taken on the weights the
+    # first update left, its norm on gradients zeroed in between), and every gradient was in main_grad.
+    for name in ("sep2", "cp2"):
+        plain, master = train_records(tmp_path / f"{name}-2-steps"), train_records(tmp_path / f"{name}-master-grad")
+        assert [r["step"] for r in master] == [r["step"] for r in plain] == [1, 2]
+        for a, b in zip(plain, master):
+            assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (name, a, b)
+        for rank, observed in ranks.items():
+            seen = observed[f"{name}-master-grad"]["master_grads"]
+            assert seen["params"] > 0 and seen["with_main_grad"] == seen["params"], (name, rank, seen)
+            assert "master_grads" not in observed[f"{name}-2-steps"]
 
     # Mixture of experts under sep2: each rank routes its 2 x 16 tokens, but its router losses (and the
     # metrics) come from statistics of all 2 x 32 tokens of the micro-batch (k = 2 picks each), summed over
