@@ -337,6 +337,7 @@ def test_a_save_longer_than_the_hang_timeout_does_not_end_a_healthy_job(embedded
 def test_the_hang_report_names_the_phase_and_a_device_wait():
     """What a rank waits in: a phase between steps ("in save") and, on NCCL, a read of the device (the host
     blocks in .numpy() while a queued collective waits for a peer) instead of "not in a collective"."""
+    import time
     from types import SimpleNamespace
 
     import llm_pretrain.run.trainer as trainer
@@ -350,6 +351,18 @@ def test_the_hang_report_names_the_phase_and_a_device_wait():
     assert collective_of(frame, True) == (f"waiting for the device (.numpy() at trainer.py:{line} agree_on_step; "
                                           "on GPU, a queued collective's kernel)")
     assert collective_of(frame, False) is None  # one process: a device read waits for nobody
+    # A phase outside any collective is progress (here: this thread, the main one, runs the check itself);
+    # a step is not. Without a watchdog running, a phase is a plain context.
+    from llm_pretrain.run.run_control import HangWatchdog
+
+    watchdog = HangWatchdog(0, 1, str(Path(trainer.__file__).parent / "no-such-dir"), timeout_minutes=0.001)
+    watchdog.last -= 10
+    assert watchdog._overdue()  # training: no step for longer than the timeout
+    with watchdog.phase("save"):
+        watchdog.last -= 10
+        assert not watchdog._overdue() and watchdog.current_phase == "save"
+        assert watchdog.last > time.monotonic() - 1  # counted as progress
+    assert watchdog.current_phase == "training"
     line = describe_hang({0: {"step": 4, "collective": "barrier (checkpointer.py:90 save)", "phase": "save"},
                           1: {"step": 4, "collective": None, "phase": "save"}}, 2, 60, "/logs")
     assert "rank(s) 1 did not reach the collective barrier (checkpointer.py:90 save) in save" in line, line
