@@ -181,7 +181,8 @@ MUTATIONS = [
              "llm_pretrain/parallel/layout.py", "    if layout.pipeline_parallel_degree > 1:\n        # Refused rather",
              "    if False:\n        # Refused rather",
              ("tests/test_moe.py::test_moe_refuses_the_layouts_it_cannot_honour_yet",
-              "tests/test_moe.py::test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and_llm_plan")),
+              "tests/test_moe.py::"
+              "test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and_llm_plan")),
     Mutation("moe_output_float32_under_o2", "the mixture of experts' output not cast back to the residual stream's "
              "dtype", "models/moe.py", "out.reshape(shape).astype(hidden.dtype))", "out.reshape(shape))",
              ("tests/test_precision.py::test_moe_output_keeps_the_compute_dtype_under_o2",)),

@@ -346,10 +346,12 @@ def test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and
     trainer = subprocess.run([sys.executable, "-X", "importtime", str(REPO_ROOT / "llm_pretrain" / "run_pretrain.py"),
                               str(args)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                              env={**os.environ, "PADDLE_TRAINERS_NUM": "4"})
-    plan = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "plan.py"), "estimate", str(args), "--nproc", "4",
-                           "--device", "A100-80G"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    plan = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "plan.py"), "estimate", str(args),
+                           "--nproc", "4", "--device", "A100-80G"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)
     errors = [line for line in trainer.stderr.splitlines() if not line.startswith("import time:")]
-    imported = {line.rsplit("|", 1)[1].strip() for line in trainer.stderr.splitlines() if line.startswith("import time:")}
+    imported = {line.rsplit("|", 1)[1].strip() for line in trainer.stderr.splitlines()
+                if line.startswith("import time:")}
     assert trainer.returncode == 2 and trainer.stdout == "" and len(errors) == 1, trainer.stderr[-2000:]
     assert "paddle" not in imported  # refused before Paddle (and fleet.init)
     assert plan.returncode == 2 and plan.stdout == "" and plan.stderr.count("\n") == 1, plan.stderr[-2000:]
