@@ -497,7 +497,10 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
         "prediction": prediction, "cpu_defaults": plan.cpu_defaults,
+        **({"elastic": plan.elastic} if plan.elastic else {}),
     })
+    if plan.elastic:  # the layout change the preflight made for the ranks present, also as its own record
+        metrics.write({"event": "elastic", "step": start_step, **plan.elastic})
     if plan.cpu_defaults:
         metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu/threads.py set before Paddle loaded
     resumed = f", resumed from {resume_from}" if resume_from else ""
