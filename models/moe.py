@@ -181,11 +181,12 @@ def expert_parallel_groups(ep: int):
 
 class AllToAll(paddle.autograd.PyLayer):
     """Rows [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r, recv[s] rows from rank s
-    (paddle.distributed.alltoall_single with uneven splits); backward sends the gradients back."""
+    (paddle.distributed.alltoall_single with uneven splits); backward sends the gradients back, times
+    grad_scale (dispatch_and_combine: 1/data replicas into the experts, data replicas out of them)."""
 
     @staticmethod
-    def forward(ctx, x, send, recv, group, counter):
-        ctx.send, ctx.recv, ctx.group, ctx.counter = send, recv, group, counter
+    def forward(ctx, x, send, recv, group, counter, grad_scale=1.0):
+        ctx.send, ctx.recv, ctx.group, ctx.counter, ctx.grad_scale = send, recv, group, counter, grad_scale
         if counter is not None:  # the dispatch: rows this rank sends out (its token-expert pairs)
             counter["forward"] += sum(send)
         return _all_to_all(x, send, recv, group)
@@ -194,7 +195,8 @@ class AllToAll(paddle.autograd.PyLayer):
     def backward(ctx, grad):
         if ctx.counter is not None:  # the dispatch's backward: the gradients of those pairs coming back
             ctx.counter["backward"] += sum(ctx.send)
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group)
+        back = _all_to_all(grad, ctx.recv, ctx.send, ctx.group)
+        return back if ctx.grad_scale == 1.0 else back * ctx.grad_scale
 
 
 def _all_to_all(x, send, recv, group):
@@ -216,7 +218,11 @@ def dispatch_and_combine(moe: "MoE", rows, counts: np.ndarray):
     table = np.stack([t.numpy() for t in gathered]).reshape([ep, ep, local])  # [source, destination rank, expert]
     send = [int(n) for n in table[rank].sum(axis=1)]
     recv = [int(n) for n in table[:, rank].sum(axis=1)]
-    received = AllToAll.apply(rows, send, recv, group, moe.rows_sent)  # by source, then local expert
+    # The experts' parameter gradients / data replicas (MoE.__init__): the combine's backward hands the experts
+    # their output gradient x scale, the dispatch's backward hands the tokens' owners their input gradient
+    # / scale, so only the experts' parameters see the scale (exact for a power-of-two number of replicas).
+    scale = moe.expert_grad_scale
+    received = AllToAll.apply(rows, send, recv, group, moe.rows_sent, 1.0 / scale)  # by source, then local expert
     # Regroup by local expert: the block of source s for expert j starts at s's offset + its earlier experts.
     starts = np.concatenate([[0], np.cumsum(recv)[:-1]])
     mine = table[:, rank]  # [source, local expert]
@@ -226,7 +232,7 @@ def dispatch_and_combine(moe: "MoE", rows, counts: np.ndarray):
     out, idle_zero = moe._local_experts(paddle.gather(received, paddle.to_tensor(order)),
                                         [int(n) for n in mine.sum(axis=0)])
     back = paddle.gather(out, paddle.to_tensor(np.argsort(order, kind="stable").astype("int64")))
-    return AllToAll.apply(back, recv, send, group, None), idle_zero
+    return AllToAll.apply(back, recv, send, group, None, scale), idle_zero
 
 
 class MoE(nn.Layer):
@@ -265,7 +271,13 @@ class MoE(nn.Layer):
                 param.expert_parallel = True
                 param.expert_group, param.expert_dp_group = self.ep_group, expert_dp_group
                 param.expert_replica = replica  # 0: the copy a checkpoint stores
-                param.register_hook(lambda grad, dp=data_replicas: grad / dp)
+        # The experts' gradients / data_replicas (see above), applied at the all-to-alls' backward
+        # (dispatch_and_combine) rather than by a hook on each expert parameter: with a tensor hook on a
+        # parameter Paddle also accumulates the unhooked gradient into param.grad, which fleet's float32
+        # master-gradient hook (amp_master_grad: fleet/utils/mix_precision_utils.py:47-69) asserts is empty,
+        # so the second micro-batch's backward failed and the experts' optimizer read a gradient data_replicas
+        # times too large.
+        self.expert_grad_scale = 1.0 / data_replicas
         if config.shared_expert_intermediate_size:
             self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
                                                           fuse_attention_ffn=False, sequence_parallel=False))
@@ -317,7 +329,11 @@ class MoE(nn.Layer):
         self.last_stats = whole_sequence_stats(self.config, stats)
         # Sequence parallelism: this rank's chunk of the output, summed over the tensor-parallel ranks by the
         # experts' row-parallel layers (fleet's ScatterOp; backward gathers the chunks' gradients).
-        return pl.split_sequence(self.config, out.reshape(shape))
+        # The compute dtype of the residual stream: under O2 the combine's ops on the O2 black lists (scatter,
+        # paddle/amp/amp_lists.py EXTRA_BLACK_LIST; reduce_sum, PaddleNLP's custom list) return float32, which
+        # would turn the residual stream float32 from the first MoE layer on. PaddleNLP's MoE casts alike
+        # (PaddleNLP 2.8.1 paddlenlp/transformers/mixtral/modeling.py:544, index_add_ of .astype(hidden_states.dtype)).
+        return pl.split_sequence(self.config, out.reshape(shape).astype(hidden.dtype))
 
     def _capacity_keep(self, expert_ids: np.ndarray):
         """Which of this rank's pairs (expert_ids [batch, tokens, k] -> [pairs] bool) the capacity factor keeps

@@ -173,7 +173,7 @@ MUTATIONS = [
               "tests/test_resilience.py::test_async_save_on_two_ranks_with_a_slow_disk_writes_the_state_at_the_save")),
     Mutation("straggler_time_includes_wait", "the straggler record's own step time is the whole step (with the "
              "wait for the other ranks)", "llm_pretrain/run/trainer.py",
-             '"own_time": REACHED_FLAG_REDUCTION[0] - step_start', '"own_time": step_time',
+             '"own_time": OWN_TIME.seconds()', '"own_time": step_time',
              ("tests/test_resilience.py::test_a_slow_rank_is_named_and_its_own_time_exceeds_the_others_by_the_delay",)),
     Mutation("spike_window_not_restored", "a rollback empties the loss-spike window instead of restoring the "
              "checkpoint's", "llm_pretrain/run/trainer.py",
@@ -213,6 +213,37 @@ MUTATIONS = [
              "idempotent: export -> import -> export changes the head's bits)", "llm_pretrain/checkpoint/hf_export.py",
              "head = to_float32(array, dtype).astype(np.float64)", "head = to_float32(array, dtype)",
              ("tests/test_hf_directory.py::test_export_import_export_gives_the_same_files",)),
+    # Issue 33 findings (i33-findings).
+    Mutation("seeds_without_sep_rank", "dropout seeds leave out the sep/cp rank (sep/cp ranks draw the same masks)",
+             "llm_pretrain/run/trainer.py", "offset = (layout.sep_parallel_rank * mp +", "offset = (0 * mp +",
+             ("tests/test_training.py::test_seeds_per_rank_are_paddlenlps",)),
+    Mutation("expert_master_grad_plain_adamw", "expert parallelism over sharding with master gradients: the experts' "
+             "own optimizer a plain AdamW (reads the empty param.grad; main_grad never zeroed)",
+             "llm_pretrain/parallel/expert_optimizer.py",
+             "expert_optimizer = mix_precision_utils.MixPrecisionOptimizer(adamw) if master_grads else adamw",
+             "expert_optimizer = adamw",
+             ("tests/test_expert_parallel.py::test_experts_over_sharding_train_like_one_process_with_master_grads",)),
+    Mutation("expert_grad_scale_off", "the experts' gradients not divided by the data replicas at the all-to-all's "
+             "backward", "models/moe.py", "return back if ctx.grad_scale == 1.0 else back * ctx.grad_scale",
+             "return back", ("tests/test_expert_parallel.py::test_ep2_trains_like_one_process",)),
+    Mutation("pp_experts_over_sharding_accepted", "pipeline x expert parallelism over sharding no longer refused",
+             "llm_pretrain/parallel/layout.py", "    if layout.pipeline_parallel_degree > 1:\n        # Refused rather",
+             "    if False:\n        # Refused rather",
+             ("tests/test_moe.py::test_moe_refuses_the_layouts_it_cannot_honour_yet",
+              "tests/test_moe.py::"
+              "test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and_llm_plan")),
+    Mutation("moe_output_float32_under_o2", "the mixture of experts' output not cast back to the residual stream's "
+             "dtype", "models/moe.py", "out.reshape(shape).astype(hidden.dtype))", "out.reshape(shape))",
+             ("tests/test_precision.py::test_moe_output_keeps_the_compute_dtype_under_o2",)),
+    Mutation("watchdog_phases_off", "the hang watchdog ignores the phase between steps (a long save counts as a hang)",
+             "llm_pretrain/run/run_control.py", '        if self.current_phase != "training":\n',
+             "        if False:\n",
+             ("tests/test_resilience.py::test_the_hang_report_names_the_phase_and_a_device_wait",
+              "tests/test_resilience.py::test_a_save_longer_than_the_hang_timeout_does_not_end_a_healthy_job")),
+    Mutation("master_grad_sep_refused", "amp_master_grad under sep/cp alone refused again as pure data parallelism",
+             "llm_pretrain/parallel/layout.py", "and not layout.sharding_stage and layout.sequence_group_degree == 1)",
+             "and not layout.sharding_stage)",
+             ("tests/test_precision.py::test_safe_master_grad_combinations_are_accepted",)),
 ]
 
 

@@ -70,20 +70,28 @@ def trained(tmp_path_factory, embedded_corpus):
     result.check()
     # ep2 over the sharding ranks (fleet's expert and moe_sharding groups, data_parallel_degree 1), stages 1 and 2:
     # one moe_sharding rank here (each rank keeps the states of its own experts), two with 4 processes below
+    # The last run keeps fleet's float32 master gradients (amp_master_grad's hooks, tests/workers/moe_worker.py).
     plan = {"ep": 0, "runs": [argv(args_file, work / f"ep2sd2s{stage}", **ep2, sharding=f"stage{stage}")
                               for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2",
-                                                           model_name_or_path="mixtral-real")]}
-    launch(str(WORKER), 2, [str(write_json(work / "ep2sd2.plan.json", plan))], log_dir=work / "ep2sd2.log",
-           timeout=900, device=DEVICE).check()
+                                                           model_name_or_path="mixtral-real"),
+                                                      argv(args_file, work / "ep2sd2s1-master-grad", **ep2,
+                                                           sharding="stage1")],
+            "fp32_master_grad": [3]}
+    master_grads = {"ep2sd2s1-master-grad": launch(
+        str(WORKER), 2, [str(write_json(work / "ep2sd2.plan.json", plan))], log_dir=work / "ep2sd2.log", timeout=900,
+        device=DEVICE).check().results()}
     # ep2 within sd4: two expert groups (ranks 0-1, 2-3), fleet's moe_sharding groups 0,2 and 1,3 hold the same
     # experts and split their optimizer states; resumed from one process and stopped for one process to resume
     sd4 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 1}
     plan = {"ep": 0, "runs": [argv(args_file, work / "ep2sd4s1", **sd4, sharding="stage1"),
                               argv(args_file, work / "ep2sd4s2", **sd4, sharding="stage2"),
                               argv(args_file, work / "single-to-sd4", **sd4, sharding="stage2"),
-                              argv(args_file, work / "sd4-to-single", **sd4, sharding="stage1", exit_interval=STOP)]}
-    launch(str(WORKER), 4, [str(write_json(work / "ep2sd4.plan.json", plan))], log_dir=work / "ep2sd4.log",
-           timeout=900, device=DEVICE).check()
+                              argv(args_file, work / "sd4-to-single", **sd4, sharding="stage1", exit_interval=STOP),
+                              argv(args_file, work / "ep2sd4s1-master-grad", **sd4, sharding="stage1")],
+            "fp32_master_grad": [4]}
+    master_grads["ep2sd4s1-master-grad"] = launch(
+        str(WORKER), 4, [str(write_json(work / "ep2sd4.plan.json", plan))], log_dir=work / "ep2sd4.log", timeout=900,
+        device=DEVICE).check().results()
     run_single([argv(args_file, work / "ep2-to-single"), argv(args_file, work / "sd4-to-single")], work, "resume")
     # ep2 x tp2: the experts split like the dense MLP over the tensor-parallel pair, the all-to-all between
     # the data-parallel pair (4 processes); also with sequence parallelism (the MoE block gathers the
@@ -100,11 +108,11 @@ def trained(tmp_path_factory, embedded_corpus):
     plan = {"ep": 0, "runs": [argv(args_file, work / "ep2dp4", expert_parallel_degree=2, gradient_accumulation_steps=1)]}
     launch(str(WORKER), 4, [str(write_json(work / "ep2dp4.plan.json", plan))], log_dir=work / "ep2dp4.log",
            timeout=900, device=DEVICE).check()
-    return work, result.results()
+    return work, result.results(), master_grads
 
 
 def test_ep2_trains_like_one_process(trained):
-    work, _ = trained
+    work, _, _ = trained
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
                             ("single", "ep2tp2"), ("single", "ep2dp4"), ("single-real", "ep2-real"),
                             ("single", "ep2tp2-sp"), ("single-qwen-capped", "qwen-capped-tp2dp2-sp"),
@@ -142,7 +150,7 @@ def test_ep2_trains_like_one_process(trained):
 
 
 def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(trained):
-    _, results = trained
+    _, results, _ = trained
     for rank, result in results.items():
         assert result["experts_held"] == list(range(4 * rank, 4 * rank + 4))
         for rows in result["rows_per_layer"]:
@@ -174,7 +182,7 @@ def test_expert_states_are_sharded_over_fleets_moe_sharding_group(trained):
     from llm_pretrain.planner.estimate import validated_setup
     from llm_pretrain.planner.memory import rank_memory
 
-    work, _ = trained
+    work, _, _ = trained
     file = "tensors.rank{:05d}.safetensors".format
     for name, ranks, share in (("ep2sd2s1", 2, {(0, 0): 24, (1, 1): 24}), ("ep2sd2s2", 2, {(0, 0): 24, (1, 1): 24}),
                                ("ep2sd4s1", 4, {(0, 0): 12, (0, 2): 12, (1, 1): 12, (1, 3): 12}),
@@ -190,6 +198,24 @@ def test_expert_states_are_sharded_over_fleets_moe_sharding_group(trained):
         setup, _, _ = validated_setup(args, ranks, "cpu")
         for rank in range(ranks):
             assert rank_memory(setup, 0, rank).persistent["Adam moments (fp32)"] == moments[file(rank)], (name, rank)
+
+
+def test_experts_over_sharding_train_like_one_process_with_master_grads(trained):
+    """amp_master_grad's float32 gradients (fleet's mix_precision_utils hooks, on float32 weights on CPU) under
+    ep2 over sharding stage 1, with fleet's moe_sharding group of one rank (sd2, 2 micro-batches) and of two
+    (sd4): every step's loss and grad norm and the final weights equal one process's (issue 33, finding 1). The
+    experts' gradients lived in main_grad: their AdamW read the empty param.grad (they never trained, their
+    main_grad grew into the norm), and the experts' gradient hook made Paddle fill param.grad beside main_grad
+    (fleet's hook asserts it empty: the second micro-batch failed)."""
+    work, _, master_grads = trained
+    for name, ranks in master_grads.items():
+        diffs = assert_same_training(work / "single", work / name, step=STEPS)
+        print(f"{name}: {diffs}")
+        for rank, seen in ranks.items():  # fleet's hooks were on: every parameter's gradient is in main_grad
+            assert seen["master_grads"]["3" if "sd2" in name else "4"] == {
+                "params": 41, "with_main_grad": 41, "experts_with_main_grad": 24}, (name, rank, seen)
+        built = run_record(work / name)["built"]["expert_states"]
+        assert built["implementation"] == ("DygraphShardingOptimizer" if "sd4" in name else "MixPrecisionOptimizer")
 
 
 MOE_PIPELINE_RUNS = {  # name: (model, overrides) trained under pp2 x dp2 and in one process

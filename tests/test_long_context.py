@@ -231,13 +231,18 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     # The key in the argument file itself, as a PaddleNLP file gives it (no override).
     args = write_json(tmp_path / "llama.json", base_arguments(embedded_corpus, tmp_path, max_steps=1, save_steps=0,
                                                               sep_parallel_degree=2))
-    spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2")},
+    # sep2 and cp2 train 2 steps: the references of the same runs with fleet's master gradients (below).
+    spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2", max_steps=2)},
                                                {"name": "cp2", "argv": argv(args, tmp_path / "cp2", sep_parallel_degree=1,
+                                                                            max_steps=2,
                                                                             **CP2)},
                                                {"name": "mixtral", "argv": argv(args, tmp_path / "mixtral",
                                                                                 model_name_or_path="mixtral-tiny",
                                                                                 num_hidden_layers=2,
-                                                                                moe_capacity_factor=0.5)}])
+                                                                                moe_capacity_factor=0.5)}]
+                      + [{"name": f"{name}-master-grad", "argv": argv(args, tmp_path / f"{name}-master-grad",
+                                                                      max_steps=2, **degrees), "fp32_master_grad": True}
+                         for name, degrees in (("sep2", {}), ("cp2", {"sep_parallel_degree": 1, **CP2}))])
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 2, [str(spec)], log_dir=tmp_path / "log",
                     timeout=600).check()
     ranks = result.results()
@@ -246,7 +251,7 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
         shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
         assert shapes == {(2, 16, 64)}, f"rank {rank}: hidden states between layers {shapes}"
         calls = seen["all_to_all"]
-        micro_batches = 4
+        micro_batches = 4 * 2  # per step, 2 steps
         assert len(calls.get("forward", [])) == 4 * layers * micro_batches, calls.keys()
         assert len(calls.get("backward", [])) == 4 * layers * micro_batches, calls.keys()
         # q (4 heads) and k, v (2 kv heads) of 16 tokens to heads; the output (32 tokens, 2 heads) back.
@@ -267,11 +272,25 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
         assert not seen["all_to_all"]
         ring = seen["ring"]
         kv = [[2, 16, 2, 16], [2, 16, 2, 16]]
-        assert ring.get("forward") == [kv] * (layers * 4), ring.keys()
-        assert ring.get("backward") == [kv + kv, kv] * (layers * 4), ring.keys()
+        assert ring.get("forward") == [kv] * (layers * 4 * 2), ring.keys()  # 4 micro-batches x 2 steps
+        assert ring.get("backward") == [kv + kv, kv] * (layers * 4 * 2), ring.keys()
     before_step = [[value for kind, value in ranks[r]["cp2"]["grad_fingerprints"] if kind == "step"][0] for r in (0, 1)]
     assert before_step[0] != pytest.approx(before_step[1], rel=1e-6), "gradients equal before the cp reduction"
     assert run_record(tmp_path / "cp2")["built"]["context_parallel"]["chunks_of_2cp"] == [0, 3]
+
+    # amp_master_grad under sep2 and cp2 alone (issue 33, finding 9: no longer refused as pure data parallelism):
+    # fleet's hybrid optimizer sums main_grad over the sep group; 2 steps with fleet's float32 master gradients
+    # equal the same 2 steps without (losses and grad norms: the second step's loss is taken on the weights the
+    # first update left, its norm on gradients zeroed in between), and every gradient was in main_grad.
+    for name in ("sep2", "cp2"):
+        plain, master = train_records(tmp_path / name), train_records(tmp_path / f"{name}-master-grad")
+        assert [r["step"] for r in master] == [r["step"] for r in plain] == [1, 2]
+        for a, b in zip(plain, master):
+            assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (name, a, b)
+        for rank, observed in ranks.items():
+            seen = observed[f"{name}-master-grad"]["master_grads"]
+            assert seen["params"] > 0 and seen["with_main_grad"] == seen["params"], (name, rank, seen)
+            assert "master_grads" not in observed[name]
 
     # Mixture of experts under sep2: each rank routes its 2 x 16 tokens, but its router losses (and the
     # metrics) come from statistics of all 2 x 32 tokens of the micro-batch (k = 2 picks each), summed over

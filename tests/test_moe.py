@@ -315,6 +315,8 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
          Layout(world_size=2, sharding_degree=2, sharding_stage=2), "fp16: not supported"),
         (SimpleNamespace(**{**vars(ep2), "sharding_parallel_config": "enable_stage1_tensor_fusion"}),
          Layout(world_size=2, sharding_degree=2, sharding_stage=1), "sharding_parallel_config: .* is not supported"),
+        (ep2, Layout(world_size=4, pipeline_parallel_degree=2, sharding_degree=2, sharding_stage=1),
+         "pipeline_parallel_degree: 2 cannot be combined with expert_parallel_degree 2 over sharding ranks"),
         (ep2, Layout(world_size=4, data_parallel_degree=2, sep_parallel_degree=2),
          "sep_parallel_degree: 2 cannot be combined with expert_parallel_degree 2"),
         (ep2, Layout(world_size=4, data_parallel_degree=2, context_parallel_degree=2),
@@ -323,3 +325,36 @@ def test_moe_refuses_the_layouts_it_cannot_honour_yet():
     for case_args, layout, message in cases:
         with pytest.raises(UsageError, match=message.replace("/", ".")):
             check_mixture_of_experts(case_args, config, layout)
+
+
+def test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and_llm_plan(tmp_path):
+    """pp2 x sharding stage1 x ep2 on 4 processes (issue 33, finding 2): it passed validation and the planner,
+    then failed at step 1 inside fleet's train_batch ("optimizer should be HybridParallelOptimizer subclass").
+    Now the trainer refuses it before Paddle is imported, and `llm-plan estimate` with the same line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT
+
+    values = json.loads((REPO_ROOT / "configs" / "llama" / "pretrain-llama_tiny-dp.json").read_text())
+    values.update(model_name_or_path="mixtral-tiny", output_dir=str(tmp_path / "out"), pipeline_parallel_degree=2,
+                  sharding="stage1", expert_parallel_degree=2, gradient_accumulation_steps=2)
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps(values))
+    trainer = subprocess.run([sys.executable, "-X", "importtime", str(REPO_ROOT / "llm_pretrain" / "run_pretrain.py"),
+                              str(args)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                             env={**os.environ, "PADDLE_TRAINERS_NUM": "4"})
+    plan = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "plan.py"), "estimate", str(args),
+                           "--nproc", "4", "--device", "A100-80G"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)
+    errors = [line for line in trainer.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[1].strip() for line in trainer.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert trainer.returncode == 2 and trainer.stdout == "" and len(errors) == 1, trainer.stderr[-2000:]
+    assert "paddle" not in imported  # refused before Paddle (and fleet.init)
+    assert plan.returncode == 2 and plan.stdout == "" and plan.stderr.count("\n") == 1, plan.stderr[-2000:]
+    assert errors[0] == plan.stderr.rstrip("\n")
+    assert errors[0].startswith("error: pipeline_parallel_degree: 2 cannot be combined with expert_parallel_degree 2 "
+                                "over sharding ranks (sharding stage1)")

@@ -112,7 +112,7 @@ def test_differing_replicas_fail_on_cpu_and_are_resynchronized_on_gpu(overflow_r
 def _layout(**degrees) -> Layout:
     layout = Layout(**degrees)
     layout.world_size = (layout.data_parallel_degree * layout.tensor_parallel_degree
-                         * layout.pipeline_parallel_degree * layout.sharding_degree)
+                         * layout.pipeline_parallel_degree * layout.sharding_degree * layout.sequence_group_degree)
     return layout
 
 
@@ -150,6 +150,8 @@ def test_unsafe_master_grad_combinations_are_refused(degrees, words):
 @pytest.mark.parametrize("degrees", [
     {}, {"tensor_parallel_degree": 2}, {"pipeline_parallel_degree": 2, "data_parallel_degree": 2},
     {"sharding_degree": 2, "sharding_stage": 1, "data_parallel_degree": 2}, {"sharding_degree": 2, "sharding_stage": 2},
+    # fleet's hybrid optimizer sums main_grad over the sep group (test_long_context::test_sep2_mechanism)
+    {"sep_parallel_degree": 2}, {"context_parallel_degree": 2}, {"sep_parallel_degree": 2, "data_parallel_degree": 2},
 ])
 def test_safe_master_grad_combinations_are_accepted(degrees):
     check_master_grad(_amp_args(), _layout(**degrees))
@@ -690,3 +692,44 @@ def test_gpu_model_config_wires_the_fused_kernels(tmp_path):
                                "--use_fused_rope", "true"])
     cpu_config, _, _ = build_model_config(args, plan_layout(args, 1), "cpu")
     assert not (cpu_config.use_fused_rope or cpu_config.use_fused_swiglu)
+
+
+@pytest.mark.parametrize("model", ["mixtral-tiny", "qwen2-moe-tiny"])
+def test_moe_output_keeps_the_compute_dtype_under_o2(model, monkeypatch):
+    """bf16 O2 (issue 33, finding 3): the mixture of experts returns the dtype of the residual stream it was
+    given. Its combine runs ops on the O2 black lists (scatter on Paddle's, reduce_sum on PaddleNLP's: both
+    checked here against the tracer's lists inside the run's autocast), which return float32; before the
+    cast in models/moe.py the output was float32 and the residual stream stayed float32 from the first MoE
+    layer on. Run on CPU under the run's O2 autocast with the tracer's place faked to GPU (as above), on the
+    decorated bfloat16 weights; gradients reach every weight in bfloat16."""
+    from models.decoder import MLP
+    from models.moe import MoE
+    from models.registry import ARCHITECTURES
+
+    auto_cast = importlib.import_module("paddle.amp.auto_cast")
+    real_tracer = auto_cast._dygraph_tracer
+    monkeypatch.setattr(auto_cast, "_dygraph_tracer", lambda: _TracerOnGpu(real_tracer()))
+    monkeypatch.setattr(auto_cast, "_is_gpu_bfloat16_supported", lambda: True)
+    config = ARCHITECTURES[model].replace(seq_length=16)
+    paddle.seed(0)
+    moe = MoE(config, MLP)
+    optimizer = paddle.optimizer.AdamW(0.1, parameters=moe.parameters())
+    precision = Precision(SimpleNamespace(bf16=True, fp16=False, fp16_opt_level="O2", amp_master_grad=False,
+                                          scale_loss=1.0), "gpu")
+    moe, optimizer = precision.prepare(moe, optimizer, Layout())
+    assert {p.dtype for p in moe.parameters()} == {paddle.bfloat16}
+    hidden = paddle.randn([2, 16, config.hidden_size]).astype("bfloat16")
+    hidden.stop_gradient = False
+    paddle.amp.debugging.enable_operator_stats_collection()
+    try:
+        with precision.autocast():
+            out = moe(hidden)
+            black = paddle.base.framework._dygraph_tracer()._get_amp_op_list()[1]
+    finally:
+        ops = set(paddle.base.core.get_low_precision_op_list())  # the op types run since enable_...
+        paddle.amp.debugging.disable_operator_stats_collection()
+    assert {"scatter", "reduce_sum"} <= ops & set(black)  # why a float32 result comes out of the combine
+    assert out.dtype == paddle.bfloat16 and out.shape == hidden.shape
+    out.astype("float32").square().mean().backward()
+    assert hidden.grad.dtype == paddle.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == paddle.bfloat16 for p in moe.parameters())

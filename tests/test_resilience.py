@@ -441,6 +441,77 @@ def test_straggler_record_and_a_stalled_rank_ends_the_job_in_one_line(embedded_c
     assert "slowest rank " in log0 and ", fastest rank " in log0
 
 
+SLOW_SAVE = """
+import sys, time
+from llm_pretrain.checkpoint.checkpointer import Checkpointer
+from llm_pretrain.run_pretrain import main
+
+save = Checkpointer.save
+def slow_save(self, *args, **kwargs):
+    time.sleep(float(sys.argv[1]))  # a slow file system: no collective, the rank's own work
+    return save(self, *args, **kwargs)
+Checkpointer.save = slow_save
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_save_longer_than_the_hang_timeout_does_not_end_a_healthy_job(embedded_corpus, tmp_path):
+    """hang_timeout_minutes 0.05 (3 s), every save 7 s (issue 33, finding 7): the watchdog was fed only after a
+    step, so the first save ended the job as hung (exit 1, a hang report). A save is a phase of its own
+    (run_control.HangWatchdog.phase): while the rank works outside any collective it is progress; the run
+    ends with its two checkpoints and no hang report."""
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT
+    from parity_utils import argv
+    from test_fault_injection import _env
+
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=2, save_steps=1, hang_timeout_minutes=0.05)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", SLOW_SAVE, "7", *map(str, argv(args_file, out))],
+                            capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hang" not in result.stderr and not list(out.glob("hang.rank*")), result.stderr[-3000:]
+    assert checkpoints(out) == ["checkpoint-1", "checkpoint-2"]
+    assert [r["step"] for r in train_records(out)] == [1, 2]
+
+
+def test_the_hang_report_names_the_phase_and_a_device_wait():
+    """What a rank waits in: a phase between steps ("in save") and, on NCCL, a read of the device (the host
+    blocks in .numpy() while a queued collective waits for a peer) instead of "not in a collective"."""
+    import time
+    from types import SimpleNamespace
+
+    import llm_pretrain.run.trainer as trainer
+    from llm_pretrain.run.run_control import collective_of, describe_hang
+
+    # The frame of a GPU rank blocked in agree_on_step's read of the flags (the C++ call has no frame of its own).
+    source = Path(trainer.__file__).read_text().splitlines()
+    line = 1 + next(i for i, text in enumerate(source) if "host = paddle.concat(values).numpy()" in text)
+    frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=trainer.__file__, co_name="agree_on_step"),
+                            f_lineno=line, f_back=None)
+    assert collective_of(frame, True) == (f"waiting for the device (.numpy() at trainer.py:{line} agree_on_step; "
+                                          "on GPU, a queued collective's kernel)")
+    assert collective_of(frame, False) is None  # one process: a device read waits for nobody
+    # A phase outside any collective is progress (here: this thread, the main one, runs the check itself);
+    # a step is not. Without a watchdog running, a phase is a plain context.
+    from llm_pretrain.run.run_control import HangWatchdog
+
+    watchdog = HangWatchdog(0, 1, str(Path(trainer.__file__).parent / "no-such-dir"), timeout_minutes=0.001)
+    watchdog.last -= 10
+    assert watchdog._overdue()  # training: no step for longer than the timeout
+    with watchdog.phase("save"):
+        watchdog.last -= 10
+        assert not watchdog._overdue() and watchdog.current_phase == "save"
+        assert watchdog.last > time.monotonic() - 1  # counted as progress
+    assert watchdog.current_phase == "training"
+    line = describe_hang({0: {"step": 4, "collective": "barrier (checkpointer.py:90 save)", "phase": "save"},
+                          1: {"step": 4, "collective": None, "phase": "save"}}, 2, 60, "/logs")
+    assert "rank(s) 1 did not reach the collective barrier (checkpointer.py:90 save) in save" in line, line
+    assert "rank 1: at step 4 in save, not in a collective" in line, line
+
+
 def test_a_spike_on_one_rank_rolls_back_every_rank(embedded_corpus, tmp_path):
     """dp2 (the global batch of 8 split 4 + 4): garbage only in rank 0's half of step 12. Its loss
     reaches rank 1 through the step's flag reduction (max), both ranks roll back together, and the

@@ -136,11 +136,14 @@ def test_global_batches_read_the_same_samples_at_any_data_parallel_degree(replic
 @pytest.mark.parametrize("degrees", [
     {"tensor_parallel_degree": 2, "data_parallel_degree": 2},
     {"pipeline_parallel_degree": 2, "sharding_degree": 2, "tensor_parallel_degree": 2},
+    {"sep_parallel_degree": 2, "tensor_parallel_degree": 2, "data_parallel_degree": 2},
+    {"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "sharding_degree": 2},
 ])
 def test_seeds_per_rank_are_paddlenlps(degrees, monkeypatch):
     """trainer.distributed_seeds gives every rank the seeds of paddlenlp/trainer/trainer_utils.py
-    _get_distributed_seeds (called here with a topology of the same ranks): the global (dropout on
-    replicated activations) seed shared inside a tensor-parallel group only, the local seed per rank."""
+    _get_distributed_seeds (called here with a topology of the same ranks, the sep rank included: fleet's sep
+    group, sep or cp): the global (dropout on replicated activations) seed shared inside a tensor-parallel
+    group only, so the sep/cp ranks, which hold other tokens, draw other masks; the local seed per rank."""
     from itertools import product
     from types import SimpleNamespace
 
@@ -151,23 +154,24 @@ def test_seeds_per_rank_are_paddlenlps(degrees, monkeypatch):
     from llm_pretrain.run.trainer import distributed_seeds
 
     layout = Layout(**degrees)
-    sizes = [getattr(layout, k) for k in ("sharding_degree", "data_parallel_degree", "pipeline_parallel_degree",
-                                          "tensor_parallel_degree")]
+    sizes = [layout.sharding_degree, layout.data_parallel_degree, layout.pipeline_parallel_degree,
+             layout.sequence_group_degree, layout.tensor_parallel_degree]
     layout.world_size = world = int(np.prod(sizes))
     monkeypatch.setattr(paddle.distributed, "get_world_size", lambda *a: world)
     seen = {}
-    for sd, dp, pp, tp in product(*map(range, sizes)):
-        layout.sharding_rank, layout.data_parallel_rank = sd, dp
+    for sd, dp, pp, sep, tp in product(*map(range, sizes)):
+        layout.sharding_rank, layout.data_parallel_rank, layout.sep_parallel_rank = sd, dp, sep
         layout.pipeline_parallel_rank, layout.tensor_parallel_rank = pp, tp
         info = lambda rank, size: SimpleNamespace(rank=rank, size=size)  # noqa: E731
-        topo = SimpleNamespace(dp_info=info(dp, sizes[1]), pp_info=info(pp, sizes[2]), mp_info=info(tp, sizes[3]),
-                               sep_info=info(0, 1), sharding_info=info(sd, sizes[0]))
+        topo = SimpleNamespace(dp_info=info(dp, sizes[1]), pp_info=info(pp, sizes[2]), mp_info=info(tp, sizes[4]),
+                               sep_info=info(sep, sizes[3]), sharding_info=info(sd, sizes[0]))
         ours = distributed_seeds(1234, layout)
-        assert ours == tuple(trainer_utils._get_distributed_seeds(1234, topo)), (sd, dp, pp, tp)
-        seen[sd, dp, pp, tp] = ours
+        assert ours == tuple(trainer_utils._get_distributed_seeds(1234, topo)), (sd, dp, pp, sep, tp)
+        seen[sd, dp, pp, sep, tp] = ours
     assert len({s[1] for s in seen.values()}) == world  # local seeds: one per rank
-    for (sd, dp, pp, tp), (global_seed, _, _) in seen.items():  # global: shared by tensor-parallel peers only
-        assert all((g == global_seed) == ((s, d, p) == (sd, dp, pp)) for (s, d, p, _), (g, _, _) in seen.items())
+    for (sd, dp, pp, sep, tp), (global_seed, _, _) in seen.items():  # global: shared by tensor-parallel peers only
+        assert all((g == global_seed) == ((s, d, p, q) == (sd, dp, pp, sep))
+                   for (s, d, p, q, _), (g, _, _) in seen.items())
     assert distributed_seeds(7, Layout()) == (7, 8, 7)  # one process: as before, paddle.seed(seed)
 
 

@@ -17,7 +17,8 @@ REFUSED_PARALLEL_CONFIG_OPTIONS: it drifts from one process).
 So the weights are split in two optimizers stepped as one (`ExpertShardedOptimizer`):
     dense    the replicated weights: fleet's stage-1 hybrid optimizer or stage-2 group-sharded optimizer
              over the whole sharding group, unchanged;
-    experts  this rank's experts: an AdamW with the same settings and schedule. When fleet's
+    experts  this rank's experts: an AdamW with the same settings and schedule (under amp_master_grad in
+             fleet's MixPrecisionOptimizer, as the dense one: it steps on and zeros main_grad). When fleet's
              moe_sharding group (the sharding / ep ranks holding the same experts) has more than one
              rank it is wrapped in fleet's own DygraphShardingOptimizer over that group (`MoeShardingView`:
              the hcg with the moe_sharding group as its sharding group), so each of those ranks keeps
@@ -187,17 +188,31 @@ class ExpertShardedOptimizer:
 
 
 def split_expert_optimizer(model, optimizer):
-    """(the optimizer over the replicated weights only, an AdamW like it over this rank's experts). Before
-    fleet's wrappers: they partition the optimizer's parameter list."""
+    """(the optimizer over the replicated weights only, an AdamW like it over this rank's experts, the
+    experts). Before fleet's wrappers: they partition the optimizer's parameter list.
+
+    Under amp_master_grad the optimizer is fleet's MixPrecisionOptimizer (precision.keep_master_grads) and the
+    gradients live in param.main_grad: the experts' AdamW is wrapped alike, so that it steps on main_grad and
+    its clear_grad zeros it (a plain AdamW reads the empty param.grad: the experts never trained, and their
+    main_grad grew every step into the global norm). `expert_optimizer.expert_adamw`: the AdamW itself."""
+    from paddle.distributed.fleet.utils import mix_precision_utils
+
     experts = [p for p in optimizer._parameter_list if getattr(p, "expert_parallel", False)]
     dense = [p for p in optimizer._parameter_list if not getattr(p, "expert_parallel", False)]
-    expert_optimizer = paddle.optimizer.AdamW(
+    adamw = paddle.optimizer.AdamW(
         learning_rate=optimizer._learning_rate, parameters=experts, beta1=optimizer._beta1, beta2=optimizer._beta2,
         epsilon=optimizer._epsilon, weight_decay=optimizer._weight_decay,
         apply_decay_param_fun=optimizer._apply_decay_param_fun, grad_clip=None,
         multi_precision=optimizer._multi_precision)
-    # what fleet's DygraphShardingOptimizer does to keep a rank's part (_set_inner_opt_attr, :533-548)
-    optimizer._parameter_list = optimizer._param_groups = dense
+    master_grads = isinstance(optimizer, mix_precision_utils.MixPrecisionOptimizer)
+    expert_optimizer = mix_precision_utils.MixPrecisionOptimizer(adamw) if master_grads else adamw
+    expert_optimizer.expert_adamw = adamw
+    # what fleet's DygraphShardingOptimizer does to keep a rank's part (_set_inner_opt_attr, :533-548), on every
+    # optimizer of the chain (MixPrecisionOptimizer keeps its own list beside its inner AdamW's)
+    inner = optimizer
+    while inner is not None:
+        inner._parameter_list = inner._param_groups = dense
+        inner = inner.__dict__.get("_inner_opt")
     return optimizer, expert_optimizer, experts
 
 
@@ -226,7 +241,7 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
             if isinstance(inner.__dict__.get("_grad_clip"), (HybridParallelClipGrad, GroupShardedClipGrad)):
                 inner._grad_clip = clip
             inner = inner.__dict__.get("_inner_opt") or inner.__dict__.get("_optim")
-        expert_optimizer._grad_clip = SameScaleClip(clip)
+        expert_optimizer.expert_adamw._grad_clip = SameScaleClip(clip)  # the optimizer that applies it
     replicas = hcg.get_moe_sharding_parallel_group() if hcg.get_moe_sharding_parallel_world_size() > 1 else None
     if replicas is not None:
         expert_optimizer = DygraphShardingOptimizer(expert_optimizer, MoeShardingView(hcg))

@@ -394,13 +394,17 @@ def check_master_grad(args, layout) -> None:
         return  # only O2 has half-precision gradients to keep in float32
     if not layout.distributed:
         return
+    # sep/cp (alone or with dp) is not pure data parallelism: fleet wraps the model in SegmentParallel and its
+    # hybrid optimizer sums main_grad over the sep (dp x sep) group (hybrid_parallel_optimizer.py:626-638 ->
+    # hybrid_parallel_util.py:95-99, 265-290), as under tp/pp (tests/test_long_context.py::test_sep2_mechanism).
     pure_data_parallel = (layout.tensor_parallel_degree == 1 and layout.pipeline_parallel_degree == 1
-                          and not layout.sharding_stage)
+                          and not layout.sharding_stage and layout.sequence_group_degree == 1)
     if pure_data_parallel:
         raise UsageError(
             "amp_master_grad: not supported with pure data parallelism: fleet's DataParallel all-reduces "
             "param.grad, which the float32 main_grad hooks empty (PaddleNLP needs its own gradient all-reduce "
-            "there); use tensor/pipeline parallelism or sharding stage1/stage2, or set amp_master_grad false")
+            "there); use tensor/pipeline/sep/context parallelism or sharding stage1/stage2, or set amp_master_grad "
+            "false")
     if layout.sharding_stage == 3:
         raise UsageError(
             "amp_master_grad: not supported with sharding stage3: Paddle 3.3.1's stage-3 optimizer has no "
@@ -544,6 +548,15 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
         raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
                          "parameter over the whole sharding group, whose ranks hold different experts); use stage1 "
                          "or stage2")
+    if layout.pipeline_parallel_degree > 1:
+        # Refused rather than made to work: fleet's pipeline asserts its own optimizer class, and the experts'
+        # clip (expert_optimizer.ShardedGlobalNormClip) sums squares over the sharding group only.
+        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} cannot be combined with "
+                         f"expert_parallel_degree {ep} over sharding ranks (sharding stage{stage}): fleet's pipeline "
+                         "train_batch asserts a HybridParallelOptimizer (pipeline_parallel.py:1311-1313), which the "
+                         "experts' own optimizer beside fleet's sharding optimizer is not, and their global-norm "
+                         "clip sums over the sharding group only, not the stages; use data parallelism for pipeline "
+                         "x experts (no sharding), or expert_parallel_degree 1")
     if sd % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
                          "split over groups of sharding ranks; fleet's moe_sharding degree is their quotient)")

@@ -7,7 +7,10 @@
                      when a collective fails the survivors can name the rank that stopped first, and
                      the launcher can when a job fails (describe_first_stopped)
     HangWatchdog     hang_timeout_minutes: no step for that long, and every rank dumps its stacks and
-                     the collective it waits in; one line names the ranks that did not reach it
+                     the collective it waits in; one line names the ranks that did not reach it. Saves,
+                     evaluations, rollbacks and replica checks are phases (Heartbeat.phase): each starts
+                     the clock again and, while this rank works in it outside any collective (writing
+                     files, computing), counts as progress, so a long save does not end a healthy job
 """
 
 from __future__ import annotations
@@ -112,6 +115,13 @@ class Heartbeat:
         if self.watchdog is not None:
             self.watchdog.stop()
 
+    def phase(self, name: str):
+        """A context manager marking a part of the run between steps (save, evaluation, rollback, replica
+        check) for the hang watchdog (HangWatchdog.phase); nothing without one."""
+        import contextlib
+
+        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+
     def beat(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(step)
@@ -200,11 +210,34 @@ def _alive(beat: dict) -> bool:
 COLLECTIVE_MODULE = os.path.join("paddle", "distributed")
 
 
+# Python calls that wait for the device: on GPU a rank whose peers stopped waits there, not in a
+# paddle.distributed function (NCCL's collectives are queued on the stream; the host blocks at the next read).
+DEVICE_WAITS = (".numpy()", ".item()", "synchronize(", ".tolist()")
+
+
+def device_wait_of(frame) -> str | None:
+    """"waiting for the device (.numpy() at trainer.py:231 agree_on_step)" when the innermost Python frame's
+    line reads the device (the C++ call itself has no Python frame), else None."""
+    import linecache
+
+    if frame is None:
+        return None
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    call = next((call for call in DEVICE_WAITS if call in line), None)
+    if call is None:
+        return None
+    return (f"waiting for the device ({call.rstrip('(')} at {os.path.basename(frame.f_code.co_filename)}:"
+            f"{frame.f_lineno} {frame.f_code.co_name}; on GPU, a queued collective's kernel)")
+
+
 def collective_of(frame, distributed: bool = True) -> str | None:
     """The collective a thread's stack is waiting in ("all_reduce (trainer.py:171 agree_on_step)"),
     or None when it is not inside paddle.distributed. A backward of a distributed run counts: data
     parallelism and sharding all-reduce the gradients from C++ hooks during it (paddle.DataParallel's
-    reducer), so a rank whose peers stopped waits there."""
+    reducer), so a rank whose peers stopped waits there. So does a distributed run's read of the device
+    (device_wait_of): on NCCL the host waits there for the collectives queued before it."""
+    if distributed and (device_wait := device_wait_of(frame)) is not None:
+        return device_wait
     inside, ours = None, None
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -255,6 +288,7 @@ class HangWatchdog:
         self.timeout_s = timeout_minutes * 60
         self.grace_s = grace_s if grace_s is not None else min(30.0, max(5.0, self.timeout_s / 2))
         self.step, self.last = 0, time.monotonic()
+        self.current_phase = "training"  # or the phase the main thread is in (phase())
         self.main = threading.main_thread()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -264,23 +298,60 @@ class HangWatchdog:
             except OSError:
                 pass
 
+    ACTIVE: "HangWatchdog | None" = None  # the running watchdog of this process (progress())
+
     def start(self, step: int) -> "HangWatchdog":
         self.beat(step)
         self.thread.start()
+        HangWatchdog.ACTIVE = self
         return self
+
+    def progress(self) -> None:
+        """Work inside a phase moved on (an evaluation batch finished): the clock starts again."""
+        self.last = time.monotonic()
 
     def beat(self, step: int) -> None:
         self.step, self.last = step, time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
+        if HangWatchdog.ACTIVE is self:
+            HangWatchdog.ACTIVE = None
+
+    def phase(self, name: str):
+        """Within the block the main thread is in phase `name` (a save, an evaluation, a rollback): the clock
+        starts again on entry and on exit, and while the main thread is outside any collective the phase's
+        own work counts as progress (_overdue). A phase stuck in a collective (a peer that never reaches the
+        save's barrier) is reported after hang_timeout_minutes as a step would be, naming the phase."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def marked():
+            previous, self.current_phase = self.current_phase, name
+            self.last = time.monotonic()
+            try:
+                yield
+            finally:
+                self.current_phase, self.last = previous, time.monotonic()
+
+        return marked()
+
+    def _overdue(self) -> bool:
+        if time.monotonic() - self.last <= self.timeout_s:
+            return False
+        if self.current_phase != "training":
+            frame = sys._current_frames().get(self.main.ident)
+            if collective_of(frame, self.world_size > 1) is None:  # working in its own phase: progress
+                self.last = time.monotonic()
+                return False
+        return True
 
     def _path(self, rank: int, suffix: str) -> str:
         return os.path.join(self.log_dir, f"hang.rank{rank}.{suffix}")
 
     def _watch(self) -> None:
         while not self._stop.wait(min(5.0, max(self.timeout_s / 4, 0.5))):
-            if time.monotonic() - self.last > self.timeout_s:
+            if self._overdue():
                 self._report_and_exit()
 
     def _report_and_exit(self) -> None:
@@ -292,7 +363,8 @@ class HangWatchdog:
         with open(self._path(self.rank, "txt"), "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         with open(self._path(self.rank, "json") + ".tmp", "w") as f:
-            json.dump({"rank": self.rank, "step": self.step, "collective": waiting_in, "pid": os.getpid()}, f)
+            json.dump({"rank": self.rank, "step": self.step, "collective": waiting_in, "phase": self.current_phase,
+                       "pid": os.getpid()}, f)
         os.replace(self._path(self.rank, "json") + ".tmp", self._path(self.rank, "json"))
         reports = self._gather_reports()
         waiting = sorted(r for r, report in reports.items() if report.get("collective"))
@@ -317,6 +389,12 @@ class HangWatchdog:
             time.sleep(0.2)
 
 
+def progress() -> None:
+    """A unit of work between steps finished (one evaluation batch): feeds this process's hang watchdog."""
+    if HangWatchdog.ACTIVE is not None:
+        HangWatchdog.ACTIVE.progress()
+
+
 def describe_hang(reports: dict[int, dict], world_size: int, timeout_s: float, log_dir: str) -> str:
     """The one line of a hung job: which ranks wait in which collective, which never reached it."""
     waiting = {r: report for r, report in reports.items() if report.get("collective")}
@@ -326,14 +404,20 @@ def describe_hang(reports: dict[int, dict], world_size: int, timeout_s: float, l
     stacks = f"Python stacks in {os.path.join(log_dir, 'hang.rank*.txt')}"
     if not waiting:
         return head + f"rank(s) {_ranks(absent)} are not in a collective (stuck in their own work); {stacks}"
-    collectives = sorted({report["collective"] for report in waiting.values()})
+    collectives = sorted({report["collective"] + _in_phase(report) for report in waiting.values()})
     if not absent:
         return (head + f"every rank waits in a collective ({' / '.join(collectives)}): different collectives, or "
                 f"the network; {stacks}")
     why = {r: ("no report: stopped, or blocked without Python" if r not in reports else
-               f"at step {reports[r]['step']}, not in a collective") for r in absent}
+               f"at step {reports[r]['step']}{_in_phase(reports[r])}, not in a collective") for r in absent}
     return (head + f"rank(s) {_ranks(absent)} did not reach the collective {' / '.join(collectives)} that rank(s) "
             f"{_ranks(waiting)} wait in ({'; '.join(f'rank {r}: {why[r]}' for r in absent)}); {stacks}")
+
+
+def _in_phase(report: dict) -> str:
+    """" in save" for a rank that reported from a phase between steps (HangWatchdog.phase), else ""."""
+    phase = report.get("phase", "training")
+    return "" if phase == "training" else f" in {phase}"
 
 
 def _ranks(ranks) -> str:

@@ -41,7 +41,7 @@ from llm_pretrain.run.preflight import RunPlan, device_name, layout_summary, no_
 from llm_pretrain.checkpoint.replica_check import check_replicas
 from llm_pretrain.run.resilience import DataSkips, LossSpikeGuard, sample_range
 from llm_pretrain.parallel.precision import Precision
-from llm_pretrain.run.run_control import Heartbeat, StopRequest, wait_for_hang_report
+from llm_pretrain.run.run_control import Heartbeat, StopRequest, progress, wait_for_hang_report
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.weights import init_weights, load_weights_file
@@ -49,14 +49,16 @@ from models.weights import init_weights, load_weights_file
 
 def distributed_seeds(seed: int, layout: Layout) -> tuple[int, int, int]:
     """(global, local, random) seeds of this rank, as paddlenlp/trainer/trainer_utils.py
-    _get_distributed_seeds (lines 64-145; no sep group here): the global seed is the same within a
-    tensor-parallel group and differs across data-parallel, pipeline and sharding ranks (dropout on
-    activations that tensor-parallel ranks replicate must match; data replicas should not share
-    masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline stage.
-    One process: (seed, seed + 1, seed)."""
-    mp, pp, dp = layout.tensor_parallel_degree, layout.pipeline_parallel_degree, layout.data_parallel_degree
-    offset = (layout.pipeline_parallel_rank * mp + layout.data_parallel_rank * mp * pp
-              + layout.sharding_rank * mp * pp * dp)
+    _get_distributed_seeds (lines 64-145): the global seed is the same within a tensor-parallel group
+    and differs across sep/cp, data-parallel, pipeline and sharding ranks (dropout on activations that
+    tensor-parallel ranks replicate must match; ranks holding other tokens or other samples should not
+    share masks); the local seed differs on every rank; the random seed (python, numpy) per pipeline
+    stage. The sep rank is fleet's sep group (sep or cp, Layout.sequence_group_degree), placed between
+    tensor and pipeline as there. One process: (seed, seed + 1, seed)."""
+    mp, sep, pp = layout.tensor_parallel_degree, layout.sequence_group_degree, layout.pipeline_parallel_degree
+    dp = layout.data_parallel_degree
+    offset = (layout.sep_parallel_rank * mp + layout.pipeline_parallel_rank * mp * sep
+              + layout.data_parallel_rank * mp * sep * pp + layout.sharding_rank * mp * sep * pp * dp)
     return seed + offset, seed + layout.world_size + layout.tensor_parallel_rank + offset, \
         seed + 100 * layout.pipeline_parallel_rank
 
@@ -198,9 +200,41 @@ class StepResult:
     write_pending: bool = False  # some rank's asynchronous checkpoint write is still running
 
 
-# When this rank reached its step's flag reduction: its own share of the step, before waiting for
-# the others (the straggler record of each logging step compares it over the ranks).
-REACHED_FLAG_REDUCTION = [0.0]
+class OwnTime:
+    """This rank's own share of a step: from the step's start to where it reaches the step's flag reduction,
+    before it waits for the others (the straggler record of each logging step compares it over the ranks).
+
+    On GPU the host only queues kernels, so its clock measures the queueing, not the work: two CUDA events
+    (paddle.device.Event(enable_timing=True), paddle/device/__init__.py:1083-1240 of Paddle 3.3.1: record() on
+    the current stream, elapsed_time() in milliseconds) mark the same two points on the device's stream and
+    are read after the step's host sync. On CPU the kernels run as the host calls them: host time is device
+    time."""
+
+    def __init__(self, device: str = "cpu"):
+        self.gpu = device == "gpu"
+        self.started = self.reached_at = time.perf_counter()
+        self.events = None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        if self.gpu:
+            self.events = (paddle.device.Event(enable_timing=True), paddle.device.Event(enable_timing=True))
+            self.events[0].record()
+
+    def reached(self) -> None:
+        """Called where the step's flag reduction starts (agree_on_step)."""
+        self.reached_at = time.perf_counter()
+        if self.events is not None:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        """After the step's host sync (its events are done)."""
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1000.0
+        return self.reached_at - self.started
+
+
+OWN_TIME = OwnTime()  # the running training's (train sets the device); agree_on_step marks the reduction
 
 
 def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, layout: Layout,
@@ -216,7 +250,7 @@ def agree_on_step(loss, grad_squares, stop_requested: bool, check_grads: bool, l
     flags.append(paddle.to_tensor(stop_requested))
     flags.append(paddle.to_tensor(write_pending))
     flags = paddle.concat([paddle.stack(flags).astype("float32"), loss.reshape([1]).astype("float32")])
-    REACHED_FLAG_REDUCTION[0] = time.perf_counter()
+    OWN_TIME.reached()
     if layout.distributed:
         import paddle.distributed as dist
 
@@ -345,16 +379,22 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
         model.accumulate_steps = per_call
         try:
             with autocast():
-                losses = [scalar(model.eval_batch([inputs[c * samples:(c + 1) * samples],
-                                                   labels[c * samples:(c + 1) * samples]], compute_loss=True))
+                losses = [fed(scalar(model.eval_batch([inputs[c * samples:(c + 1) * samples],
+                                                        labels[c * samples:(c + 1) * samples]], compute_loss=True)))
                           for c in range(calls)]
         finally:
             model.accumulate_steps = saved
     else:
         with autocast():
-            losses = [float(model(input_ids, labels)) for input_ids, labels in batches]
+            losses = [fed(float(model(input_ids, labels))) for input_ids, labels in batches]
     model.train()
     return all_reduce_mean_over_replicas(sum(losses) / len(losses), layout)
+
+
+def fed(value):
+    """`value`, after telling the hang watchdog that a batch of an evaluation finished (run_control.progress)."""
+    progress()
+    return value
 
 
 def build_model(config: ModelConfig, layout: Layout):
@@ -473,6 +513,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     heartbeat = Heartbeat(layout.rank)
     heartbeat.watch_for_hangs(layout.world_size, args.output_dir, args.hang_timeout_minutes, start_step)
     run.callback(heartbeat.stop_watching)
+    OWN_TIME.gpu = device == "gpu"
     replicas, replica_checks = None, 0  # what the last replica check compared (llm_pretrain/checkpoint/replica_check.py)
     gpu = device == "gpu"  # GPU kernels are not deterministic by construction: resynchronize, never fail
     divergence = DivergenceGuard(args.skip_nan_inf_steps)
@@ -484,6 +525,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     while args.do_train and step < args.max_steps:
         learning_rate = optimizer.get_lr()
         step_start = time.perf_counter()
+        OWN_TIME.start()
         following = consumed_samples + train_plan.global_batch_size if step + 1 < args.max_steps else None
         skipping_data = data_skips.covers(step + 1)
         threshold = spikes.threshold()
@@ -505,7 +547,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         if device == "gpu":
             paddle.device.synchronize()
         step_time = time.perf_counter() - step_start
-        timing = {"own_time": REACHED_FLAG_REDUCTION[0] - step_start, "data_wait": data_wait}
+        timing = {"own_time": OWN_TIME.seconds(), "data_wait": data_wait}
         step += 1
         consumed_samples += train_plan.global_batch_size
         heartbeat.beat(step)
@@ -529,9 +571,10 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             if spikes.action == "stop":
                 raise DivergenceError(f"{what}; stopped without saving this state (loss_spike_action stop)")
             if spikes.action == "rollback":
-                log_completed_save(checkpointer.complete_pending(), step, metrics)
-                step, consumed_samples = roll_back(step, checkpointer, unwrapped_model, optimizer, precision, args,
-                                                   train_plan, spikes, data_skips, metrics, what)
+                with heartbeat.phase("rollback"):
+                    log_completed_save(checkpointer.complete_pending(), step, metrics)
+                    step, consumed_samples = roll_back(step, checkpointer, unwrapped_model, optimizer, precision,
+                                                       args, train_plan, spikes, data_skips, metrics, what)
                 events["rollbacks"] += 1
                 divergence.reset()
                 continue
@@ -551,8 +594,9 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                          router_metrics=getattr(unwrapped_model, "router_metrics", None), **timing)
 
         if args.do_eval and valid_data is not None and step % args.effective_eval_steps == 0:
-            metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,
-                                                             config, layout, precision))
+            with heartbeat.phase("evaluation"):
+                metrics.evaluation("valid", step, run_evaluation(model, valid_data, "valid", step, eval_plan, args,
+                                                                 config, layout, precision))
 
         stopping = result.stop_requested and step < args.max_steps
         if checkpointer.due(step, args.max_steps) or stopping:
@@ -560,11 +604,12 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                              "layout": layout_summary(layout), "args": arguments_to_dict(args),
                              "model_config": config.architecture_dict(), **spikes.state(), **data_skips.state()}
             save_start = time.perf_counter()
-            log_completed_save(checkpointer.complete_pending(), step, metrics)  # at most one save in flight
-            if checkpointer.async_save and not stopping and not checkpointer.exit_due(step, args.max_steps):
-                checkpointer.save_async(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
-            else:
-                checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+            with heartbeat.phase("save"):
+                log_completed_save(checkpointer.complete_pending(), step, metrics)  # at most one save in flight
+                if checkpointer.async_save and not stopping and not checkpointer.exit_due(step, args.max_steps):
+                    checkpointer.save_async(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
+                else:
+                    checkpointer.save(step, unwrapped_model, optimizer, trainer_state, precision.scaler)
             if checkpointer.async_save:  # how long this save held training up
                 metrics.write({"event": "save", "step": step, "async": checkpointer.pending is not None,
                                "stall_s": time.perf_counter() - save_start})
@@ -577,17 +622,21 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
             metrics.say(f"stopping after step {step} (exit_interval); run the same command again to resume")
             break
         if args.check_replicas_interval and step % args.check_replicas_interval == 0 and step < args.max_steps:
-            replicas = check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu)
+            with heartbeat.phase("replica check"):
+                replicas = check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu)
             replica_checks += 1
 
-    log_completed_save(checkpointer.complete_pending(), step, metrics)  # the last save, finished before the end
+    with heartbeat.phase("save"):
+        log_completed_save(checkpointer.complete_pending(), step, metrics)  # the last save, finished before the end
     # Every replicated weight and optimizer state the same on every rank (they are saved once).
     if step > start_step:
-        replicas = {**check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu),
-                    "checks": replica_checks + 1}
+        with heartbeat.phase("replica check"):
+            replicas = {**check_replicas(unwrapped_model, optimizer, layout, step, resynchronize_differences=gpu),
+                        "checks": replica_checks + 1}
     if args.do_predict and test_data is not None:
-        metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
-                                                        layout, precision))
+        with heartbeat.phase("evaluation"):
+            metrics.evaluation("test", step, run_evaluation(model, test_data, "test", step, eval_plan, args, config,
+                                                            layout, precision))
     if args.last_save_in_hf and layout.is_main and step == args.max_steps and step > start_step:
         # After every collective (other ranks need not wait): the final checkpoint, saved in the loop.
         from llm_pretrain.checkpoint.hf_export import export_final_checkpoint

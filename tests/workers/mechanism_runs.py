@@ -34,6 +34,9 @@ Before the runs, this worker wraps (counting, then calling the original):
                        state per rank, stage-3 slices) and resets the allocator's peak, so that
                        the peak after the run is that of training
 
+A run spec with "fp32_master_grad": true keeps fleet's float32 master gradients (tests/workers/
+fp32_master_grads.py); its observations add "master_grads" (parameters holding a main_grad afterwards).
+
 Each rank writes {run name: observations} with launch_utils.write_result.
 """
 
@@ -65,6 +68,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
+from fp32_master_grads import fp32_master_grads  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
@@ -400,11 +404,14 @@ if __name__ == "__main__":
         if run.get("perturb_replica"):  # expected to fail: record the replica check's error
             results[run["name"]] = perturbed_replica_run(run)
             continue
-        with slowed(run):
+        keep_master_grads = fp32_master_grads() if run.get("fp32_master_grad") else contextlib.nullcontext()
+        with slowed(run), keep_master_grads as master_grads:
             code = main([str(a) for a in run["argv"]])
         if code:
             sys.exit(code)
         results[run["name"]] = observations()
+        if master_grads is not None:
+            results[run["name"]]["master_grads"] = master_grads.seen()
         probe.clear()
         gc.collect()
     from launch_utils import write_result

@@ -2,17 +2,22 @@
 
     python -m paddle.distributed.launch --nproc_per_node 2 tests/workers/moe_worker.py runs.json
 
-runs.json: {"runs": [run_pretrain.py argument lists, one layout], "experts": E, "ep": ep}. After the
+runs.json: {"runs": [run_pretrain.py argument lists, one layout], "experts": E, "ep": ep,
+"fp32_master_grad": [indices of the runs trained with fleet's master gradients]}. After the
 runs (fleet is initialized by the first), each rank builds a mixtral-tiny stack with
 expert_parallel_degree ep and, on the same tokens, the whole model in this process, and reports:
 which experts it holds, the rows its all-to-alls carried in forward and backward, and the largest
 differences of its loss and gradients from the whole model's on both ranks' tokens.
+
+fp32_master_grad: those runs keep fleet's float32 master gradients (tests/workers/fp32_master_grads.py); the
+result's "master_grads" says, per run index, how many parameters (and experts) held a main_grad.
 """
 
 import json
 import sys
 
 import numpy as np  # noqa: E402
+from fp32_master_grads import fp32_master_grads  # noqa: E402
 import paddle  # noqa: E402
 
 from llm_pretrain.run_pretrain import main  # noqa: E402
@@ -60,14 +65,21 @@ def observe(ep: int) -> dict:
 
 
 if __name__ == "__main__":
+    import contextlib
+
     with open(sys.argv[1]) as f:
         plan = json.load(f)
-    for argv in plan["runs"]:
-        code = main([str(a) for a in argv])
+    master_grads = {}  # run index -> what fp32_master_grads saw
+    for index, argv in enumerate(plan["runs"]):
+        with fp32_master_grads() if index in plan.get("fp32_master_grad", []) else contextlib.nullcontext() as watch:
+            code = main([str(a) for a in argv])
+        if watch is not None:
+            master_grads[index] = watch.seen()
         if code:
             sys.exit(code)
         if "paddle.distributed.fleet" in sys.modules:
             sys.modules["paddle.distributed.fleet"].fleet.user_defined_optimizer = None
     from launch_utils import write_result
 
-    write_result(observe(plan["ep"]) if plan["ep"] else {"runs": len(plan["runs"])})
+    write_result({**(observe(plan["ep"]) if plan["ep"] else {"runs": len(plan["runs"])}),
+                  "master_grads": master_grads})
