@@ -35,8 +35,9 @@ import pytest
 from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_env
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics, assert_same_training,
-    base_arguments, final_weights, run_launch, run_record, run_single, summary_records, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics,
+    assert_same_training, assert_stand_ins_ran, base_arguments, final_weights, run_launch, run_record, run_single,
+    run_spec, summary_records, train_records, write_json,
 )
 from shared_launches import contribute
 
@@ -56,6 +57,16 @@ MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 # 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
+# The stand-ins a run with the kernel options calls (swiglu: the CPU build's own kernel): RMSNorm and rotary
+# families, LayerNorm families
+LLAMA_KERNELS = ("flash_attn", "flash_attn_grad", "fused_rotary_position_embedding", "fused_rms_norm_quant")
+GPT_KERNELS = ("flash_attn", "flash_attn_grad", "fast_ln")
+
+
+def run_observed(observed: dict, name: str) -> dict:
+    """{rank: observations} of the run whose output_dir is runs/<name> (shared launch names: "NN-<name>")."""
+    return {rank: next(seen for run, seen in runs.items() if run.split("-", 1)[1] == name)
+            for rank, runs in observed.items()}
 
 
 @dataclass
@@ -79,6 +90,11 @@ class Parity:
     def run(self, name: str, model: str = "llama", **overrides) -> list[str]:
         return argv(self.files[model], self.out(name), **overrides)
 
+    def kernels(self, name: str, model: str = "llama", **overrides) -> list[str]:
+        """A run with the four kernel options on: their GPU branches through the CPU stand-ins
+        (parity_utils.run_spec gives it LLM_PRETRAIN_KERNEL_STANDINS=1), checked against the plain path."""
+        return self.run(name, model, **overrides, **KERNEL_OPTIONS)
+
     def check(self, names_and_models: list[tuple[str, str]]) -> None:
         for name, model in names_and_models:
             diffs = assert_same_training(self.references[model], self.out(name))
@@ -91,7 +107,7 @@ def shared(launch_name: str, nproc: int):
     that layout (tests/shared_launches.py), beside the mechanism probes' runs of the same degrees."""
     def register(layout_runs):
         def make_runs(work: Path, corpus: dict) -> list[dict]:
-            return [{"name": f"{i:02d}-{Path(run[run.index('--output_dir') + 1]).name}", "argv": run}
+            return [run_spec(f"{i:02d}-{Path(run[run.index('--output_dir') + 1]).name}", run)
                     for i, run in enumerate(layout_runs(Parity.create(work, corpus)))]
 
         contribute(launch_name, nproc, "parity", make_runs)
@@ -121,13 +137,18 @@ def dp2_runs(parity: Parity) -> list[list[str]]:
         parity.run("dp2", gradient_accumulation_steps=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3, check_replicas_interval=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, check_replicas_interval=2),
-    ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES]
+    ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2) for family in FAMILIES] + [
+        parity.kernels("dp2-kernels", gradient_accumulation_steps=2),
+        parity.kernels("gpt3-dp2-kernels", "gpt3", gradient_accumulation_steps=2)]
 
 
 def test_dp2(parity, shared_launches):
     """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
-    shared_launches.results("dp2", "parity")
-    parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES])
+    observed = shared_launches.results("dp2", "parity")
+    parity.check([("dp2", "llama"), ("dp2-resume", "llama")] + [(f"{family}-dp2", family) for family in FAMILIES]
+                 + [("dp2-kernels", "llama"), ("gpt3-dp2-kernels", "gpt3")])
+    assert_stand_ins_ran(run_observed(observed, "dp2-kernels"), parity.out("dp2-kernels"), LLAMA_KERNELS)
+    assert_stand_ins_ran(run_observed(observed, "gpt3-dp2-kernels"), parity.out("gpt3-dp2-kernels"), GPT_KERNELS)
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
     # CPU defaults (llm_pretrain/cpu/threads.py), as the run record reads them from Paddle: the
@@ -160,14 +181,21 @@ def tp2_runs(parity: Parity) -> list[list[str]]:
     for family in FAMILIES + ROPE_SCALED:
         runs += [parity.run(f"{family}-tp2", family, **tp),
                  parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
-    return runs
+    # the kernels' branches: ALiBi's mask per rank's heads (Bloom), one kv head replicated (Qwen2)
+    return runs + [parity.kernels("tp2-sp-kernels", **tp, sequence_parallel=True),
+                   parity.kernels("bloom-tp2-sp-kernels", "bloom", **tp, sequence_parallel=True),
+                   parity.kernels("qwen2-tp2-kernels", "qwen2", **tp)]
 
 
 def test_tensor_parallel(parity, shared_launches):
-    shared_launches.results("tp2", "parity")
+    observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
-                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")])
+                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")]
+                 + [("tp2-sp-kernels", "llama"), ("bloom-tp2-sp-kernels", "bloom"), ("qwen2-tp2-kernels", "qwen2")])
+    for name, kernels in (("tp2-sp-kernels", LLAMA_KERNELS), ("bloom-tp2-sp-kernels", GPT_KERNELS),
+                          ("qwen2-tp2-kernels", LLAMA_KERNELS)):
+        assert_stand_ins_ran(run_observed(observed, name), parity.out(name), kernels)
     # qwen2-tiny's single kv head is replicated on both ranks (not split): whole k/v projections
     assert run_record(parity.out("qwen2-tp2"))["model_config"]["num_key_value_heads"] == 1
     assert final_weights(parity.out("qwen2-tp2"))["layers.0.self_attn.k_proj.weight"].shape == (64, 16)
@@ -199,13 +227,18 @@ def pp2_runs(parity: Parity) -> list[list[str]]:
         parity.run("pp2-resume", **pp, exit_interval=2),
         parity.run("pp2-resume", **pp),
     ] + [parity.run(f"{family}-pp2", family, **pp)  # GPT-3, Bloom, Qwen2: tied embeddings
-         for family in FAMILIES + ROPE_SCALED]
+         for family in FAMILIES + ROPE_SCALED] + [
+        parity.kernels("pp2-kernels", **pp), parity.kernels("baichuan-pp2-kernels", "baichuan", **pp)]
 
 
 def test_pipeline_parallel(parity, shared_launches):
-    shared_launches.results("pp2", "parity")
+    observed = shared_launches.results("pp2", "parity")
     parity.check([(name, "llama") for name in ("pp2", "pp2-recompute", "pp2-recompute-full_attn", "pp2-resume")]
-                 + [(f"{family}-pp2", family) for family in FAMILIES + ROPE_SCALED])
+                 + [(f"{family}-pp2", family) for family in FAMILIES + ROPE_SCALED]
+                 + [("pp2-kernels", "llama"), ("baichuan-pp2-kernels", "baichuan")])
+    assert_stand_ins_ran(run_observed(observed, "pp2-kernels"), parity.out("pp2-kernels"), LLAMA_KERNELS)
+    assert_stand_ins_ran(run_observed(observed, "baichuan-pp2-kernels"), parity.out("baichuan-pp2-kernels"),
+                         ("flash_attn", "flash_attn_grad", "fused_rms_norm_quant"))
     assert_same_evaluation(parity.references["llama"], parity.out("pp2"))
     assert_same_evaluation(parity.out("single-recompute-full"), parity.out("pp2-recompute"), predict=False)
     assert run_record(parity.out("pp2"))["strategy"] == "pp2"
@@ -225,14 +258,17 @@ def sd2_runs(parity: Parity) -> list[list[str]]:
     for i, family in enumerate(FAMILIES):  # every family in every stage, with some recompute
         runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
                             recompute_granularity=GRANULARITIES[(i + stage) % 3], **sd) for stage in (1, 2, 3)]
-    return runs
+    return runs + [parity.kernels(f"sd2-stage{stage}-kernels", sharding=f"stage{stage}", **sd) for stage in (1, 2, 3)]
 
 
 def test_sharding_stages(parity, shared_launches):
-    shared_launches.results("sd2", "parity")
-    names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute")]
+    observed = shared_launches.results("sd2", "parity")
+    names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute", "-kernels")]
     parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]]
                  + [(f"{family}-sd2-stage{stage}", family) for family in FAMILIES for stage in (1, 2, 3)])
+    for stage in (1, 2, 3):
+        name = f"sd2-stage{stage}-kernels"
+        assert_stand_ins_ran(run_observed(observed, name), parity.out(name), LLAMA_KERNELS)
     assert run_record(parity.out("sd2-stage2"))["strategy"] == "sd2_stage2"
 
 
@@ -273,13 +309,17 @@ def pp4_runs(parity: Parity) -> list[list[str]]:
     degrees = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2}
     return [parity.run("pp4vpp2", **degrees, **EVALUATION)] + [
         parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES] + [
-        parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION)]
+        parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION),
+        parity.kernels("pp4vpp2-kernels", **degrees), parity.kernels("mixtral-pp4vpp2-kernels", "mixtral", **degrees)]
 
 
 def test_pp4_interleaved(parity, shared_launches):
-    shared_launches.results("pp4", "parity")
+    observed = shared_launches.results("pp4", "parity")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
-                 + [("mixtral-pp4vpp2-recompute", "mixtral")])
+                 + [("mixtral-pp4vpp2-recompute", "mixtral"), ("pp4vpp2-kernels", "llama"),
+                    ("mixtral-pp4vpp2-kernels", "mixtral")])
+    for name in ("pp4vpp2-kernels", "mixtral-pp4vpp2-kernels"):
+        assert_stand_ins_ran(run_observed(observed, name), parity.out(name), LLAMA_KERNELS)
     assert_same_evaluation(parity.references["llama"], parity.out("pp4vpp2"))
     assert run_record(parity.out("pp4vpp2"))["strategy"] == "pp4vpp2"
     # mixtral: the load-balancing loss over the 8 layers of 8 chunks on 4 stages, recomputed by PipelineLayer's

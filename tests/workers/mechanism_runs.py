@@ -2,7 +2,10 @@
 
     python -m paddle.distributed.launch --nproc_per_node 2 tests/workers/mechanism_runs.py runs.json
 
-runs.json: [{"name": ..., "argv": [run_pretrain.py arguments]}, ...] (one parallel layout per launch).
+runs.json: [{"name": ..., "argv": [run_pretrain.py arguments]}, ...] (one parallel layout per launch); a run's
+"env" ({name: value}) is set in this process for that run only (LLM_PRETRAIN_KERNEL_STANDINS: the GPU
+kernels' branches through the CPU stand-ins, llm_pretrain/cpu/kernel_standins.py, whose calls each run
+records as "kernel_calls").
 Before the runs, this worker wraps (counting, then calling the original):
 
     DecoderLayer.forward / attention_block, Attention.core_attention
@@ -39,6 +42,7 @@ Each rank writes {run name: observations} with launch_utils.write_result.
 
 import gc
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -66,6 +70,7 @@ import paddle  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
+from llm_pretrain.cpu import kernel_standins  # noqa: E402
 from llm_pretrain.observe import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
 from models import parallel_layers, ring_attention  # noqa: E402
@@ -350,10 +355,20 @@ if __name__ == "__main__":
         if run.get("perturb_replica"):  # expected to fail: record the replica check's error
             results[run["name"]] = perturbed_replica_run(run)
             continue
-        code = main([str(a) for a in run["argv"]])
+        saved_env = {name: os.environ.get(name) for name in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
+        kernel_standins.CALLS.clear()
+        try:
+            code = main([str(a) for a in run["argv"]])
+        finally:
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if code:
             sys.exit(code)
-        results[run["name"]] = observations()
+        results[run["name"]] = {**observations(), "kernel_calls": dict(kernel_standins.CALLS)}
         probe.clear()
         gc.collect()
     from launch_utils import write_result
