@@ -18,6 +18,8 @@ The trainer writes `describe_built_run(...)` into the "run" record of train_log.
                        layers' own configuration; PipelineLayer's recompute_interval for "full"
                        under the pipeline)
     precision          parameter dtype, master weights in the optimizer, loss scaling, autocast
+    kernels            the fused-kernel branches the model takes, and which of their kernels are CPU
+                       stand-ins in this process (LLM_PRETRAIN_KERNEL_STANDINS=1) or Paddle's own
 
 If a mutation or a bug switches a feature off, the record says so even when the arguments
 asked for it: a run record is evidence of the layout, not an echo of the argument file.
