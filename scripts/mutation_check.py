@@ -50,6 +50,7 @@ STANDINS = "tests/test_kernel_standins.py"
 STANDIN_BRANCHES = f"{STANDINS}::test_every_layer_takes_every_kernel_branch"
 STANDIN_CAUSAL = f"{STANDINS}::test_off_diagonal_causal_block_is_bottom_right_aligned"
 STANDIN_FLASH = f"{STANDINS}::test_flash_attn_equals_plain_attention"
+STANDIN_RING = f"{STANDINS}::test_ring_flash_blocks_run_on_the_stand_in"
 RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence"
 
 
@@ -180,7 +181,7 @@ MUTATIONS = [
              "paddle.arange(sq)[:, None] + (sk - sq)", "paddle.arange(sq)[:, None]", (STANDIN_CAUSAL,)),
     Mutation("standin_lse_transposed", "the flash stand-in's softmax_lse as [batch, seqlen_q, heads]",
              "llm_pretrain/cpu/kernel_standins.py", "return out, paddle.concat([lse, padded], axis=-1)",
-             "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, RING_FLASH)),
+             "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, STANDIN_RING)),
     Mutation("ring_lse_unsliced", "the ring keeps flash_attn's padded softmax_lse (seqlen_q rounded up to 128)",
              "models/ring_attention.py", "return out, lse[:, :, :q.shape[1]]", "return out, lse", (RING_FLASH,)),
 ]
