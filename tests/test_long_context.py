@@ -27,6 +27,8 @@ accumulation steps of one process).
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's
+    kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
+                        cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per

@@ -19,6 +19,11 @@ process's eval losses:
                  family) | sharding2 x dp2
 
 The global batch is always 8 samples: gradient_accumulation_steps = 4 / data replicas.
+
+The dp2, tp2, pp2, sd2 and pp4 launches also train runs named *-kernels: flash attention, the fused rotary
+embedding, RMSNorm and LayerNorm on (and swiglu) through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py,
+LLM_PRETRAIN_KERNEL_STANDINS=1 for that run only), against the same single-process references on the plain
+path; each also must have called its stand-ins on every rank.
 """
 
 from __future__ import annotations
