@@ -127,7 +127,6 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _flash_forward(q, k, v, attn_mask, causal):
     b, sq, h, d = q.shape
-    hk = k.shape[2]
     scores = _flash_scores(q, k, attn_mask, causal)
     top = scores.max(-1, keepdim=True)  # (paddle.logsumexp takes at most 4 axes)
     lse = (top + paddle.log(paddle.exp(scores - top).sum(-1, keepdim=True))).squeeze(-1)  # [b, hk, groups, sq]
@@ -141,7 +140,7 @@ def _flash_forward(q, k, v, attn_mask, causal):
 
 def _flash_backward(q, k, v, out, lse, out_grad, attn_mask, causal):
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    hk = k.shape[2]
     scores = _flash_scores(q, k, attn_mask, causal)
     compute = scores.dtype
     probs = paddle.exp(scores - lse[:, :, :sq].astype(compute).reshape([b, hk, h // hk, sq, 1]))
