@@ -123,8 +123,10 @@ class FlashBlocks:
     flash_attn_grad_kernel.h FlashAttnGradKernel). q, k, v, out, dout are [batch, seq, heads, d] in
     one half-precision dtype; k and v keep their kv heads (the kernel shares each among its query
     heads, as sdpa.py calls it for grouped-query attention). softmax_lse is float32
-    [batch, heads, seqlen_q] (paddle/phi/kernels/gpu/flash_attn_utils.h FlashAttnParamsBase:
-    softmax_lse_dims); the scale is 1/sqrt(head_dim). `causal` masks a square block's upper
+    [batch, heads, seqlen_q rounded up to 128] (paddle/phi/kernels/gpu/flash_attn_utils.h
+    FlashAttnParamsBase: softmax_lse_dims), of which the ring keeps the first seqlen_q entries and hands
+    flash_attn_grad [batch, heads, seqlen_q], as Paddle's ring does (ring_attention.py:273, 334); the
+    scale is 1/sqrt(head_dim). `causal` masks a square block's upper
     triangle. An additive mask goes in attn_mask, in q's dtype, with causal false (ALiBi, as
     PaddleNLP's llama/modeling.py and this repository's dense flash path pass it)."""
 
@@ -141,7 +143,10 @@ class FlashBlocks:
         mask, causal = FlashBlocks._mask(q, k, causal, bias)
         q, k, v = (t.contiguous() for t in (q, k, v))  # the ring hands in halves of its blocks
         out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, mask, 0.0, causal, False, False, "")
-        return out, lse
+        # The kernel allocates softmax_lse with seqlen_q rounded up to 128 (gpu/flash_attn_utils.h
+        # FlashAttnParamsBase: softmax_lse_dims = {batch, heads, seqlen_q_rounded}); the first seqlen_q
+        # entries of each row are the log-sum-exps, as Paddle's ring slices them (ring_attention.py:273).
+        return out, lse[:, :, :q.shape[1]]
 
     @staticmethod
     def backward(q, k, v, out, lse, grad_out, causal, bias):

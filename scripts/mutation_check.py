@@ -46,6 +46,12 @@ MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_train
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
+STANDINS = "tests/test_kernel_standins.py"
+STANDIN_BRANCHES = f"{STANDINS}::test_every_layer_takes_every_kernel_branch"
+STANDIN_CAUSAL = f"{STANDINS}::test_off_diagonal_causal_block_is_bottom_right_aligned"
+STANDIN_FLASH = f"{STANDINS}::test_flash_attn_equals_plain_attention"
+STANDIN_RING = f"{STANDINS}::test_ring_flash_blocks_run_on_the_stand_in"
+RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence"
 
 
 @dataclass
@@ -244,6 +250,20 @@ MUTATIONS = [
              "llm_pretrain/parallel/layout.py", "and not layout.sharding_stage and layout.sequence_group_degree == 1)",
              "and not layout.sharding_stage)",
              ("tests/test_precision.py::test_safe_master_grad_combinations_are_accepted",)),
+    # The GPU kernels' branches through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py).
+    Mutation("standin_fused_rope_skipped", "the fused rotary branch not taken (use_fused_rope ignored)",
+             "models/decoder.py", "            if self.config.use_fused_rope:", "            if False:",
+             (STANDIN_BRANCHES,)),
+    Mutation("standin_fused_rms_norm_skipped", "RMSNorm's fused branch not taken (use_fused_rms_norm ignored)",
+             "models/parallel_layers.py", "        if self.fused:", "        if False:", (STANDIN_BRANCHES,)),
+    Mutation("standin_causal_top_left", "the flash stand-in's causal rule top-left aligned (an off-diagonal block "
+             "sees fewer keys)", "llm_pretrain/cpu/kernel_standins.py",
+             "paddle.arange(sq)[:, None] + (sk - sq)", "paddle.arange(sq)[:, None]", (STANDIN_CAUSAL,)),
+    Mutation("standin_lse_transposed", "the flash stand-in's softmax_lse as [batch, seqlen_q, heads]",
+             "llm_pretrain/cpu/kernel_standins.py", "return out, paddle.concat([lse, padded], axis=-1)",
+             "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, STANDIN_RING)),
+    Mutation("ring_lse_unsliced", "the ring keeps flash_attn's padded softmax_lse (seqlen_q rounded up to 128)",
+             "models/ring_attention.py", "return out, lse[:, :, :q.shape[1]]", "return out, lse", (RING_FLASH,)),
 ]
 
 

@@ -51,3 +51,27 @@ def assert_same_router_metrics(reference: Path, other: Path, tolerance: float = 
         ratio, expected = got["expert_load_max_min_ratio"], ref["expert_load_max_min_ratio"]
         assert (ratio is None) == (expected is None), (other, got, ref)
         assert expected is None or abs(ratio - expected) <= tolerance, (other, got, ref)
+
+
+# The GPU kernels' branches through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py): a run with
+# the four kernel options on, trained with LLM_PRETRAIN_KERNEL_STANDINS=1 (tests/workers/mechanism_runs.py
+# sets a run's "env"), against one process on the plain path. (On a GPU the variable does nothing: the
+# real kernels run.)
+KERNEL_OPTIONS = dict(use_flash_attention=True, use_fused_rope=True, use_fused_rms_norm=True,
+                      use_fast_layer_norm=True)
+STANDIN_ENV = {"LLM_PRETRAIN_KERNEL_STANDINS": "1"}
+
+
+def run_spec(name: str, run_argv: list[str]) -> dict:
+    """A shared launch's run (tests/shared_launches.py); runs with the kernel options get STANDIN_ENV."""
+    return {"name": name, "argv": run_argv, **({"env": STANDIN_ENV} if "--use_flash_attention" in run_argv else {})}
+
+
+def assert_stand_ins_ran(observed: list[dict], output_dir: Path, kernels: tuple[str, ...]) -> None:
+    """A stand-in run on every rank called each of `kernels` (the worker's "kernel_calls"), and its run record
+    names them as stand-ins; observed: each rank's observations of this run, in rank order."""
+    if DEVICE != "cpu":
+        return
+    for rank, seen in enumerate(observed):
+        assert all(seen["kernel_calls"].get(kernel, 0) > 0 for kernel in kernels), (rank, seen["kernel_calls"])
+    assert set(kernels) <= set(run_record(output_dir)["built"]["kernels"]["stand_ins"])

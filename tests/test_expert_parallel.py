@@ -34,8 +34,8 @@ import pytest
 
 from launch_utils import REPO_ROOT, launch
 from parity_utils import (
-    DEVICE, argv, assert_same_router_metrics, assert_same_training, base_arguments, final_weights, run_launch,
-    run_record, run_single, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_same_router_metrics, assert_same_training, base_arguments, final_weights,
+    run_launch, run_record, run_single, run_spec, train_records, write_json,
 )
 
 STEPS, STOP = 4, 2
@@ -238,6 +238,10 @@ def pipelined(tmp_path_factory, embedded_corpus):
     run_single(single, work, "single")
     runs = [argv(args_file, work / name, model_name_or_path=model, pipeline_parallel_degree=2,
                  gradient_accumulation_steps=2, **overrides) for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]
+    # expert parallelism under the pipeline with the GPU kernels' branches through their CPU stand-ins
+    runs.append(run_spec("pp2dp2ep2-kernels", argv(args_file, work / "pp2dp2ep2-kernels", pipeline_parallel_degree=2,
+                                                   gradient_accumulation_steps=2, expert_parallel_degree=2,
+                                                   **KERNEL_OPTIONS)))
     run_launch(4, runs, work, "pp2dp2", timeout=900)
     return work
 
@@ -261,3 +265,15 @@ def test_moe_under_the_pipeline_trains_like_one_process(pipelined):
     moved = np.abs(final_weights(work / "single-pp2dp2", STEPS)[gate]
                    - final_weights(work / "single-no-aux", STEPS)[gate]).max()
     assert moved > 1e-3, moved
+
+
+def test_moe_under_the_pipeline_with_the_kernel_stand_ins(pipelined):
+    """pp2 x dp2 x ep2 with flash attention, the fused rotary embedding and RMSNorm (CPU stand-ins) and the
+    swiglu kernel in the experts: the same training as one process on the plain path."""
+    work = pipelined
+    print(assert_same_training(work / "single-pp2dp2ep2", work / "pp2dp2ep2-kernels", step=STEPS))
+    assert_same_router_metrics(work / "single-pp2dp2ep2", work / "pp2dp2ep2-kernels")
+    kernels = run_record(work / "pp2dp2ep2-kernels")["built"]["kernels"]
+    assert DEVICE != "cpu" or kernels["stand_ins"] == ["flash_attn", "flash_attn_grad", "fused_rms_norm_quant",
+                                                       "fused_rotary_position_embedding"], kernels
+    assert "use_fused_swiglu" in kernels["fused_branches"]

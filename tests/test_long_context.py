@@ -27,6 +27,8 @@ accumulation steps of one process).
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's
+    kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
+                        cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per
@@ -46,8 +48,8 @@ import json
 from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES
 from parity_utils import (
-    argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record, run_single,
-    train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch,
+    run_record, run_single, run_spec, train_records, write_json,
 )
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
@@ -60,6 +62,9 @@ MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 STOP = 3  # resume pairs stop after this step
+# Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
+KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
+               ("bloom-cp2-kernels", "bloom", CP2), ("mixtral-cp2-kernels", "mixtral", CP2))
 # Two evaluations of 2 batches of 4 (the pipeline runs each as 4 training-sized micro-batches of 2).
 EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
 
@@ -126,7 +131,11 @@ def test_sep2_every_family_and_resume(runs):
         runs.run("single-to-cp2", **CP2),
         runs.run("cp2-to-single", exit_interval=STOP, **CP2),
     ] + [runs.run(f"{model}-{name}", model, **degrees) for model in MOE_MODELS
-         for name, degrees in (("sep2", SEP2), ("cp2", CP2))], runs.work, "sep2", timeout=1800)
+         for name, degrees in (("sep2", SEP2), ("cp2", CP2))] + [
+        # the GPU kernels' branches through their CPU stand-ins: sdpa's flash after sep's all-to-all, the
+        # ring's FlashBlocks (Bloom: ALiBi as the blocks' additive mask), Mixtral's experts under cp
+        run_spec(name, runs.run(name, model, **degrees, **KERNEL_OPTIONS)) for name, model, degrees in KERNEL_RUNS],
+        runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
         ("llama-sep2-recompute", "llama"), ("bloom-sep2-recompute", "bloom"),
@@ -135,6 +144,12 @@ def test_sep2_every_family_and_resume(runs):
         ("llama-cp2-recompute", "llama"), ("bloom-cp2-recompute-full_attn", "bloom"), ("single-to-cp2", "llama"),
         ("cp2-to-single", "llama")])
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
+    runs.check([(name, model) for name, model, _ in KERNEL_RUNS])
+    for name, model, _ in KERNEL_RUNS:
+        stand_ins = run_record(runs.out(name))["built"]["kernels"]["stand_ins"]
+        rope = ["fused_rotary_position_embedding"] if model != "bloom" else []
+        norm = ["fast_ln"] if model == "bloom" else ["fused_rms_norm_quant"]
+        assert DEVICE != "cpu" or stand_ins == sorted(["flash_attn", "flash_attn_grad"] + rope + norm), (name, stand_ins)
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
     assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],

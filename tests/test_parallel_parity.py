@@ -27,6 +27,11 @@ below): gradients local until the last micro-batch (dp2), the stage's wrappers a
 (sd2), each stage's layers (pp2, uneven pp2), the schedule and its chunks (pp4), TP + SP (tp2).
 
 The global batch is always 8 samples: gradient_accumulation_steps = 4 / data replicas.
+
+The dp2, tp2, pp2, sd2 and pp4 launches also train runs named *-kernels: flash attention, the fused rotary
+embedding, RMSNorm and LayerNorm on (and swiglu) through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py,
+LLM_PRETRAIN_KERNEL_STANDINS=1 for that run only), against the same single-process references on the plain
+path; each also must have called its stand-ins on every rank.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ import pytest
 from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_env
 from models.families import FAMILIES as FAMILY_RECORDS
 from parity_utils import (
-    DEVICE, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics, assert_same_training,
-    base_arguments, final_weights, run_launch, run_record, run_single, summary_records, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, TRAIN_RUNS, argv, assert_every_replica_matches, assert_same_router_metrics,
+    assert_same_training, assert_stand_ins_ran, base_arguments, final_weights, run_launch, run_record, run_single,
+    run_spec, summary_records, train_records, write_json,
 )
 from shared_launches import contribute
 
@@ -79,6 +85,10 @@ MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 # 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
+# The stand-ins a run with the kernel options calls (swiglu: the CPU build's own kernel): RMSNorm and rotary
+# families, LayerNorm families
+LLAMA_KERNELS = ("flash_attn", "flash_attn_grad", "fused_rotary_position_embedding", "fused_rms_norm_quant")
+GPT_KERNELS = ("flash_attn", "flash_attn_grad", "fast_ln")
 
 
 @dataclass
@@ -104,6 +114,11 @@ class Parity:
 
     def run(self, name: str, model: str = "llama", **overrides) -> list[str]:
         return argv(self.files[model], self.out(name), **overrides)
+
+    def kernels(self, name: str, model: str = "llama", **overrides) -> list[str]:
+        """A run with the four kernel options on: their GPU branches through the CPU stand-ins
+        (parity_utils.run_spec gives it LLM_PRETRAIN_KERNEL_STANDINS=1), checked against the plain path."""
+        return self.run(name, model, **overrides, **KERNEL_OPTIONS)
 
     def check(self, names_and_models: list[tuple[str, str]]) -> None:
         for name, model in names_and_models:
@@ -163,7 +178,7 @@ def shared(launch_name: str, nproc: int):
     that layout (tests/shared_launches.py), beside the mechanism probes' runs of the same degrees."""
     def register(layout_runs):
         def make_runs(work: Path, corpus: dict) -> list[dict]:
-            return [{"name": f"{i:02d}-{Path(run[run.index('--output_dir') + 1]).name}", "argv": run}
+            return [run_spec(f"{i:02d}-{Path(run[run.index('--output_dir') + 1]).name}", run)
                     for i, run in enumerate(layout_runs(Parity.create(work, corpus)))]
 
         contribute(launch_name, nproc, "parity", make_runs)
@@ -194,19 +209,24 @@ def dp2_runs(parity: Parity) -> list[list[str]]:
         parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3, check_replicas_interval=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, check_replicas_interval=2),
     ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2)
-         for family in FAMILIES + ROPE_SCALED + MOE_SHORT]
+         for family in FAMILIES + ROPE_SCALED + MOE_SHORT] + [
+        parity.kernels("dp2-kernels", gradient_accumulation_steps=2),
+        parity.kernels("gpt3-dp2-kernels", "gpt3", gradient_accumulation_steps=2)]
 
 
 def test_dp2(parity, shared_launches):
     """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
-    ranks = shared_launches.results("dp2", "parity")
+    observed = shared_launches.results("dp2", "parity")
     parity.check([("dp2", "llama"), ("dp2-resume", "llama")]
-                 + [(f"{family}-dp2", family) for family in FAMILIES + ROPE_SCALED + MOE_SHORT])
+                 + [(f"{family}-dp2", family) for family in FAMILIES + ROPE_SCALED + MOE_SHORT]
+                 + [("dp2-kernels", "llama"), ("gpt3-dp2-kernels", "gpt3")])
+    assert_stand_ins_ran(observations(observed, "dp2-kernels"), parity.out("dp2-kernels"), LLAMA_KERNELS)
+    assert_stand_ins_ran(observations(observed, "gpt3-dp2-kernels"), parity.out("gpt3-dp2-kernels"), GPT_KERNELS)
     # Llama 3.1 and the mixtures of experts (the others: mech::test_data_parallel_syncs_once_per_step_and_...):
     # a router's gradient, as a dense MLP's, stays local until the last micro-batch, then is all-reduced
     for family in ROPE_SCALED + MOE_SHORT:
         steps = SHORT["max_steps"] if family in MOE_SHORT else 5
-        mechanism_data_parallel(observations(ranks, f"{family}-dp2"), micro_batches=2, steps=steps)
+        mechanism_data_parallel(observations(observed, f"{family}-dp2"), micro_batches=2, steps=steps)
         assert run_record(parity.out(f"{family}-dp2"))["strategy"] == "dp2"
     for family in MOE_SHORT:  # the router metrics of train_log.jsonl: over both replicas' tokens, one process's
         assert_same_router_metrics(parity.references[family], parity.out(f"{family}-dp2"))
@@ -242,14 +262,21 @@ def tp2_runs(parity: Parity) -> list[list[str]]:
     for family in FAMILIES + ROPE_SCALED:
         runs += [parity.run(f"{family}-tp2", family, **tp),
                  parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
-    return runs
+    # the kernels' branches: ALiBi's mask per rank's heads (Bloom), one kv head replicated (Qwen2)
+    return runs + [parity.kernels("tp2-sp-kernels", **tp, sequence_parallel=True),
+                   parity.kernels("bloom-tp2-sp-kernels", "bloom", **tp, sequence_parallel=True),
+                   parity.kernels("qwen2-tp2-kernels", "qwen2", **tp)]
 
 
 def test_tensor_parallel(parity, shared_launches):
-    ranks = shared_launches.results("tp2", "parity")
+    observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
-                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")])
+                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")]
+                 + [("tp2-sp-kernels", "llama"), ("bloom-tp2-sp-kernels", "bloom"), ("qwen2-tp2-kernels", "qwen2")])
+    for name, kernels in (("tp2-sp-kernels", LLAMA_KERNELS), ("bloom-tp2-sp-kernels", GPT_KERNELS),
+                          ("qwen2-tp2-kernels", LLAMA_KERNELS)):
+        assert_stand_ins_ran(observations(observed, name), parity.out(name), kernels)
     # qwen2-tiny's single kv head is replicated on both ranks (not split): whole k/v projections
     assert run_record(parity.out("qwen2-tp2"))["model_config"]["num_key_value_heads"] == 1
     assert final_weights(parity.out("qwen2-tp2"))["layers.0.self_attn.k_proj.weight"].shape == (64, 16)
@@ -257,7 +284,7 @@ def test_tensor_parallel(parity, shared_launches):
     # Llama 3.1 (the others: mech::test_sequence_parallel_and_recompute_under_tp2): fleet's wrapper, about half
     # the weights per rank, 32 of the 64 tokens of a micro-batch between layers, every norm's SP hook
     # all-reducing once per step (5 steps of 4 micro-batches)
-    for seen in observations(ranks, "llama3-tp2-sp"):
+    for seen in observations(observed, "llama3-tp2-sp"):
         assert "TensorParallel" in seen["model_classes"]
         assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], seen["parameter_elements"]
         shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
@@ -293,14 +320,19 @@ def pp2_runs(parity: Parity) -> list[list[str]]:
     ] + [parity.run(f"{family}-pp2", family, **pp)  # GPT-3, Bloom, Qwen2: tied embeddings
          for family in FAMILIES + ROPE_SCALED] + [
         parity.run(f"{family}-pp2-uneven", family, **pp, pipeline_layers_per_stage=split)
-        for family, split in UNEVEN.items()]
+        for family, split in UNEVEN.items()] + [
+        parity.kernels("pp2-kernels", **pp), parity.kernels("baichuan-pp2-kernels", "baichuan", **pp)]
 
 
 def test_pipeline_parallel(parity, shared_launches):
-    shared_launches.results("pp2", "parity")
+    observed = shared_launches.results("pp2", "parity")
     parity.check([(name, "llama") for name in ("pp2", "pp2-recompute", "pp2-recompute-full_attn", "pp2-resume")]
                  + [(f"{family}-pp2", family) for family in FAMILIES + ROPE_SCALED]
-                 + [(f"{family}-pp2-uneven", family) for family in UNEVEN])
+                 + [(f"{family}-pp2-uneven", family) for family in UNEVEN]
+                 + [("pp2-kernels", "llama"), ("baichuan-pp2-kernels", "baichuan")])
+    assert_stand_ins_ran(observations(observed, "pp2-kernels"), parity.out("pp2-kernels"), LLAMA_KERNELS)
+    assert_stand_ins_ran(observations(observed, "baichuan-pp2-kernels"), parity.out("baichuan-pp2-kernels"),
+                         ("flash_attn", "flash_attn_grad", "fused_rms_norm_quant"))
     for family, (first, second) in UNEVEN.items():  # each stage built the layers of the split (its PipelineLayer)
         schedule = run_record(parity.out(f"{family}-pp2-uneven"))["built"]["schedule"]
         layers = [[list(range(first))], [list(range(first, first + second))]]
@@ -333,23 +365,26 @@ def sd2_runs(parity: Parity) -> list[list[str]]:
     for family, stages in MOE_SHARDING.items():  # each granularity once
         runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
                             recompute_granularity=GRANULARITIES[stage % 3], **sd) for stage in stages]
-    return runs
+    return runs + [parity.kernels(f"sd2-stage{stage}-kernels", sharding=f"stage{stage}", **sd) for stage in (1, 2, 3)]
 
 
 def test_sharding_stages(parity, shared_launches):
-    ranks = shared_launches.results("sd2", "parity")
-    names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute")]
+    observed = shared_launches.results("sd2", "parity")
+    names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute", "-kernels")]
     added = [(family, stage, GRANULARITIES[(len(FAMILIES) + stage) % 3], 8, 5) for family in ROPE_SCALED
              for stage in (1, 2, 3)] + [(family, stage, GRANULARITIES[stage % 3], SHORT_FILES[family][1],
                                         SHORT["max_steps"]) for family, stages in MOE_SHARDING.items() for stage in stages]
     parity.check([(name, "llama") for name in names + ["sd2-stage1-resume", "sd2-stage3-resume"]]
                  + [(f"{family}-sd2-stage{stage}", family) for family in FAMILIES for stage in (1, 2, 3)]
                  + [(f"{family}-sd2-stage{stage}", family) for family, stage, *_ in added])
+    for stage in (1, 2, 3):
+        name = f"sd2-stage{stage}-kernels"
+        assert_stand_ins_ran(observations(observed, name), parity.out(name), LLAMA_KERNELS)
     # Llama 3.1 and the mixtures of experts (the others' wrappers and recompute:
     # mech::test_sharding_stages_and_recompute_under_sd2), as the probes saw their runs
     for family, stage, granularity, layers, steps in added:
         name = f"{family}-sd2-stage{stage}"
-        seen = observations(ranks, name)
+        seen = observations(observed, name)
         mechanism_sharding(seen, stage)
         for rank_seen in seen:  # 2 micro-batches per step and rank
             mechanism_recompute(rank_seen, granularity, list(range(layers)), micro_batches=2 * steps)
@@ -407,13 +442,17 @@ def pp4_runs(parity: Parity) -> list[list[str]]:
     return [parity.run("pp4vpp2", **degrees, **EVALUATION)] + [
         parity.run(f"{family}-pp4vpp2", family, **degrees) for family in FAMILIES] + [
         parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION),
-        parity.run("llama3-pp4vpp2", "llama3", **degrees, **eight)]
+        parity.run("llama3-pp4vpp2", "llama3", **degrees, **eight),
+        parity.kernels("pp4vpp2-kernels", **degrees), parity.kernels("mixtral-pp4vpp2-kernels", "mixtral", **degrees)]
 
 
 def test_pp4_interleaved(parity, shared_launches):
-    shared_launches.results("pp4", "parity")
+    observed = shared_launches.results("pp4", "parity")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", family) for family in FAMILIES]
-                 + [("mixtral-pp4vpp2-recompute", "mixtral"), ("llama3-pp4vpp2", "llama3")])
+                 + [("mixtral-pp4vpp2-recompute", "mixtral"), ("llama3-pp4vpp2", "llama3"),
+                    ("pp4vpp2-kernels", "llama"), ("mixtral-pp4vpp2-kernels", "mixtral")])
+    for name in ("pp4vpp2-kernels", "mixtral-pp4vpp2-kernels"):
+        assert_stand_ins_ran(observations(observed, name), parity.out(name), LLAMA_KERNELS)
     fthenb = "PipelineParallelWithInterleaveFthenB"  # 4 micro-batches of 2 on 4 stages (below 2 x pp)
     for name, cls in ([(f"{family}-pp4vpp2", fthenb) for family in FAMILIES]
                       + [("llama3-pp4vpp2", "PipelineParallelWithInterleave"), ("mixtral-pp4vpp2-recompute", fthenb)]):

@@ -77,8 +77,11 @@ class PlainMathFlashKernels:
         v64 = np.repeat(v.numpy().astype("float64"), q.shape[2] // hk, axis=2).transpose(0, 2, 1, 3)
         out = (probs @ v64).transpose(0, 2, 1, 3)
         seed_offset = paddle.to_tensor([0, 0], dtype="int64")
+        # softmax_lse as the kernel allocates it: seqlen_q rounded up to 128 (flash_attn_utils.h softmax_lse_dims)
+        rows = -(-q.shape[1] // 128) * 128
+        padded = np.concatenate([lse, np.zeros(lse.shape[:2] + (rows - q.shape[1],))], axis=-1)
         return (paddle.to_tensor(out.astype("float32")).astype(q.dtype), None,
-                paddle.to_tensor(lse.astype("float32")), seed_offset)
+                paddle.to_tensor(padded.astype("float32")), seed_offset)
 
     @staticmethod
     def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, dout, dropout, causal):

@@ -23,8 +23,8 @@ import pytest
 from launch_utils import REPO_ROOT, launch
 from llm_pretrain.parallel.layout import paddle_has_deep_ep
 from parity_utils import (
-    argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch, run_record,
-    run_single, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch,
+    run_record, run_single, run_spec, write_json,
 )
 from schedule_orders import first_step, fthenb_balanced, interleaved
 from shared_launches import contribute
@@ -38,6 +38,9 @@ INTERLEAVED = dict(PP3, virtual_pp_degree=2, pipeline_layers_per_stage=[1, 2, 1,
 # name -> (model, processes, overrides, expected decoder layers of each stage's chunks)
 RUNS = {
     "pp2-3-5": ("llama", 2, dict(PP2, pipeline_layers_per_stage=[3, 5]), [[[0, 1, 2]], [[3, 4, 5, 6, 7]]]),
+    # the kernel options through their CPU stand-ins (parity_utils.run_spec: LLM_PRETRAIN_KERNEL_STANDINS=1)
+    "pp2-3-5-kernels": ("llama", 2, dict(PP2, pipeline_layers_per_stage=[3, 5], **KERNEL_OPTIONS),
+                        [[[0, 1, 2]], [[3, 4, 5, 6, 7]]]),
     "gpt3-pp2-1-7": ("gpt3", 2, dict(PP2, pipeline_layers_per_stage=[1, 7]), [[[0]], [[1, 2, 3, 4, 5, 6, 7]]]),
     "pp3-8": ("llama", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
     "pp3-4": ("llama4", 3, PP3, [[[0]], [[1, 2]], [[3]]]),
@@ -60,7 +63,7 @@ def argument_files(work, corpus) -> dict:
 def runs_of(processes: int, work, corpus) -> list[dict]:
     """The runs of the launch of `processes` (resumes: the first part where it runs, before the second)."""
     files = argument_files(work, corpus)
-    runs = [{"name": name, "argv": argv(files[model], work / name, **overrides)}
+    runs = [run_spec(name, argv(files[model], work / name, **overrides))
             for name, (model, n, overrides, _) in RUNS.items() if n == processes]
     for name, (model, first, first_n, second, second_n, _) in RESUMES.items():
         if first_n == processes:
@@ -95,6 +98,8 @@ def test_uneven_stages_train_like_one_process(uneven):
         # The mechanism: each stage holds the layers of the split (read from the built PipelineLayer).
         assert run_record(out)["built"]["schedule"]["chunk_layers"] == layers, name
     assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
+    assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
+        "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
 
 
 @pytest.mark.parametrize("overrides, words", [

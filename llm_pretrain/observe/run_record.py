@@ -18,6 +18,8 @@ The trainer writes `describe_built_run(...)` into the "run" record of train_log.
                        layers' own configuration; PipelineLayer's recompute_interval for "full"
                        under the pipeline)
     precision          parameter dtype, master weights in the optimizer, loss scaling, autocast
+    kernels            the fused-kernel branches the model takes, and which of their kernels are CPU
+                       stand-ins in this process (LLM_PRETRAIN_KERNEL_STANDINS=1) or Paddle's own
 
 If a mutation or a bug switches a feature off, the record says so even when the arguments
 asked for it: a run record is evidence of the layout, not an echo of the argument file.
@@ -262,6 +264,34 @@ def describe_precision(model, optimizer, precision=None) -> dict:
             if getattr(precision, "dtype", None) else None}
 
 
+# The fused-kernel options of a model's config and the kernel bindings each one's branch calls.
+KERNEL_BRANCHES = {
+    "use_flash_attention": ("flash_attn", "flash_attn_grad"),
+    "use_fused_rope": ("fused_rotary_position_embedding",),
+    "use_fused_rms_norm": ("fused_rms_norm_quant",),
+    "use_fast_layer_norm": ("fast_ln",),
+    "use_fused_swiglu": ("swiglu",),
+}
+
+
+def describe_kernels(model) -> dict:
+    """The fused-kernel branches the built model takes (its config's switches, where its architecture has
+    the part: rotary positions, RMSNorm or LayerNorm, SwiGLU) and which of their kernels are CPU stand-ins
+    in this process (llm_pretrain/cpu/kernel_standins.py, LLM_PRETRAIN_KERNEL_STANDINS=1); the others run
+    Paddle's own kernel (swiglu on CPU, everything on a GPU)."""
+    from llm_pretrain.cpu import kernel_standins
+
+    config = unwrap_model(model).config
+    applies = {"use_flash_attention": True, "use_fused_rope": config.position_embedding == "rope",
+               "use_fused_rms_norm": config.norm_type == "rmsnorm",
+               "use_fast_layer_norm": config.norm_type == "layernorm", "use_fused_swiglu": config.uses_swiglu}
+    taken = sorted(option for option in KERNEL_BRANCHES if getattr(config, option) and applies[option])
+    called = [kernel for option in taken for kernel in KERNEL_BRANCHES[option]]
+    standins = set(kernel_standins.installed_kernel_standins())
+    return {"fused_branches": taken, "stand_ins": sorted(k for k in called if k in standins),
+            "paddle_kernels": sorted(k for k in called if k not in standins)}
+
+
 def describe_runtime() -> dict:
     """What this process' kernels run with: the device, and on CPU the thread count, MKL's code path
     switch and whether views are strided (llm_pretrain/cpu/threads.py sets these when the user did not),
@@ -288,7 +318,8 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
              "segment_parallel": describe_segment_parallel(model),
              "context_parallel": describe_context_parallel(model),
              "precision": describe_precision(model, optimizer, precision),
-             "expert_states": describe_expert_states(optimizer)}
+             "expert_states": describe_expert_states(optimizer),
+             "kernels": describe_kernels(model)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = []

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 from llm_pretrain.arguments import Arguments
+from llm_pretrain.cpu.standin_switch import kernel_standins_requested
 from llm_pretrain.errors import UsageError
 from models.config import ModelConfig
 from models.hf_directory import check_hf_weights
@@ -623,6 +624,9 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
                      f"{config.max_position_embeddings}: its {config.position_embedding} positions are extended "
                      "beyond the length it was trained on (as PaddleNLP does with continue_training)")
     gpu = device == "gpu"
+    # LLM_PRETRAIN_KERNEL_STANDINS=1 on CPU: the GPU kernels' branches run through CPU stand-ins
+    # (llm_pretrain/cpu/kernel_standins.py), so the options are kept as on a GPU.
+    kernels = gpu or kernel_standins_requested(device)
     config = config.replace(
         seq_length=args.max_seq_length,
         tensor_parallel_degree=layout.tensor_parallel_degree,
@@ -631,16 +635,16 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         recompute_granularity=args.recompute_granularity,
         no_recompute_layers=list(args.no_recompute_layers or []),
         pp_recompute_interval=args.pp_recompute_interval,
-        use_flash_attention=args.use_flash_attention and gpu,
-        use_fused_rms_norm=args.use_fused_rms_norm and gpu,
-        use_fused_rope=args.use_fused_rope and gpu,
-        use_fused_swiglu=gpu,  # as PaddleNLP's LLaMA, whenever the kernel exists (GPU)
-        use_fast_layer_norm=args.use_fast_layer_norm and gpu and config.norm_type == "layernorm",
+        use_flash_attention=args.use_flash_attention and kernels,
+        use_fused_rms_norm=args.use_fused_rms_norm and kernels,
+        use_fused_rope=args.use_fused_rope and kernels,
+        use_fused_swiglu=kernels,  # as PaddleNLP's LLaMA on GPU (the CPU build has the kernel too: stand-in runs)
+        use_fast_layer_norm=args.use_fast_layer_norm and kernels and config.norm_type == "layernorm",
     )
-    if config.use_fast_layer_norm and importlib.util.find_spec("fast_ln") is None:
+    if config.use_fast_layer_norm and gpu and importlib.util.find_spec("fast_ln") is None:
         raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "
                          "its GPT imports for this option), and it is not installed; set use_fast_layer_norm false")
-    if args.use_fast_layer_norm and gpu and config.norm_type != "layernorm":
+    if args.use_fast_layer_norm and kernels and config.norm_type != "layernorm":
         notes.append("use_fast_layer_norm: has no effect on this model (it normalizes with RMSNorm; "
                      "use_fused_rms_norm is its fused kernel)")
     if continue_training and weights_file is None:

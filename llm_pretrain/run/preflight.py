@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 
 from llm_pretrain.arguments import Arguments, arguments_to_dict
+from llm_pretrain.cpu.standin_switch import STANDIN_OPTIONS, kernel_standins_requested
 from llm_pretrain.cpu.threads import apply_cpu_defaults, import_paddle, paddle_build
 from llm_pretrain.data import check_data_inputs, parse_split
 from llm_pretrain.data.integrity import check_data_integrity
@@ -189,8 +190,10 @@ def gpu_only_warnings(args: Arguments, device: str) -> list[str]:
     """On CPU, GPU-only options run the plain float32 path; say so once each."""
     if device == "gpu":
         return []
+    # With the kernel stand-ins (LLM_PRETRAIN_KERNEL_STANDINS=1) the kernel options take effect on CPU.
+    kept = STANDIN_OPTIONS if kernel_standins_requested(device) else ()
     return [f"{key} has no effect on CPU ({why}); training in plain float32"
-            for key, why in GPU_ONLY_OPTIONS.items() if getattr(args, key)]
+            for key, why in GPU_ONLY_OPTIONS.items() if getattr(args, key) and key not in kept]
 
 
 def looks_like_a_path(name: str) -> bool:
@@ -263,6 +266,10 @@ def prepare_run(plan: RunPlan) -> RunPlan:
     plan.cpu_defaults = apply_cpu_defaults(device)  # before Paddle loads (it reads them when imported)
     import_paddle()
     set_paddle_device(device)
+    if kernel_standins_requested(device):  # a testing aid: the GPU kernels' branches on CPU
+        from llm_pretrain.cpu.kernel_standins import install_kernel_standins
+
+        install_kernel_standins()
     if device == "gpu":
         check_activation_memory(args, plan.config, plan.layout, device)
     plan.prediction = predict_run(args, plan.layout, plan.config, device)

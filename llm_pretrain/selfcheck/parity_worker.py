@@ -6,7 +6,9 @@
 runs.json is a list of runs, each an argument list for llm_pretrain/run_pretrain.py, e.g.
 [["base.json", "--tensor_parallel_degree", "2", "--output_dir", "out/tp2"], ...], or
 {"argv": [...], "inject_overflow": {"rank": 1, "step": 2}}: that rank alone gets an infinite
-gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow.
+gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow;
+{"argv": [...], "env": {name: value}}: set in this process for that run only (the tests'
+LLM_PRETRAIN_KERNEL_STANDINS=1: the GPU kernels' branches through their CPU stand-ins).
 Every run of one launch must have the same parallel layout (fleet is initialized once).
 Under llm_pretrain.selfcheck.parity.launch each rank writes what it observed in the runs with an injection:
 whether each step's optimizer step ran and the loss scale after it (keyed by output_dir). Only
@@ -14,9 +16,25 @@ those runs import the trainer before run_pretrain does: the others keep run_pret
 (its CPU defaults are set before Paddle loads, llm_pretrain/cpu/threads.py).
 """
 
+import contextlib
 import json
 import os
 import sys
+
+
+@contextlib.contextmanager
+def run_environment(env: dict):
+    """The run's own environment variables, set for the run and restored after it (tests/workers share it)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def observe_steps(inject: dict | None, observed: dict):
@@ -61,7 +79,8 @@ def main(runs_file: str) -> int:
             observed = observations.setdefault(argv[argv.index("--output_dir") + 1], {})
             restore = observe_steps(run["inject_overflow"], observed)
         try:
-            code = run_pretrain(argv)
+            with run_environment(run.get("env", {})):
+                code = run_pretrain(argv)
         finally:
             if restore:
                 restore()

@@ -2,7 +2,10 @@
 
     python -m paddle.distributed.launch --nproc_per_node 2 tests/workers/mechanism_runs.py runs.json
 
-runs.json: [{"name": ..., "argv": [run_pretrain.py arguments]}, ...] (one parallel layout per launch).
+runs.json: [{"name": ..., "argv": [run_pretrain.py arguments]}, ...] (one parallel layout per launch); a run's
+"env" ({name: value}) is set in this process for that run only (LLM_PRETRAIN_KERNEL_STANDINS: the GPU
+kernels' branches through the CPU stand-ins, llm_pretrain/cpu/kernel_standins.py, whose calls each run
+records as "kernel_calls").
 Before the runs, this worker wraps (counting, then calling the original):
 
     DecoderLayer.forward / attention_block, Attention.core_attention
@@ -72,8 +75,10 @@ from fp32_master_grads import fp32_master_grads  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 
+from llm_pretrain.cpu import kernel_standins  # noqa: E402
 from llm_pretrain.observe import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
+from llm_pretrain.selfcheck.parity_worker import run_environment  # noqa: E402
 from models import parallel_layers, ring_attention  # noqa: E402
 from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
 from models.registry import parameter_count  # noqa: E402
@@ -405,11 +410,12 @@ if __name__ == "__main__":
             results[run["name"]] = perturbed_replica_run(run)
             continue
         keep_master_grads = fp32_master_grads() if run.get("fp32_master_grad") else contextlib.nullcontext()
-        with slowed(run), keep_master_grads as master_grads:
+        kernel_standins.CALLS.clear()
+        with run_environment(run.get("env", {})), slowed(run), keep_master_grads as master_grads:
             code = main([str(a) for a in run["argv"]])
         if code:
             sys.exit(code)
-        results[run["name"]] = observations()
+        results[run["name"]] = {**observations(), "kernel_calls": dict(kernel_standins.CALLS)}
         if master_grads is not None:
             results[run["name"]]["master_grads"] = master_grads.seen()
         probe.clear()
