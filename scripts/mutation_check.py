@@ -59,7 +59,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/run/preflight.py",
+    Mutation("sp_off", "`sequence_parallel` forced off in the model config (preflight)", "llm_pretrain/parallel/layout.py",
              "sequence_parallel=args.sequence_parallel,", "sequence_parallel=False,", (TP2,)),
     Mutation("sp_hooks_off", "fleet's SP all-reduce hooks not registered", "llm_pretrain/parallel/distributed.py",
              "register_sequence_parallel_allreduce_hooks(model, accumulation_steps,",
@@ -164,6 +164,10 @@ MUTATIONS = [
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
+    Mutation("wsd_not_held", "wsd: the stable phase dropped (the decay formula from the end of the warmup on)",
+             "llm_pretrain/parallel/optim.py", 'if kind == "wsd" and step < decay_start:', "if False:", (LR,)),
+    Mutation("wsd_1sqrt_as_linear", "wsd: the 1-sqrt decay computed as linear", "llm_pretrain/parallel/optim.py",
+             "return 1.0 - math.sqrt(progress)", "return 1.0 - progress", (LR,)),
 ]
 
 

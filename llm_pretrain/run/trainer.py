@@ -457,6 +457,7 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
         "prediction": prediction, "cpu_defaults": plan.cpu_defaults,
+        "lr_schedule": schedule.describe(),  # the learning-rate schedule as built (parallel/optim.py)
     })
     if plan.cpu_defaults:
         metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu/threads.py set before Paddle loaded
