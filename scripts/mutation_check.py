@@ -46,6 +46,7 @@ MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_train
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
+DOCUMENTS = "tests/test_documents.py"
 
 
 @dataclass
@@ -168,6 +169,12 @@ MUTATIONS = [
              "llm_pretrain/parallel/optim.py", 'if kind == "wsd" and step < decay_start:', "if False:", (LR,)),
     Mutation("wsd_1sqrt_as_linear", "wsd: the 1-sqrt decay computed as linear", "llm_pretrain/parallel/optim.py",
              "return 1.0 - math.sqrt(progress)", "return 1.0 - progress", (LR,)),
+    Mutation("document_mask_off", "packed documents: the document mask not added to the attention scores",
+             "models/decoder.py", "            scores = scores + document_mask\n", "            pass\n", (DOCUMENTS,)),
+    Mutation("document_positions_not_reset", "packed documents: learned positions not restarted per document",
+             "models/decoder.py", "hidden = hidden + self.position_embeddings(documents.positions)",
+             "hidden = hidden + self.position_embeddings(pl.token_positions(self.config, input_ids.shape[1]))[None]",
+             (DOCUMENTS,)),
 ]
 
 
