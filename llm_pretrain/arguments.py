@@ -74,6 +74,17 @@ class Arguments:
     data_impl: str = _key("mmap", "Format of the prepared data.", choices=("mmap",))
     skip_warmup: bool = _key(True, "Skip reading the mmap files once before training.")
     data_cache: Optional[str] = _key(None, "Directory for the cached sample indices (default: next to the data).")
+    reset_attention_mask: bool = _key(
+        False, "Packed documents: attention stops at document boundaries (the .idx documents, and after every "
+        "end-of-document token); Megatron's --reset-attention-mask (llm_pretrain/data/documents.py).")
+    reset_position_ids: bool = _key(
+        False, "Packed documents: positions restart at 0 in every document (needs reset_attention_mask); "
+        "Megatron's --reset-position-ids.")
+    eod_mask_loss: bool = _key(
+        False, "No loss on the prediction made from an end-of-document token (the next document's first "
+        "token); Megatron's --eod-mask-loss.")
+    eod_token_id: Optional[int] = _key(
+        None, "The end-of-document token id (default: the tokenizer's end-of-text token).", minimum=0)
 
     # ---- output, logging, checkpoints -----------------------------------------
     output_dir: str = _key("output", "Checkpoints, metrics (train_log.jsonl) and VisualDL logs go here.")
@@ -581,6 +592,9 @@ def validate_arguments(args: Arguments) -> None:
             raise UsageError(f"{name}: {value} is not allowed; use a probability in [0, 1)")
     check_resilience_arguments(args)
     check_schedule_arguments(args)
+    if args.reset_position_ids and not args.reset_attention_mask:
+        raise UsageError("reset_position_ids: restarting positions without reset_attention_mask is not supported; "
+                         "set reset_attention_mask true too")
     if args.no_recompute_layers is not None and any(i < 0 for i in args.no_recompute_layers):
         raise UsageError(f"no_recompute_layers: layer indices must be >= 0, got {args.no_recompute_layers}")
 

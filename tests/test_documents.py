@@ -112,3 +112,132 @@ def test_document_positions_restart_at_every_document():
     positions = document_positions(paddle.to_tensor(document_ids_of(DOCUMENT_LENGTHS))).numpy()
     assert positions[0].tolist() == list(range(7)) + list(range(10)) + list(range(7))
     assert positions[1].tolist() == list(range(5)) + list(range(19))
+
+
+# ---- from the data: boundaries, eod loss, the training run ---------------------------------------------
+
+def test_window_document_ids_from_pieces_and_eod():
+    from llm_pretrain.data.documents import window_document_ids
+
+    tokens = np.array([5, 6, 2, 7, 8, 9, 2, 4, 4, 4])
+    # Pieces of .idx documents 3 + 7 tokens; eod (2) also ends a document inside the second piece.
+    assert window_document_ids([3, 7], tokens, None).tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+    assert window_document_ids([3, 7], tokens, 2).tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert window_document_ids([10], tokens, 2).tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+
+
+def training_datasets(corpus, tmp_path, seq_length=32, samples=16):
+    from llm_pretrain.data import build_pretraining_datasets
+
+    return build_pretraining_datasets(corpus["input_dir"], "949,50,1", seq_length, 7, (samples, 0, 0),
+                                      data_cache=str(tmp_path / "cache"))[0]
+
+
+def test_idx_documents_and_eod_tokens_give_the_same_boundaries(embedded_corpus, tmp_path):
+    """The embedded corpus appends the tokenizer's end-of-text token to every document (PaddleNLP's
+    preparation): the .idx documents' starts are exactly the tokens after an eod, in every window."""
+    from llm_pretrain.data.documents import eod_token_of, window_document_ids
+
+    dataset = training_datasets(embedded_corpus, tmp_path)
+    eod = eod_token_of(None, embedded_corpus["tokenizer"])
+    assert eod is not None
+    several = 0
+    for i in range(len(dataset)):
+        tokens, pieces = dataset[i], dataset.document_pieces(i)
+        assert int(pieces.sum()) == len(tokens) == 33
+        from_idx = window_document_ids(pieces, tokens, None)
+        from_eod = window_document_ids([len(tokens)], tokens, eod)
+        assert from_idx.tolist() == from_eod.tolist(), i
+        several += from_idx[-1] > 0
+    assert several > 0  # windows that pack more than one document
+
+
+def test_host_batch_carries_document_ids_and_eod_mask_loss(embedded_corpus, tmp_path):
+    from llm_pretrain.data.documents import DocumentRule, eod_token_of
+    from llm_pretrain.run.trainer import BatchPlan
+
+    dataset = training_datasets(embedded_corpus, tmp_path)
+    eod = eod_token_of(None, embedded_corpus["tokenizer"])
+    plan = BatchPlan(2, 2, 1, 0, DocumentRule(True, eod, True))
+    tokens, ids = plan.host_batch(dataset, 0, vocab_size=10**6)
+    batches = plan.to_micro_batches((tokens, ids))
+    assert [len(b) for b in batches] == [3, 3]
+    inputs = np.concatenate([b[0].numpy() for b in batches])
+    labels = np.concatenate([b[1].numpy() for b in batches])
+    documents = np.concatenate([b[2].numpy() for b in batches])
+    assert (inputs == tokens[:, :-1]).all() and (documents == ids[:, :-1]).all()
+    # eod_mask_loss (Megatron's rule): no loss where the input is eod, the real label everywhere else; the
+    # prediction *of* eod (the last token of a document -> eod) keeps its loss.
+    assert (inputs == eod).any()
+    assert (labels[inputs == eod] == -100).all()
+    assert (labels[inputs != eod] == tokens[:, 1:][inputs != eod]).all()
+    assert (labels == eod).any()
+    # A new document starts right after each eod.
+    assert ((np.diff(documents, axis=1) == 1) == (inputs[:, :-1] == eod)).all()
+    without = BatchPlan(2, 2, 1, 0, DocumentRule(True, eod, False)).to_micro_batches((tokens, ids))
+    assert (np.concatenate([b[1].numpy() for b in without]) == tokens[:, 1:]).all()
+
+
+def test_training_with_document_masks(embedded_corpus, tmp_path):
+    """One process, every key on: the run trains, its record says what was built, and its losses are not
+    the unmasked run's (the masks reach the model)."""
+    from parity_utils import argv, base_arguments, run_record, run_single, train_records, write_json
+
+    args_file = write_json(tmp_path / "docs.json", base_arguments(
+        embedded_corpus, tmp_path, model_name_or_path="gpt3-tiny", num_hidden_layers=2, max_steps=3, save_steps=0))
+    masked, plain = tmp_path / "masked", tmp_path / "plain"
+    run_single([argv(args_file, masked, reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True),
+                argv(args_file, plain)], tmp_path, "docs")
+    record = run_record(masked)["documents"]
+    assert record["document_masks"] and record["eod_mask_loss"] and record["reset_position_ids"]
+    assert record["eod_token_id"] is not None
+    assert run_record(plain)["documents"] is None
+    masked_losses = [r["loss"] for r in train_records(masked)]
+    plain_losses = [r["loss"] for r in train_records(plain)]
+    assert len(masked_losses) == 3 and all(np.isfinite(masked_losses))
+    assert abs(masked_losses[0] - plain_losses[0]) > 1e-4
+
+
+# ---- bad input: one line naming the key, before Paddle --------------------------------------------------
+
+@pytest.mark.parametrize("keys, world_size, device, expected", [
+    (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
+     "eod_token_id: 100000 is outside the model's vocabulary"),
+    (dict(reset_attention_mask=True, tensor_parallel_degree=2), 2, "cpu",
+     "reset_attention_mask with tensor_parallel_degree 2 is not supported yet"),
+    (dict(reset_attention_mask=True), 2, "cpu", "reset_attention_mask with data parallelism 2 is not supported yet"),
+    (dict(reset_attention_mask=True, context_parallel_degree=2), 2, "cpu",
+     "reset_attention_mask with context_parallel_degree 2 is not supported yet"),
+    (dict(reset_attention_mask=True, use_flash_attention=True), 1, "gpu",
+     "reset_attention_mask with use_flash_attention is not supported yet"),
+    (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
+    (dict(reset_attention_mask=True, reset_position_ids=True, model_name_or_path="gpt3-tiny", continue_training=True,
+          max_seq_length=2048), 1, "cpu", "max_seq_length: 2048 exceeds the model's max_position_embeddings 1024"),
+])
+def test_bad_document_keys_name_the_key(embedded_corpus, keys, world_size, device, expected):
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    values = {"input_dir": embedded_corpus["input_dir"], "tokenizer_name_or_path": embedded_corpus["tokenizer"],
+              "model_name_or_path": "llama-tiny", "max_steps": 5, "max_seq_length": 32, **keys}
+    argv = [item for key, value in values.items() for item in (f"--{key}", str(value))]
+    with pytest.raises(UsageError) as error:
+        args, _ = parse_arguments(argv)
+        check_layout_and_model(args, world_size, device)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_bad_eod_token_is_one_line_exit_2_before_paddle(embedded_corpus, tmp_path):
+    import subprocess
+    import sys
+
+    from parity_utils import RUN_PRETRAIN
+
+    result = subprocess.run([sys.executable, str(RUN_PRETRAIN), "--input_dir", embedded_corpus["input_dir"],
+                             "--tokenizer_name_or_path", embedded_corpus["tokenizer"], "--max_steps", "2",
+                             "--reset_attention_mask", "--eod_token_id", "100000", "--device", "cpu",
+                             "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and result.stderr.startswith("error: eod_token_id: 100000 is outside")
+    assert result.stderr.count("\n") == 1
