@@ -9,12 +9,16 @@ summed per-token losses is the sum of the documents' gradients (within 1e-5, fp3
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 
 from models.decoder import CausalLM, document_positions
+from parity_utils import argv, assert_same_training, base_arguments, run_record, run_single, train_records, write_json
+from shared_launches import contribute
 from models.registry import ARCHITECTURES
 from models.weights import init_weights
 
@@ -181,8 +185,6 @@ def test_host_batch_carries_document_ids_and_eod_mask_loss(embedded_corpus, tmp_
 def test_training_with_document_masks(embedded_corpus, tmp_path):
     """One process, every key on: the run trains, its record says what was built, and its losses are not
     the unmasked run's (the masks reach the model)."""
-    from parity_utils import argv, base_arguments, run_record, run_single, train_records, write_json
-
     args_file = write_json(tmp_path / "docs.json", base_arguments(
         embedded_corpus, tmp_path, model_name_or_path="gpt3-tiny", num_hidden_layers=2, max_steps=3, save_steps=0))
     masked, plain = tmp_path / "masked", tmp_path / "plain"
@@ -203,9 +205,10 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
 @pytest.mark.parametrize("keys, world_size, device, expected", [
     (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
      "eod_token_id: 100000 is outside the model's vocabulary"),
-    (dict(reset_attention_mask=True, tensor_parallel_degree=2), 2, "cpu",
-     "reset_attention_mask with tensor_parallel_degree 2 is not supported yet"),
-    (dict(reset_attention_mask=True), 2, "cpu", "reset_attention_mask with data parallelism 2 is not supported yet"),
+    (dict(reset_attention_mask=True, pipeline_parallel_degree=2), 2, "cpu",
+     "reset_attention_mask with pipeline_parallel_degree 2 is not supported yet"),
+    (dict(reset_attention_mask=True, sep_parallel_degree=2), 2, "cpu",
+     "reset_attention_mask with sep_parallel_degree 2 is not supported yet"),
     (dict(reset_attention_mask=True, context_parallel_degree=2), 2, "cpu",
      "reset_attention_mask with context_parallel_degree 2 is not supported yet"),
     (dict(reset_attention_mask=True, use_flash_attention=True), 1, "gpu",
@@ -241,3 +244,53 @@ def test_bad_eod_token_is_one_line_exit_2_before_paddle(embedded_corpus, tmp_pat
     assert result.returncode == 2, result.stderr
     assert result.stdout == "" and result.stderr.startswith("error: eod_token_id: 100000 is outside")
     assert result.stderr.count("\n") == 1
+
+
+# ---- layouts: data, tensor + sequence parallelism, sharding (runs in the session's shared launches) -----
+
+DOCUMENT_KEYS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
+LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
+    "dp2": [("dp2", "gpt3", dict(gradient_accumulation_steps=2))],
+    "tp2": [("tp2-sp", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True)),
+            ("tp2-sp-recompute", "gpt3", dict(tensor_parallel_degree=2, sequence_parallel=True, recompute=True,
+                                              recompute_granularity="core_attn"))],
+    "sd2": [("sd2-stage2", "llama", dict(sharding="stage2", gradient_accumulation_steps=2))],
+}
+
+
+def document_files(work: Path, corpus: dict) -> dict[str, Path]:
+    """LLaMA (rotary, two layers) and GPT-3 (learned positions), every document key on."""
+    return {model: write_json(work / f"{model}.json", base_arguments(
+        corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=2, **DOCUMENT_KEYS))
+        for model in ("llama", "gpt3")}
+
+
+def layout_runs(launch_name: str):
+    def make_runs(work: Path, corpus: dict) -> list[dict]:
+        files = document_files(work, corpus)
+        return [{"name": name, "argv": argv(files[model], work / "runs" / name, **keys)}
+                for name, model, keys in LAYOUT_RUNS[launch_name]]
+    return make_runs
+
+
+for _launch in LAYOUT_RUNS:
+    contribute(_launch, 2, "documents", layout_runs(_launch))
+
+
+@pytest.fixture(scope="module")
+def document_references(shared_launches, embedded_corpus) -> Path:
+    work = shared_launches.work_dir("documents")
+    files = document_files(work, embedded_corpus)
+    run_single([argv(files[model], work / "runs" / f"single-{model}") for model in files], work, "single")
+    return work / "runs"
+
+
+@pytest.mark.parametrize("launch_name", sorted(LAYOUT_RUNS))
+def test_document_masks_train_like_one_process_under(launch_name, document_references, shared_launches):
+    """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA): the losses,
+    grad norms and weights of one process with the same document masks (1e-5)."""
+    shared_launches.results(launch_name, "documents")
+    for name, model, _ in LAYOUT_RUNS[launch_name]:
+        run = document_references / name
+        print(f"{name} vs single process: {assert_same_training(document_references / f'single-{model}', run)}")
+        assert run_record(run)["documents"]["document_masks"]
