@@ -175,6 +175,11 @@ MUTATIONS = [
              "models/decoder.py", "hidden = hidden + self.position_embeddings(documents.positions)",
              "hidden = hidden + self.position_embeddings(pl.token_positions(self.config, input_ids.shape[1]))[None]",
              (DOCUMENTS,)),
+    Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",
+             "llm_pretrain/data/documents.py", "return np.where(inputs == self.eod_token_id, -100, labels)",
+             "return labels", (DOCUMENTS,)),
+    Mutation("eod_boundaries_off", "packed documents: an eod token inside an .idx document starts no new document",
+             "llm_pretrain/data/documents.py", "starts[1:] |= tokens[:-1] == eod_token_id", "pass", (DOCUMENTS,)),
 ]
 
 
