@@ -205,7 +205,7 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
 @pytest.mark.parametrize("keys, world_size, device, expected", [
     (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
      "eod_token_id: 100000 is outside the model's vocabulary"),
-    (dict(reset_attention_mask=True, pipeline_parallel_degree=2), 2, "cpu",
+    (dict(reset_attention_mask=True, pipeline_parallel_degree=2, gradient_accumulation_steps=2), 2, "cpu",
      "reset_attention_mask with pipeline_parallel_degree 2 is not supported yet"),
     (dict(reset_attention_mask=True, sep_parallel_degree=2), 2, "cpu",
      "reset_attention_mask with sep_parallel_degree 2 is not supported yet"),
