@@ -108,14 +108,15 @@ class WarmupDecaySchedule(LRScheduler):
 
 
 def build_schedule(args: Arguments) -> WarmupDecaySchedule:
+    wsd = args.lr_scheduler_type == "wsd"  # the wsd keys are read only for wsd
     return WarmupDecaySchedule(
         max_lr=args.learning_rate,
         min_lr=args.min_learning_rate,
         warmup_steps=args.effective_warmup_steps,
         decay_steps=args.decay_steps or args.max_steps,
         kind=args.lr_scheduler_type,
-        decay_start=args.wsd_decay_start if args.lr_scheduler_type == "wsd" else None,
-        decay_style=args.wsd_decay_style,
+        decay_start=args.wsd_decay_start if wsd else None,
+        decay_style=args.wsd_decay_style if wsd else "1-sqrt",
     )
 
 
