@@ -217,6 +217,15 @@ class Arguments:
         -1, "Context parallelism (ring attention, on fleet's sep group): the ranks of a group share samples, each "
         "holds 1/cp of every sequence (chunks i and 2cp-1-i, balanced for the causal mask); key/value blocks pass "
         "around the ring. -1 means 1.")
+    elastic: bool = _key(
+        False, "Continue on the ranks present: when their number differs from the newest checkpoint's or the "
+        "degrees above cannot use them, the preflight picks a layout for them (llm_pretrain/planner/elastic.py) "
+        "that keeps the checkpoint's global batch (micro-batch and accumulation change), prints one line and "
+        "records it.")
+    elastic_keep: Optional[list] = _key(
+        None, "elastic: keys held at their value in this file, e.g. [\"tensor_parallel_degree\"]; allowed: "
+        "tensor_parallel_degree, pipeline_parallel_degree, virtual_pp_degree, sharding, sep_parallel_degree, "
+        "context_parallel_degree, per_device_train_batch_size.")
 
     # ---- recompute -------------------------------------------------------------
     recompute: bool = _key(False, "Recompute activations in the backward pass.")
@@ -357,7 +366,9 @@ def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
     if from_command_line and isinstance(value, str):
         if optional and value.lower() in ("none", "null"):
             return None
-        if base is list:
+        if name == "elastic_keep" and not value.strip().startswith("["):
+            value = value.replace(",", " ").split()  # --elastic_keep tensor_parallel_degree,sharding
+        elif base is list:
             try:
                 value = json.loads(value) if value.strip().startswith("[") else [int(v) for v in value.replace(",", " ").split()]
             except ValueError:
@@ -398,6 +409,11 @@ def _convert(name: str, value: Any, from_command_line: bool, where: str) -> Any:
                 isinstance(pair, list) and len(pair) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair) for pair in value)):
             raise UsageError(f"{name}: expected a list of [first step, last step] pairs like [[100, 120]], "
+                             f"got {_describe(value)} ({where})")
+        return value
+    if name == "elastic_keep":
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UsageError(f"{name}: expected a list of key names like [\"tensor_parallel_degree\"], "
                              f"got {_describe(value)} ({where})")
         return value
     if base is list:
@@ -595,6 +611,7 @@ def validate_arguments(args: Arguments) -> None:
     if args.reset_position_ids and not args.reset_attention_mask:
         raise UsageError("reset_position_ids: restarting positions without reset_attention_mask is not supported; "
                          "set reset_attention_mask true too")
+    check_elastic_arguments(args)
     if args.no_recompute_layers is not None and any(i < 0 for i in args.no_recompute_layers):
         raise UsageError(f"no_recompute_layers: layer indices must be >= 0, got {args.no_recompute_layers}")
 
@@ -649,6 +666,25 @@ def check_resilience_arguments(args: Arguments) -> None:
         if option not in UNIFIED_CHECKPOINT_OPTIONS:
             raise UsageError(f"unified_checkpoint_config: unknown option {option!r}; allowed (PaddleNLP's): "
                              + ", ".join(UNIFIED_CHECKPOINT_OPTIONS))
+
+
+# The keys elastic may change, each of which elastic_keep may hold (llm_pretrain/planner/elastic.py).
+ELASTIC_KEYS = ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree", "sharding",
+                "sep_parallel_degree", "context_parallel_degree", "per_device_train_batch_size")
+
+
+def check_elastic_arguments(args: Arguments) -> None:
+    keep = args.elastic_keep or []
+    if not isinstance(keep, list) or not all(isinstance(key, str) for key in keep):
+        raise UsageError(f"elastic_keep: expected a list of key names, got {keep!r}")
+    for key in keep:
+        if key not in ELASTIC_KEYS:
+            nearest = closest_matches(key, list(ELASTIC_KEYS), n=1)
+            hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+            raise UsageError(f"elastic_keep: {key!r} is not a key elastic changes; {hint}allowed: "
+                             + ", ".join(ELASTIC_KEYS))
+    if keep and not args.elastic:
+        raise UsageError("elastic_keep: set elastic true too (elastic_keep only says what elastic must not change)")
 
 
 def wants_async_save(args: Arguments) -> bool:

@@ -165,6 +165,25 @@ MUTATIONS = [
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
+    # issue 38: three blind spots of the failure machinery
+    Mutation("async_save_no_host_copy", "async_save writes the live tensors instead of their host copy taken at "
+             "the save", "llm_pretrain/checkpoint/checkpointer.py",
+             "snapshot_rank_state(model, optimizer, self.layout, scaler, copy=True)",
+             "snapshot_rank_state(model, optimizer, self.layout, scaler, copy=False)",
+             ("tests/test_resilience.py::test_async_save_writes_the_state_at_the_save_while_the_disk_is_slow",
+              "tests/test_resilience.py::test_async_save_on_two_ranks_with_a_slow_disk_writes_the_state_at_the_save")),
+    Mutation("straggler_time_includes_wait", "the straggler record's own step time is the whole step (with the "
+             "wait for the other ranks)", "llm_pretrain/run/trainer.py",
+             '"own_time": REACHED_FLAG_REDUCTION[0] - step_start', '"own_time": step_time',
+             ("tests/test_resilience.py::test_a_slow_rank_is_named_and_its_own_time_exceeds_the_others_by_the_delay",)),
+    Mutation("spike_window_not_restored", "a rollback empties the loss-spike window instead of restoring the "
+             "checkpoint's", "llm_pretrain/run/trainer.py",
+             'spikes.losses.extend(state.get("loss_spike_window_losses", []))', "pass",
+             ("tests/test_resilience.py::test_a_spike_right_after_a_rollbacks_skipped_steps_is_caught",)),
+    Mutation("elastic_global_batch_not_kept", "elastic ignores the checkpoint's global batch (the data-parallel "
+             "degree of the ranks left shrinks it)", "llm_pretrain/run/preflight.py",
+             "    if resumed:\n        saved_args", "    if False:\n        saved_args",
+             ("tests/test_elastic.py::test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch",)),
     Mutation("wsd_not_held", "wsd: the stable phase dropped (the decay formula from the end of the warmup on)",
              "llm_pretrain/parallel/optim.py", 'if kind == "wsd" and step < decay_start:', "if False:", (LR,)),
     Mutation("wsd_1sqrt_as_linear", "wsd: the 1-sqrt decay computed as linear", "llm_pretrain/parallel/optim.py",

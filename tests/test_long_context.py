@@ -145,6 +145,11 @@ def test_sep2_every_family_and_resume(runs):
     assert record["built"]["segment_parallel"] == {"degree": 2, "tokens_per_rank": 16, "attention_heads_per_rank": 2,
                                                    "model_wrappers": ["SegmentParallel"]}
     assert run_record(runs.out("sep2-to-single"))["strategy"] == "dp1"
+    for model in (*MODELS, *MOE_MODELS):  # every family's run built the split: 16 of the 32 tokens per rank
+        built = run_record(runs.out(f"{model}-sep2"))["built"]
+        assert built["segment_parallel"]["degree"] == 2 and built["segment_parallel"]["tokens_per_rank"] == 16, model
+        built = run_record(runs.out(f"{model}-cp2"))["built"]
+        assert built["context_parallel"]["chunks_of_2cp"] == [0, 3] and built["context_parallel"]["tokens_per_rank"] == 16
     for name, granularity in (("llama-sep2-recompute", "core_attn"), ("qwen2-sep2-recompute-full_attn", "full_attn"),
                               ("llama-cp2-recompute", "core_attn"), ("bloom-cp2-recompute-full_attn", "full_attn"),
                               ("bloom-sep2-recompute", "full")):

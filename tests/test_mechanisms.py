@@ -9,7 +9,7 @@ parity tests' runs of the same degrees: tests/shared_launches.py):
     tp2   tensor parallelism: fleet's wrapper, half the weights per rank;
           sequence parallelism: hidden states between blocks hold 1/tp of the tokens, fleet's
           SP all-reduce hooks fire once per step per norm weight, the allocator's peak drops;
-          recompute under TP + SP in every family
+          recompute under TP + SP in every family; Mixtral's and Qwen2-MoE's routers route every token
     dp2   gradients stay local until the last micro-batch, then equal on both ranks;
           recompute in every family; the recompute peak is lower than without
     sd2   stage 1 / 2 / 3 wrappers, optimizer state per rank 1/2 of the model's; under stage 3
@@ -18,7 +18,7 @@ parity tests' runs of the same degrees: tests/shared_launches.py):
     pp4   1F1B and interleaved schedule classes, chunks per rank, the order in which the
           interleaved schedule runs micro-batches through the chunks, each schedule's order of
           forwards and backwards per chunk on every stage; pipeline recompute
-          (PipelineLayer's recompute_interval) in every family
+          (PipelineLayer's recompute_interval) in every dense family
 
 The run record ("built" in train_log.jsonl) is checked against the same facts: it is read
 from the built objects (llm_pretrain/observe/run_record.py).
@@ -41,6 +41,7 @@ import schedule_orders
 GRANULARITIES = ("full", "full_attn", "core_attn")
 PARTS = {"full": "forward", "full_attn": "attention_block", "core_attn": "core_attention"}
 LAYERS = 8
+MOE_SP_LAYERS = {"mixtral": LAYERS, "qwen2-moe": 2}  # the mixtures of experts' layers under tp2 + SP
 
 
 class Mechanisms:
@@ -116,6 +117,8 @@ def tp2_runs():
     # by a last bit before the end-of-training check (run last: it fails on purpose).
     runs["llama-replica-differs"] = ("llama", {**tp, "sequence_parallel": True})
     runs["mixtral-sp"] = ("mixtral", {**tp, "sequence_parallel": True})  # (before the failing run)
+    # shared expert, 16 experts, top 4 (2 layers: a MoE layer costs several dense ones)
+    runs["qwen2-moe-sp"] = ("qwen2-moe", {**tp, "sequence_parallel": True, "num_hidden_layers": MOE_SP_LAYERS["qwen2-moe"]})
     runs["llama-replica-differs"] = runs.pop("llama-replica-differs")
     perturbed = {"rank": 1, "parameter": "layers.3.post_attention_layernorm.weight"}
     return runs, {"llama-replica-differs": {"perturb_replica": perturbed}}
@@ -143,12 +146,16 @@ def test_sequence_parallel_and_recompute_under_tp2(mech, shared_launches):
         assert observed["llama-long-sp"]["peak_allocated"] < observed["llama-long-tp"]["peak_allocated"], \
             "sequence parallelism did not lower the allocator's peak"
         # Mixture of experts under SP: 32 of the 64 tokens of a micro-batch between layers, but the router
-        # routes all 64 (the MoE block gathers the chunks), in each of the 8 layers and 4 micro-batches.
-        seen = observed["mixtral-sp"]
-        shapes = {tuple(s) for shapes in seen["decoder_input_shapes"].values() for s in shapes}
-        assert shapes == {(32, 64)}, f"mixtral rank {rank}: hidden states {shapes}"
-        assert seen["router"]["routed_tokens"] == [64] * (LAYERS * 4), seen["router"]
-        assert seen["router"]["stats"] == [[64, 64, 128.0]] * (LAYERS * 4) and "sum_backward" not in seen["router"]
+        # routes all 64 (the MoE block gathers the chunks), in each of the 8 layers and 4 micro-batches
+        # (k = 2 picks per token for Mixtral, 4 for Qwen2-MoE); the experts split over the two ranks.
+        for moe, k in (("mixtral", 2), ("qwen2-moe", 4)):
+            seen, layers = observed[f"{moe}-sp"], MOE_SP_LAYERS[moe]
+            shapes = {tuple(s) for shapes in seen["decoder_input_shapes"].values() for s in shapes}
+            assert shapes == {(32, 64)} and len(seen["decoder_input_shapes"]) == layers, f"{moe} rank {rank}: {shapes}"
+            assert seen["router"]["routed_tokens"] == [64] * (layers * 4), seen["router"]
+            assert seen["router"]["stats"] == [[64, 64, 64.0 * k]] * (layers * 4) and "sum_backward" not in seen["router"]
+            assert "TensorParallel" in seen["model_classes"] and seen["sp_hooks"], moe
+            assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], (moe, seen["parameter_elements"])
     for i, family in enumerate(FAMILIES):
         built = mech.built("tp2", f"{family}-sp")
         assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 2
@@ -265,7 +272,8 @@ def test_sharding_stages_and_recompute_under_sd2(mech, shared_launches):
 
 
 # ----------------------------------------------------------------------------- pipeline
-PIPELINE_GRANULARITY = {"llama": "full", "qwen": "full_attn", "baichuan": "core_attn", "gpt3": "full", "bloom": "full"}
+PIPELINE_GRANULARITY = {"llama": "full", "qwen": "full_attn", "baichuan": "core_attn", "gpt3": "full", "bloom": "full",
+                        "qwen2": "full_attn"}
 
 
 @shared("pp4", 4)

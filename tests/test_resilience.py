@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity_utils import final_weights, train_records
+from parity_utils import argv, base_arguments, final_weights, train_records, write_json
+from shared_launches import contribute
 from test_fault_injection import checkpoints, log_lines, one_error_line, run_cli, small_run
 
 STEPS = 20  # save every 5; the garbage sits at steps 12 and 13
@@ -114,6 +115,25 @@ def test_skip_data_intervals_and_rollback_resume_exactly(embedded_corpus, tmp_pa
     for step in range(17, STEPS + 1):
         assert final[step] == losses(straight)[step], step
     assert_same_weights(rolled, straight, STEPS)
+
+
+def test_a_spike_right_after_a_rollbacks_skipped_steps_is_caught(embedded_corpus, tmp_path):
+    """A rollback restores the spike window saved with the checkpoint, so detection is on from the first
+    step after the skipped range: garbage at steps 12 and 15; the spike at 12 rolls back to
+    checkpoint-10 and skips steps 11-14 (loss_spike_skip_steps 2); the one at 15 is caught (a window
+    emptied by the rollback would need 4 new losses first) and rolls back again, skipping 11-17."""
+    args_file = small_run(embedded_corpus, tmp_path, max_steps=STEPS, save_steps=5, hidden_dropout_prob=0.0)
+    garbage = garbage_corpus(embedded_corpus, tmp_path, args_file, [12, 15])
+    out = tmp_path / "rollbacks"
+    result = run_cli(args_file, "--output_dir", out, "--input_dir", garbage, "--loss_spike_factor", "1.1",
+                     "--loss_spike_window", "4", "--loss_spike_action", "rollback", "--loss_spike_skip_steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    spikes = events(out, "loss_spike")
+    assert [(r["step"], r["action"]) for r in spikes] == [(12, "rollback"), (15, "rollback")], spikes
+    assert spikes[1]["loss"] > spikes[1]["threshold"]
+    assert [(r["step"], r["checkpoint"], r["skipped_steps"]) for r in events(out, "rollback")] == \
+        [(12, "checkpoint-10", [11, 14]), (15, "checkpoint-10", [11, 17])]
+    assert set(losses(out)) == set(range(1, 12)) | set(range(18, STEPS + 1))  # 11: trained, then undone
 
 
 def test_spike_skip_equals_skipping_its_data_and_stop_is_exit_3(embedded_corpus, tmp_path):
@@ -242,6 +262,129 @@ def test_async_save_writes_the_same_checkpoints_and_survives_kill_9(embedded_cor
     assert losses(killed) == losses(sync)
     assert_same_weights(killed, sync, STEPS)
     assert "checkpoint-10.partial" not in checkpoints(killed)
+
+
+def test_async_save_writes_the_state_at_the_save_while_the_disk_is_slow(monkeypatch, tmp_path):
+    """async_save's host copy: the writer is held (a slow disk) while every weight and optimizer state
+    is changed in place (training goes on); once the write is let through, checkpoint-1 holds the
+    values at the save, not the changed ones. Without the copy the writer reads the live tensors."""
+    import threading
+
+    import paddle
+
+    from llm_pretrain.checkpoint import dist_checkpoint
+    from llm_pretrain.checkpoint.checkpointer import Checkpointer, verify_checkpoint
+    from llm_pretrain.parallel.distributed import Layout
+    from models.decoder import CausalLM
+    from models.registry import make_config
+
+    config = make_config("llama", vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=32, max_position_embeddings=32)
+    paddle.seed(5)
+    model = CausalLM(config)
+    optimizer = paddle.optimizer.AdamW(learning_rate=1e-2, parameters=model.parameters())
+    tokens = paddle.randint(0, 64, [2, 9])
+    model(tokens[:, :-1], tokens[:, 1:]).backward()  # one step: every AdamW moment exists
+    optimizer.step()
+    optimizer.clear_grad()
+    held = dist_checkpoint.held_tensors(model, optimizer, Layout())
+    at_save = {t.name: np.array(t.tensor.numpy()) for t in held}
+    assert any("/moment1" in name for name in at_save) and any("/moment2" in name for name in at_save)
+
+    disk_free, writer_waiting = threading.Event(), threading.Event()
+    write_snapshot = dist_checkpoint.write_snapshot
+
+    def slow_disk(*args, **kwargs):
+        writer_waiting.set()
+        assert disk_free.wait(60), "the test never let the write through"
+        return write_snapshot(*args, **kwargs)
+
+    monkeypatch.setattr(dist_checkpoint, "write_snapshot", slow_disk)
+    checkpointer = Checkpointer(str(tmp_path), Layout(), save_steps=1, save_total_limit=None, async_save=True)
+    checkpointer.save_async(1, model, optimizer, {"global_step": 1, "consumed_samples": 2})
+    assert writer_waiting.wait(60) and checkpointer.write_pending()
+    with paddle.no_grad():  # training goes on: every tensor of the checkpoint changes, in place
+        for t in held:
+            t.tensor.set_value(t.tensor * 2.0 + 1.0)
+    changed = {t.name: t.tensor.numpy() for t in held}
+    assert all(not np.array_equal(changed[name], at_save[name]) for name in at_save)
+    disk_free.set()
+    assert checkpointer.complete_pending() is not None
+    path = tmp_path / "checkpoint-1"
+    assert verify_checkpoint(str(path)) is None
+    with dist_checkpoint.CheckpointReader(str(path)) as reader:
+        assert set(reader.tensors) == set(at_save)
+        for name, value in at_save.items():
+            assert np.array_equal(reader.read_full(name).reshape(value.shape), value), name
+
+
+# Two-rank runs in the session's dp2 and sd2 launches (tests/shared_launches.py): the same run saved
+# synchronously and asynchronously with rank 1's disk slow (its first write, on the writer thread, starts
+# only after training has gone SLOW_DISK_STEPS steps further), and on dp2 a run whose rank 1 is slow
+# (STRAGGLER_DELAY_S before each step's flag reduction); tests/workers/mechanism_runs.py slowed.
+SLOW_DISK_STEPS, STRAGGLER_DELAY_S = 2, 1.0
+
+
+def two_rank_runs(layout: str):
+    def make_runs(work: Path, corpus: dict) -> list[dict]:
+        sharding = {"sharding": "stage2"} if layout == "sd2" else {}
+        args_file = write_json(work / f"{layout}.json", base_arguments(corpus, work, num_hidden_layers=2, max_steps=8,
+                                                                       save_steps=4, **sharding))
+        runs = [{"name": f"{layout}-sync", "argv": argv(args_file, work / layout / "sync")},
+                {"name": f"{layout}-async", "argv": argv(args_file, work / layout / "async", async_save=True),
+                 "slow_disk": {"rank": 1, "steps": SLOW_DISK_STEPS}}]
+        if layout == "dp2":
+            runs.append({"name": "dp2-straggler", "slow_rank": {"rank": 1, "seconds": STRAGGLER_DELAY_S},
+                         "argv": argv(args_file, work / layout / "straggler", max_steps=4, logging_steps=2,
+                                      save_steps=0)})
+        return runs
+    return make_runs
+
+
+contribute("dp2", 2, "resilience", two_rank_runs("dp2"))
+contribute("sd2", 2, "resilience", two_rank_runs("sd2"))
+
+
+@pytest.mark.parametrize("layout", ["dp2", "sd2"])
+def test_async_save_on_two_ranks_with_a_slow_disk_writes_the_state_at_the_save(shared_launches, layout):
+    """dp2 and sharding stage 2: rank 1's write of checkpoint-4 starts after steps 5 and 6 changed the
+    weights (rank 0's ended at once); checkpoint-4 is finalized only after both ranks' writes ended (the
+    step's flag reduction carries "write pending": not before step 7), and every checkpoint holds exactly
+    the synchronous run's weights and optimizer states (each rank writes its share of them)."""
+    from llm_pretrain.checkpoint.checkpointer import verify_checkpoint
+    from llm_pretrain.checkpoint.dist_checkpoint import CheckpointReader
+
+    shared_launches.results(layout, "resilience")
+    work = shared_launches.work_dir("resilience") / layout
+    sync, asynchronous = work / "sync", work / "async"
+    assert losses(asynchronous) == losses(sync)
+    assert [(r["step"], r["async"]) for r in events(asynchronous, "save")] == [(4, True), (8, True)]
+    completed = {r["step"]: r["completed_at_step"] for r in events(asynchronous, "save_completed")}
+    assert completed == {4: completed[4], 8: 8} and 4 + SLOW_DISK_STEPS < completed[4] <= 8, completed
+    for step in (4, 8):
+        path = asynchronous / f"checkpoint-{step}"
+        assert verify_checkpoint(str(path)) is None
+        written = json.loads((path / "manifest.json").read_text())["files"]
+        assert {entry["rank"] for name, entry in written.items() if name.startswith("tensors.rank")} == {0, 1}
+        with CheckpointReader(str(path)) as got, CheckpointReader(str(sync / f"checkpoint-{step}")) as want:
+            assert set(got.tensors) == set(want.tensors) and any("/moment1" in n for n in got.tensors)
+            for name in want.tensors:
+                assert np.array_equal(got.read_full(name), want.read_full(name)), (step, name)
+
+
+def test_a_slow_rank_is_named_and_its_own_time_exceeds_the_others_by_the_delay(shared_launches):
+    """dp2, rank 1 slowed by STRAGGLER_DELAY_S in its own share of every step: each logging step's
+    record names rank 1 the slowest, and its own step time exceeds rank 0's by about the delay (rank 0's
+    own time stops where it starts waiting for rank 1: the whole step time would show no difference)."""
+    shared_launches.results("dp2", "resilience")
+    records = train_records(shared_launches.work_dir("resilience") / "dp2" / "straggler")
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        own = record["rank_step_time_s"]
+        assert record["slowest_rank"]["rank"] == 1 and record["fastest_rank"]["rank"] == 0, record
+        # about the delay: the ranks' own compute differs by a few tenths of a second on a loaded machine
+        assert 0.6 * STRAGGLER_DELAY_S < own[1] - own[0] < STRAGGLER_DELAY_S + 1.0, own
+        assert record["step_time_s"] > STRAGGLER_DELAY_S  # every rank's step waited for rank 1
 
 
 # ----------------------------------------------------------------------------- slow and hung ranks

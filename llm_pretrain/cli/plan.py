@@ -6,6 +6,7 @@
     llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
         --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
     llm-plan models [--json]
+    llm-plan elastic ARGS.json --gpus 64 --gpus_per_node 8 --device A100-80G [--json] [--key value ...]
 
 estimate: per-rank peak memory (the allocator's peak, as the trainer's peak_mem_allocated_mb; on GPU also
 the allocator's reserve, which decides an out-of-memory), step time, tokens/card/s and MFU (GPU), each
@@ -16,8 +17,16 @@ run_pretrain.py.
 search: every layout the trainer accepts (tensor parallelism inside a node unless
 --allow_inter_node_tp), with sequence parallelism, recompute none/full/full_attn/core_attn and
 micro-batch sizes; keeps those under the card's memory minus --headroom; ranks them by predicted
-tokens/card/s; --write writes the best as an argument file (a directory gets the configs/ name
-pretrain-<model>-<strategy>.json, the strategy from llm_pretrain.parallel.layout.strategy_name).
+tokens/card/s (layouts whose weights and optimizer states alone exceed the limit are skipped before
+validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an
+argument file (a directory gets the configs/ name pretrain-<model>-<strategy>.json, the strategy
+from llm_pretrain.parallel.layout.strategy_name).
+
+elastic: for the job of ARGS.json on --gpus GPUs, and for each count left after losing whole nodes one at a
+time (64, 56, 48 ...), the layout it would continue with (same model, sequence length, global batch and device;
+tensor parallelism inside a node; the keys of elastic_keep held): search's first pick, its predicted reserved
+memory, tokens/card/s and the job's tokens/s; a count on which nothing fits says the smallest count that does
+(llm_pretrain/planner/elastic.py).
 
 models: every built-in model name (what model_name_or_path and --model accept besides a local directory),
 with its family, its parameter count and whether it needs a weights file (none does: a built-in name is an
@@ -118,15 +127,18 @@ def cmd_search(argv: list[str]) -> int:
     if opts.gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1:
         raise UsageError("--gpus, --seq and --global_batch_size must be positive")
     result = search(opts.model, opts.device, opts.gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
-                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp)
+                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp,
+                    progress=not opts.json)  # a bar on stderr after 2 s; none with --json
     written = None
     if opts.write and result["top"]:
         written = write_arguments(result["top"][0]["arguments"], opts.write)
     if opts.json:
         print(json.dumps(dict(result, written=written), indent=1))
     else:
-        print(f"{result['examined']} layouts examined, {result['refused_by_trainer']} refused by the trainer's "
-              f"validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
+        skipped = (f"{result['not_validated']} over the memory limit by their weights and optimizer states alone "
+                   "(not validated), " if result["not_validated"] else "")
+        print(f"{result['examined']} layouts examined, {skipped}{result['refused_by_trainer']} refused by the "
+              f"trainer's validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
         print("| rank | strategy | micro-batch | acc | SP | recompute | reserved MB | step s | tokens/card/s | MFU | bottleneck |")
         print("|---:|---|---:|---:|---|---|---:|---:|---:|---:|---|")
         for i, r in enumerate(result["top"], 1):
@@ -142,6 +154,54 @@ def cmd_search(argv: list[str]) -> int:
             print("no layout fits")
             print("\n".join(explain(result)))
     return 0 if result["top"] else 1
+
+
+def cmd_elastic(argv: list[str]) -> int:
+    parser = UsageArgumentParser(prog="plan.py elastic", description="the layout a job continues with after losing "
+                                 "whole nodes, one at a time: predicted speed and memory")
+    parser.add_argument("args_file")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the whole job")
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--device", required=True, help="a GPU: A100-80G, A100-40G, H100-80G, H800, A800, V100")
+    parser.add_argument("--headroom", type=float, default=0.10, help="fraction of the card kept free (default 0.10)")
+    parser.add_argument("--intra_node_gbps", type=float, default=None)
+    parser.add_argument("--inter_node_gbps", type=float, default=None)
+    parser.add_argument("--json", action="store_true")
+    opts, overrides = parser.parse_known_args(argv)
+    from llm_pretrain.planner import check_device, device_kind
+
+    check_device(opts.device)
+    if device_kind(opts.device) == "cpu":
+        raise UsageError("--device: elastic needs a GPU (the speed model is for GPUs); got cpu")
+    if opts.gpus_per_node < 1 or opts.gpus < opts.gpus_per_node or opts.gpus % opts.gpus_per_node:
+        raise UsageError(f"--gpus: {opts.gpus} is not a positive multiple of --gpus_per_node {opts.gpus_per_node} "
+                         "(whole nodes are lost)")
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner.elastic import elastic_table
+
+    args, _ = parse_arguments([opts.args_file] + overrides)
+    table = elastic_table(args, opts.device, opts.gpus, opts.gpus_per_node, opts.headroom, _cluster_options(opts))
+    if opts.json:
+        return _print(json.dumps(table, indent=1))
+    kept = ", ".join(f"{k} {v}" for k, v in table["kept"].items())
+    lines = [f"{table['model']}, sequence {table['seq']}, global batch {table['global_batch_size']} on "
+             f"{opts.device}, {opts.gpus_per_node} GPUs per node" + (f", kept: {kept}" if kept else ""),
+             "| GPUs | nodes lost | layout | micro-batch | acc | recompute | reserved MB | tokens/card/s | "
+             "tokens/s of the job |", "|---:|---:|---|---:|---:|---|---:|---:|---:|"]
+    for row in table["rows"]:
+        best = row["best"]
+        if best is None:
+            smallest = table["smallest_fitting"]
+            where = (f"the smallest count that fits is {smallest} GPUs" if smallest is not None
+                     else f"no count from {opts.gpus_per_node} to {opts.gpus} GPUs fits")
+            lines.append(f"| {row['gpus']} | {row['nodes_lost']} | {row['why']}; {where} | | | | | | |")
+            continue
+        a = best["arguments"]
+        recompute = a["recompute_granularity"] if a["recompute"] else "none"
+        lines.append(f"| {row['gpus']} | {row['nodes_lost']} | {best['strategy']} | {a['per_device_train_batch_size']} | "
+                     f"{a['gradient_accumulation_steps']} | {recompute} | {best['peak_mem_reserved_mb']:,.0f} | "
+                     f"{best['tokens_per_card_per_sec']:,.0f} | {best['tokens_per_card_per_sec'] * row['gpus']:,.0f} |")
+    return _print("\n".join(lines))
 
 
 def human_count(n: int) -> str:
@@ -186,14 +246,14 @@ def _print(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"estimate": cmd_estimate, "search": cmd_search, "models": cmd_models}
+    commands = {"estimate": cmd_estimate, "search": cmd_search, "models": cmd_models, "elastic": cmd_elastic}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     if argv[0] not in commands:
         nearest = closest_matches(argv[0], list(commands), n=1, cutoff=0.6)
         hint = f"did you mean {nearest[0]!r}? " if nearest else ""
-        exit_with_usage_error(UsageError(f"unknown command {argv[0]!r}; {hint}use estimate, search or models "
+        exit_with_usage_error(UsageError(f"unknown command {argv[0]!r}; {hint}use estimate, search, elastic or models "
                                          "(see --help)"))
     try:
         return commands[argv[0]](argv[1:])

@@ -1,16 +1,17 @@
 """The planner's estimate of an argument file: the preflight's own checks of the layout and model
-(llm_pretrain/run/preflight.py check_layout_and_model, as a run of nproc processes makes them), then
+(llm_pretrain/parallel/layout.py check_layout_and_model, as a run of nproc processes makes them), then
 the memory and speed of the checked Setup (llm_pretrain/planner/__init__.py estimate_setup).
 
-A separate module so that the planner package itself needs no preflight: the preflight records
-`estimate_setup` of every run, and this module runs the preflight; neither imports the trainer.
+A separate module so that the planner package itself needs no model building: the preflight records
+`estimate_setup` of every run, and this module runs the same checks as the preflight; neither imports
+the trainer.
 """
 
 from __future__ import annotations
 
 from llm_pretrain.arguments import Arguments
+from llm_pretrain.parallel.layout import build_model_config, check_layout_and_model, plan_layout, with_moe_options
 from llm_pretrain.planner import check_device, device_kind, estimate_setup, setup_from
-from llm_pretrain.parallel.layout import check_layout_and_model
 
 
 def validated_setup(args: Arguments, nproc: int, device: str):
@@ -18,6 +19,16 @@ def validated_setup(args: Arguments, nproc: int, device: str):
     kind = device_kind(device)
     layout, config, _, _ = check_layout_and_model(args, nproc, kind)
     return setup_from(args, layout, config, kind), layout, config
+
+
+def unchecked_setup(args: Arguments, nproc: int, device: str):
+    """The Setup `validated_setup` builds, without the checks that refuse a layout (the preflight's
+    plan_layout, build_model_config and with_moe_options only; UsageError when even those fail): what search
+    needs for a floor of memory before it validates a layout."""
+    kind = device_kind(device)
+    layout = plan_layout(args, nproc)
+    config, _, _ = build_model_config(args, layout, kind)
+    return setup_from(args, layout, with_moe_options(args, config), kind)
 
 
 def estimate(args: Arguments, nproc: int, device: str, cluster_options: dict | None = None) -> dict:

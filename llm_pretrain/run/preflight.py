@@ -68,6 +68,7 @@ class RunPlan:
     resume_candidates: list[str] = field(default_factory=list)  # checkpoints to resume from, newest first
     resume_index: int = 0  # the newest candidate this rank found intact (the ranks agree after fleet.init)
     output_dir_lock: object | None = None  # rank 0's llm_pretrain.checkpoint.checkpointer.OutputDirLock, held for the run
+    elastic: dict | None = None  # elastic: the layout change made for the ranks present (adapt_to_the_ranks_present)
 
 
 def warn(message: str) -> None:
@@ -83,6 +84,9 @@ def plan_run(args: Arguments, argument_warnings: list[str], args_file: str | Non
 def check_run(args: Arguments, argument_warnings: list[str], args_file: str | None = None) -> RunPlan:
     """Every check of the run that needs no Paddle; UsageError for the first thing that is wrong."""
     device = choose_device(args)
+    elastic = None
+    if args.elastic and args.do_train:
+        args, elastic = adapt_to_the_ranks_present(args, launcher_world_size(), device)
     layout, config, weights_file, model_notes = check_layout_and_model(args, launcher_world_size(), device)
     check_startup(args, config, layout, device)
     check_data_inputs(args.input_dir, args.split)
@@ -90,7 +94,74 @@ def check_run(args: Arguments, argument_warnings: list[str], args_file: str | No
     check_data_integrity(args.input_dir, config.vocab_size, args.data_cache,
                          thorough=os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) == "0")
     warnings = argument_warnings + gpu_only_warnings(args, device) + model_notes
-    return RunPlan(args, args_file, device, layout, config, weights_file, warnings)
+    return RunPlan(args, args_file, device, layout, config, weights_file, warnings, elastic=elastic)
+
+
+def newest_checkpoint_state(args: Arguments) -> tuple[str, dict] | None:
+    """(path, trainer_state) of the checkpoint a resume would start from, read without Paddle (the
+    preflight's checks run before it is imported): resume_from_checkpoint, else the newest complete
+    checkpoint-N in output_dir whose trainer_state.json reads (the same complete-checkpoint rule as
+    llm_pretrain/checkpoint/checkpointer.py complete_checkpoints, which imports Paddle)."""
+    import json
+    import re
+
+    if args.overwrite_output_dir and not args.resume_from_checkpoint:
+        return None
+    if args.resume_from_checkpoint:
+        paths = [args.resume_from_checkpoint]
+    elif os.path.isdir(args.output_dir):
+        steps = [(int(m.group(1)), name) for name in os.listdir(args.output_dir)
+                 if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
+        paths = [os.path.join(args.output_dir, name) for _, name in sorted(steps, reverse=True)]
+    else:
+        paths = []
+    for path in paths:
+        if not os.path.isfile(os.path.join(path, "COMPLETE")):
+            continue
+        try:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                state = json.load(f)
+            state["layout"]["world_size"], state["args"]["per_device_train_batch_size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: the resume falls back to an older one (find_resume), and so does this
+        return path, state
+    return None
+
+
+def adapt_to_the_ranks_present(args: Arguments, world_size: int, device: str) -> tuple[Arguments, dict | None]:
+    """elastic: when the ranks present differ from those that wrote the checkpoint being resumed, or the
+    argument file's degrees cannot use them, the layout the planner's rule picks for them keeping the
+    checkpoint's global batch (llm_pretrain/planner/elastic.py continue_on); one line on rank 0 says what
+    changed and why. Returns the arguments to run with and the record of the change (None: no change)."""
+    from llm_pretrain.planner.elastic import continue_on, describe_change
+
+    try:
+        check_layout_and_model(args, world_size, device)
+        file_fits = True
+    except UsageError as error:
+        file_fits, file_refusal = False, str(error)
+    resumed = newest_checkpoint_state(args)
+    writers = resumed[1]["layout"]["world_size"] if resumed else None
+    if file_fits and writers in (None, world_size):
+        return args, None
+    global_batch = None
+    if resumed:
+        saved_args, saved_layout = resumed[1]["args"], resumed[1]["layout"]
+        global_batch = (saved_args["per_device_train_batch_size"] * saved_args["gradient_accumulation_steps"]
+                        * saved_layout["data_parallel_degree"] * saved_layout.get("sharding_degree", 1))
+    if writers not in (None, world_size):
+        why = f"{os.path.basename(resumed[0])} was written by {writers} ranks, {world_size} are present"
+    else:
+        why = f"the argument file's degrees do not fit {world_size} ranks ({file_refusal})"
+    chosen, changes = continue_on(args, world_size, global_batch, device)
+    if global_batch is None:
+        global_batch = chosen.per_device_train_batch_size * chosen.gradient_accumulation_steps * \
+            check_layout_and_model(chosen, world_size, device)[0].data_replicas
+    line = describe_change(changes, world_size, why, global_batch)
+    if launcher_rank() == 0:
+        print(line, flush=True)
+    return chosen, {"reason": why, "changes": changes, "world_size": world_size, "written_by": writers,
+                    "checkpoint": resumed[0] if resumed else None, "global_batch_size": global_batch, "line": line}
 
 
 def launcher_world_size() -> int:

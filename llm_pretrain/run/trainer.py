@@ -478,7 +478,10 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         "documents": None if documents is None else {  # what the batches and the model were built with
             "document_masks": documents.document_masks, "eod_token_id": documents.eod_token_id,
             "eod_mask_loss": documents.eod_mask_loss, "reset_position_ids": unwrapped_model.config.reset_position_ids},
+        **({"elastic": plan.elastic} if plan.elastic else {}),
     })
+    if plan.elastic:  # the layout change the preflight made for the ranks present, also as its own record
+        metrics.write({"event": "elastic", "step": start_step, **plan.elastic})
     if plan.cpu_defaults:
         metrics.say(plan.cpu_defaults)  # what llm_pretrain/cpu/threads.py set before Paddle loaded
     resumed = f", resumed from {resume_from}" if resume_from else ""

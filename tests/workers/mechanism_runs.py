@@ -37,8 +37,10 @@ Before the runs, this worker wraps (counting, then calling the original):
 Each rank writes {run name: observations} with launch_utils.write_result.
 """
 
+import contextlib
 import gc
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -206,9 +208,11 @@ def watch_pipeline_schedule():
 
 
 def grad_fingerprint(model) -> float | None:
-    """Sum of one decoder weight's gradient (None before the first backward of a step)."""
+    """Sum of one decoder weight's gradient (None before the first backward of a step): the MLP's down
+    projection, a mixture of experts' router (replicated on every rank, whatever the experts' layout)."""
     try:
-        grad = model.layers[0].mlp.down_proj.weight.grad
+        mlp = model.layers[0].mlp
+        grad = (mlp.gate.weight if hasattr(mlp, "experts") else mlp.down_proj.weight).grad
         return None if grad is None else float(grad.astype("float64").sum())
     except Exception:  # noqa: BLE001 - stage 3 releases parameters and gradients between uses
         return None
@@ -328,6 +332,52 @@ def perturbed_replica_run(run: dict) -> dict:
     return {"exit_code": code, "error": probe.get("replica_error")}
 
 
+@contextlib.contextmanager
+def slowed(run: dict):
+    """A rank made slow on purpose (tests/test_resilience.py), undone after the run:
+    run["slow_rank"] = {"rank": r, "seconds": s}: rank r sleeps s before each step's flag reduction (the
+    end of its own share of the step, llm_pretrain/run/trainer.py agree_on_step);
+    run["slow_disk"] = {"rank": r, "steps": n}: rank r's first checkpoint write (on the writer thread
+    under async_save) starts only once training has reached n more flag reductions (so the weights
+    have changed since the save; at most 120 s): a disk slower than any machine load makes it."""
+    import threading
+    import time
+
+    from llm_pretrain.checkpoint import dist_checkpoint
+    from llm_pretrain.run import trainer
+
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    agree_on_step, write_snapshot = trainer.agree_on_step, dist_checkpoint.write_snapshot
+    slow_rank = run.get("slow_rank") if (run.get("slow_rank") or {}).get("rank") == rank else None
+    slow_disk = run.get("slow_disk") if (run.get("slow_disk") or {}).get("rank") == rank else None
+    steps, stepped, writes = [0], threading.Condition(), [0]
+
+    def counted_agree_on_step(*args, **kwargs):
+        if slow_rank:
+            time.sleep(slow_rank["seconds"])
+        with stepped:
+            steps[0] += 1
+            stepped.notify_all()
+        return agree_on_step(*args, **kwargs)
+
+    def slow_write_snapshot(*args, **kwargs):
+        writes[0] += 1
+        if writes[0] == 1:
+            with stepped:
+                until = steps[0] + slow_disk["steps"]
+                stepped.wait_for(lambda: steps[0] >= until, timeout=120)
+        return write_snapshot(*args, **kwargs)
+
+    if slow_rank or slow_disk:
+        trainer.agree_on_step = counted_agree_on_step
+    if slow_disk:
+        dist_checkpoint.write_snapshot = slow_write_snapshot
+    try:
+        yield
+    finally:
+        trainer.agree_on_step, dist_checkpoint.write_snapshot = agree_on_step, write_snapshot
+
+
 if __name__ == "__main__":
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
@@ -350,7 +400,8 @@ if __name__ == "__main__":
         if run.get("perturb_replica"):  # expected to fail: record the replica check's error
             results[run["name"]] = perturbed_replica_run(run)
             continue
-        code = main([str(a) for a in run["argv"]])
+        with slowed(run):
+            code = main([str(a) for a in run["argv"]])
         if code:
             sys.exit(code)
         results[run["name"]] = observations()

@@ -1,0 +1,230 @@
+"""Lose a node, keep training (issue 38): the layout a job continues with on the ranks it has left.
+
+`llm-plan elastic` (the planner's view before it happens, GPUs) and `elastic: true` (the preflight's
+choice at start, llm_pretrain/planner/elastic.py continue_on), with the global batch kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parity_utils import argv, base_arguments, run_record, train_records, write_json
+from shared_launches import contribute
+from test_planner import run_plan
+
+# Llama-2-7B at sequence 512 on 40 GB cards, 2 per node: 8, 6 and 4 GPUs hold it, 2 do not (its AdamW
+# states alone are 108 GB). Small enough to search in seconds.
+SEVEN_B = {"model_name_or_path": "meta-llama/Llama-2-7b", "max_seq_length": 512, "per_device_train_batch_size": 1,
+           "gradient_accumulation_steps": 1, "sharding": "stage3", "input_dir": "./data", "max_steps": 100}
+
+
+def test_llm_plan_elastic_lists_each_node_lost_with_the_searchs_pick_and_the_smallest_count_that_fits(
+        tmp_path, capsys):
+    from llm_pretrain.arguments import Arguments
+    from llm_pretrain.planner.search import search
+
+    args_file = write_json(tmp_path / "seven_b.json", SEVEN_B)
+    code, out, err = run_plan(capsys, "elastic", args_file, "--gpus", "8", "--gpus_per_node", "2", "--device",
+                              "A100-40G", "--json")
+    assert code == 0, err
+    table = json.loads(out)
+    assert table["global_batch_size"] == 8  # 1 x 1 x 8 sharding replicas on the 8 GPUs
+    assert [row["gpus"] for row in table["rows"]] == [8, 6, 4, 2]
+    assert [row["nodes_lost"] for row in table["rows"]] == [0, 1, 2, 3]
+    assert table["smallest_fitting"] == 4
+    for row in table["rows"][:3]:
+        best = row["best"]
+        a = Arguments(**best["arguments"])
+        layout_replicas = row["gpus"] // (max(a.tensor_parallel_degree, 1) * max(a.pipeline_parallel_degree, 1)
+                                          * max(a.sep_parallel_degree, 1) * max(a.context_parallel_degree, 1))
+        assert a.per_device_train_batch_size * a.gradient_accumulation_steps * layout_replicas == 8, best
+        assert a.tensor_parallel_degree <= 2 and a.max_seq_length == 512  # tp inside a node
+        assert best["peak_mem_reserved_mb"] <= 0.9 * 40 * 1024 and best["tokens_per_card_per_sec"] > 0
+    # the row of 6 GPUs is the search's own first pick for 6 GPUs, same model, length and global batch
+    first = search("meta-llama/Llama-2-7b", "A100-40G", 6, 512, 8, 2, top=1)["top"][0]
+    assert table["rows"][1]["best"]["arguments"] == first["arguments"]
+    assert table["rows"][3]["best"] is None and table["rows"][3]["why"] == "no valid layout fits in memory"
+
+    code, out, _ = run_plan(capsys, "elastic", args_file, "--gpus", "8", "--gpus_per_node", "2", "--device",
+                            "A100-40G")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("meta-llama/Llama-2-7b, sequence 512, global batch 8 on A100-40G")
+    assert lines[-1].startswith("| 2 | 3 | no valid layout fits in memory; the smallest count that fits is 4 GPUs")
+    assert lines[3].startswith(f"| 8 | 0 | {table['rows'][0]['best']['strategy']} |")
+
+
+def test_elastic_keep_holds_the_pinned_key_in_every_row(tmp_path):
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner.elastic import elastic_table
+
+    args_file = write_json(tmp_path / "kept.json", {**SEVEN_B, "tensor_parallel_degree": 2, "sharding": "",
+                                                      "elastic": True, "elastic_keep": ["tensor_parallel_degree"]})
+    args, _ = parse_arguments([str(args_file)])
+    table = elastic_table(args, "A100-40G", 8, 2, 0.10)
+    assert table["kept"] == {"tensor_parallel_degree": 2} and table["global_batch_size"] == 4
+    assert all(row["best"]["arguments"]["tensor_parallel_degree"] == 2 for row in table["rows"] if row["best"])
+    assert any(row["best"] for row in table["rows"])
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--gpus", "12", "--gpus_per_node", "8"], ("--gpus: 12 is not a positive multiple of --gpus_per_node 8",)),
+    (["--gpus", "8", "--device", "cpu"], ("--device: elastic needs a GPU",)),
+])
+def test_llm_plan_elastic_bad_input_is_one_line(tmp_path, capsys, argv, fragments):
+    args_file = write_json(tmp_path / "seven_b.json", SEVEN_B)
+    argv = argv if "--device" in argv else argv + ["--device", "A100-40G"]
+    code, out, err = run_plan(capsys, "elastic", args_file, *argv)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert err.startswith("error: ") and all(f in err for f in fragments), err
+
+
+# ----------------------------------------------------------------------------- the rule on the ranks present
+def _args(**overrides):
+    from llm_pretrain.arguments import Arguments
+
+    base = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2, "max_seq_length": 32, "max_steps": 5,
+            "input_dir": "./data", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+            "elastic": True}
+    return Arguments(**{**base, **overrides})
+
+
+def test_continue_on_keeps_the_global_batch_and_the_degrees_that_still_fit():
+    from llm_pretrain.planner.elastic import continue_on
+
+    # dp2 x tp2 (global batch 2 x 2 x 2 = 8) on 2 ranks: tp2 still fits, dp 1: micro 2 x accumulation 4
+    args, changes = continue_on(_args(tensor_parallel_degree=2), 2, 8, "cpu")
+    assert (args.tensor_parallel_degree, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 2, 4)
+    assert changes == {"gradient_accumulation_steps": [2, 4]}
+    # on 3 ranks tp2 cannot form a layout: tp 1, dp 3 cannot split 8 samples; the nearest that can: 6 or 9
+    with pytest.raises(Exception, match=r"^elastic: the global batch 8 cannot be split over the 3 ranks left "
+                                        r"\(3 data replicas\); the nearest global batches they can split: 6 or 9$"):
+        continue_on(_args(tensor_parallel_degree=2), 3, 8, "cpu")
+    # a global batch of 12 on 3 ranks: tp 1, dp 3, micro 2 x accumulation 2
+    args, changes = continue_on(_args(tensor_parallel_degree=2), 3, 12, "cpu")
+    assert (args.tensor_parallel_degree, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 2, 2)
+    assert changes["tensor_parallel_degree"] == [2, 1]
+    # pinned: tensor_parallel_degree 2 on 3 ranks is one line naming the key
+    with pytest.raises(Exception, match=r"^elastic_keep: tensor_parallel_degree 2 cannot be kept on 3 ranks"):
+        continue_on(_args(tensor_parallel_degree=2, elastic_keep=["tensor_parallel_degree"]), 3, 12, "cpu")
+    # a micro-batch that no longer divides the per-replica batch: the largest divisor below it
+    args, _ = continue_on(_args(per_device_train_batch_size=4, gradient_accumulation_steps=1), 4, 12, "cpu")
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (3, 1)
+
+
+def test_bad_elastic_keys_are_one_line():
+    from llm_pretrain.arguments import validate_arguments
+    from llm_pretrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^elastic_keep: 'tensor_parallel' is not a key elastic changes; did you "
+                                         r"mean 'tensor_parallel_degree'\?"):
+        validate_arguments(_args(elastic_keep=["tensor_parallel"]))
+    with pytest.raises(UsageError, match=r"^elastic_keep: set elastic true too"):
+        validate_arguments(_args(elastic=False, elastic_keep=["sharding"]))
+
+
+# ----------------------------------------------------------------------------- a node lost: 4 ranks, then 2
+# dp2 x tp2 (global batch 2 x 2 x 2 = 8) trains 5 steps in the session's dp2tp2 launch and stops with
+# checkpoint-5; the same command with elastic on 2 ranks (the tp2 launch) continues to step 10 with the
+# layout the rule picks (tp2 kept, dp 1: accumulation 2 -> 4, global batch 8), beside a by-hand resume of
+# checkpoint-5 under that layout.
+def _lost_node_file(work: Path, corpus: dict) -> Path:
+    return write_json(work / "lost-node.json", base_arguments(corpus, work, num_hidden_layers=2, max_steps=10,
+                                                              save_steps=5, tensor_parallel_degree=2,
+                                                              per_device_train_batch_size=2,
+                                                              gradient_accumulation_steps=2))
+
+
+contribute("dp2tp2", 4, "elastic", lambda work, corpus: [
+    {"name": "four-ranks", "argv": argv(_lost_node_file(work, corpus), work / "lost-node", exit_interval=5)}])
+contribute("tp2", 2, "elastic", lambda work, corpus: [
+    {"name": "by-hand", "argv": argv(_lost_node_file(work, corpus), work / "by-hand", gradient_accumulation_steps=4,
+                                     resume_from_checkpoint=str(work / "lost-node" / "checkpoint-5"))},
+    {"name": "elastic", "argv": argv(_lost_node_file(work, corpus), work / "lost-node", elastic=True)},
+], after=("dp2tp2",))
+
+
+def test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch(shared_launches):
+    shared_launches.results("tp2", "elastic")
+    work = shared_launches.work_dir("elastic")
+    first, continued, by_hand = (run_record(work / "lost-node"), *[
+        [r for r in map(json.loads, (work / name / "train_log.jsonl").read_text().splitlines()) if r["event"] == "run"][-1]
+        for name in ("lost-node", "by-hand")])
+    first = [r for r in map(json.loads, (work / "lost-node" / "train_log.jsonl").read_text().splitlines())
+             if r["event"] == "run"][0]
+    assert first["layout"]["world_size"] == 4 and first["strategy"] == "tp2dp2" and first["global_batch_size"] == 8
+    assert continued["layout"]["world_size"] == 2 and continued["strategy"] == "tp2" and continued["start_step"] == 5
+    assert continued["global_batch_size"] == 8 == by_hand["global_batch_size"]
+    elastic = continued["elastic"]
+    assert elastic["reason"] == "checkpoint-5 was written by 4 ranks, 2 are present", elastic
+    assert elastic["changes"] == {"gradient_accumulation_steps": [2, 4]} and elastic["global_batch_size"] == 8
+    events = [r for r in map(json.loads, (work / "lost-node" / "train_log.jsonl").read_text().splitlines())
+              if r["event"] == "elastic"]
+    assert len(events) == 1 and events[0]["step"] == 5 and events[0]["changes"] == elastic["changes"]
+    log0 = (shared_launches.root / "tp2.log" / "workerlog.0").read_text(errors="replace")
+    assert ("elastic: checkpoint-5 was written by 4 ranks, 2 are present; continuing on 2 ranks with "
+            "gradient_accumulation_steps 2 -> 4, global batch 8") in log0.splitlines()
+    # from the checkpoint on, the same losses as the by-hand resume under the layout chosen
+    got = {r["step"]: r["loss"] for r in train_records(work / "lost-node") if r["step"] > 5}
+    want = {r["step"]: r["loss"] for r in train_records(work / "by-hand")}
+    assert sorted(got) == sorted(want) == list(range(6, 11))
+    assert all(abs(got[step] - want[step]) < 1e-5 for step in want), (got, want)
+
+
+def _fake_checkpoint(output_dir: Path, world_size: int, dp: int, micro: int, accumulation: int) -> None:
+    """A complete checkpoint's trainer_state as written by `world_size` ranks (what the preflight reads)."""
+    path = output_dir / "checkpoint-5"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({
+        "global_step": 5, "consumed_samples": 40, "layout": {"world_size": world_size, "data_parallel_degree": dp,
+                                                             "sharding_degree": 1},
+        "args": {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}}))
+    (path / "COMPLETE").write_text("5\n")
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({}, ("elastic: the global batch 8 cannot be split over the 3 ranks left (3 data replicas); the nearest "
+          "global batches they can split: 6 or 9",)),
+    ({"elastic_keep": ["tensor_parallel_degree"]}, ("elastic_keep: tensor_parallel_degree 2 cannot be kept on 3 ranks",)),
+])
+def test_elastic_bad_input_on_the_ranks_left_is_one_line_before_paddle(embedded_corpus, tmp_path, overrides, fragments):
+    """checkpoint-5 of dp2 x tp2 (global batch 8), 3 ranks present: no layout keeps it. One line, exit 2,
+    nothing else printed, before Paddle is imported (the preflight's checks)."""
+    import os
+    import subprocess
+    import sys
+
+    from parity_utils import RUN_PRETRAIN
+
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 4, 2, 2, 2)
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    command = [sys.executable, str(RUN_PRETRAIN), str(args_file), "--output_dir", str(out), "--elastic", "true"]
+    for key, value in overrides.items():
+        command += [f"--{key}", json.dumps(value)]
+    env = {**os.environ, "PADDLE_TRAINERS_NUM": "3", "PADDLE_TRAINER_ID": "0"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr[-2000:])
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr
+
+
+def test_without_a_checkpoint_elastic_only_repairs_degrees_the_ranks_cannot_form(tmp_path, capsys):
+    """No checkpoint: nothing to keep but the file's per-replica batch. Degrees that fit are left alone
+    (no line, no record); tp2 on 3 ranks becomes tp1 x dp3, said in one line."""
+    from llm_pretrain.run.preflight import adapt_to_the_ranks_present
+
+    args = _args(tensor_parallel_degree=2, output_dir=str(tmp_path / "out"))
+    assert adapt_to_the_ranks_present(args, 2, "cpu") == (args, None)
+    assert capsys.readouterr().out == ""
+    chosen, record = adapt_to_the_ranks_present(args, 3, "cpu")
+    assert (chosen.tensor_parallel_degree, chosen.per_device_train_batch_size, chosen.gradient_accumulation_steps) \
+        == (1, 2, 2)
+    assert record["global_batch_size"] == 12 and record["checkpoint"] is None and record["written_by"] is None
+    assert record["reason"].startswith("the argument file's degrees do not fit 3 ranks (world size 3 is not a "
+                                       "multiple of tensor_parallel_degree 2")
+    assert capsys.readouterr().out.splitlines() == [record["line"]]
+    assert record["line"].endswith("continuing on 3 ranks with tensor_parallel_degree 2 -> 1, global batch 12")

@@ -1,0 +1,203 @@
+"""plan.py search prunes by memory and answers as the exhaustive search did (issue 32, item 2).
+
+The reference is the search of fb63fad (before the pruning), kept here as it was: `reference_candidates`
+(the eight nested loops) and `reference_search` (every candidate validated, then estimated). It uses the
+planner's estimates of today, so the comparison checks the search, not the numbers of the memory and speed
+models. The 70B example of the issue takes minutes that way; its first five rows are recorded from that run
+(`python scripts/plan.py search --model meta-llama/Llama-3.1-70B --device H100-80G --gpus 64 --seq 8192
+--global_batch_size 512` at fb63fad, 2 min 05 s to 3 min 52 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import sys
+
+import pytest
+
+from launch_utils import REPO_ROOT
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def reference_candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp=False,
+                         max_micro_batch=8):
+    """llm_pretrain/planner/search.py `candidates` at fb63fad."""
+    from llm_pretrain.planner.search import RECOMPUTE_CHOICES, base_arguments
+    from models.registry import resolve_model
+
+    config = resolve_model(model)[0]
+    layers = config.num_hidden_layers
+    base = base_arguments(model, seq, device)
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node and not allow_inter_node_tp:
+            continue
+        splits = [("", 1)] + [(key, d) for d in _divisors(gpus // tp) if d > 1
+                              for key in ("sep_parallel_degree", "context_parallel_degree")]
+        for split_key, split in splits:
+            for pp in [p for p in _divisors(gpus // (tp * split)) if p <= layers]:
+                for vpp in ([1] if pp <= 2 else [1, 2, 4]):
+                    rest = gpus // (tp * pp * split)
+                    for stage in (0, 1, 2, 3):
+                        degrees = [d for d in _divisors(rest) if d > 1] if rest <= 64 else [rest]
+                        for sd in ([1] if stage == 0 else degrees):
+                            dp = rest // sd
+                            for sp in ([False] if tp == 1 else [True]):
+                                for recompute in RECOMPUTE_CHOICES:
+                                    micro = 1
+                                    while micro <= max_micro_batch:
+                                        replicas = dp * sd
+                                        if global_batch % (replicas * micro) == 0:
+                                            args = dict(base, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                                                        virtual_pp_degree=vpp, sequence_parallel=sp,
+                                                        per_device_train_batch_size=micro,
+                                                        per_device_eval_batch_size=micro,
+                                                        gradient_accumulation_steps=global_batch // (replicas * micro),
+                                                        recompute=recompute is not None,
+                                                        recompute_granularity=recompute or "full")
+                                            if stage:
+                                                args.update(sharding=f"stage{stage}", sharding_parallel_degree=sd)
+                                            if split_key:
+                                                args[split_key] = split
+                                            yield args
+                                            if (config.is_moe and not stage and not split_key and dp > 1
+                                                    and config.num_experts % dp == 0):
+                                                yield dict(args, expert_parallel_degree=dp)
+                                        micro *= 2
+
+
+def reference_search(model, device, gpus, seq, global_batch, gpus_per_node=8, top=5, headroom=0.10, closest=5):
+    """llm_pretrain/planner/search.py `search` at fb63fad: every candidate validated and estimated."""
+    from llm_pretrain.arguments import Arguments, validate_arguments
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.planner import device_memory_mb, estimate_setup
+    from llm_pretrain.planner.estimate import validated_setup
+
+    capacity = device_memory_mb(device)
+    limit = capacity * (1 - headroom)
+    fitting, examined, refused, too_large = [], 0, 0, []
+    for values in reference_candidates(model, gpus, gpus_per_node, seq, global_batch, device):
+        examined += 1
+        try:
+            args = Arguments(**values)
+            validate_arguments(args)
+            setup, layout, _ = validated_setup(args, gpus, device)
+        except UsageError:
+            refused += 1
+            continue
+        result = estimate_setup(setup, device, {"gpus_per_node": gpus_per_node})
+        if result["peak_mem_reserved_mb"] > limit:
+            excess = result["peak_mem_reserved_mb"] - limit
+            entry = {"strategy": layout.strategy, "arguments": values, "reserved_mb": result["peak_mem_reserved_mb"],
+                     "limit_mb": limit, "over_mb": excess, "peak_rank": result["peak_rank"]}
+            heapq.heappush(too_large, (-excess, examined, entry))
+            if len(too_large) > closest:
+                heapq.heappop(too_large)
+            continue
+        result["strategy"] = layout.strategy
+        result["arguments"] = values
+        fitting.append(result)
+    fitting.sort(key=lambda r: (-r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"]))
+    return {"examined": examined, "refused_by_trainer": refused, "fitting": len(fitting),
+            "too_large": examined - refused - len(fitting), "top": fitting[:top],
+            "closest": [entry for _, _, entry in sorted(too_large, key=lambda item: -item[0])]}
+
+
+def _rows(result):
+    return [(r["strategy"], r["arguments"], r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"], r["step_time_s"])
+            for r in result["top"]]
+
+
+@pytest.mark.parametrize("model, device, gpus, seq, global_batch, gpus_per_node, allow", [
+    ("meta-llama/Llama-3.1-70B", "H100-80G", 64, 8192, 512, 8, False),
+    ("Qwen/Qwen1.5-MoE-A2.7B", "A100-80G", 8, 4096, 64, 8, False),  # the experts' variants (ep = dp)
+    ("gpt3-1.3B-en", "A100-40G", 16, 2048, 32, 4, True),  # tensor parallelism across nodes
+])
+def test_candidates_are_the_nested_loops_in_the_same_order(model, device, gpus, seq, global_batch, gpus_per_node,
+                                                           allow):
+    """The product over degree tuples yields what the nested loops did, in their order and with their keys' order
+    (ties in the ranking keep the order; a written argument file keeps the keys' order)."""
+    from llm_pretrain.planner.search import candidates
+
+    new = list(candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow))
+    old = list(reference_candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow))
+    assert len(new) == len(old) and new == old
+    assert [list(a) for a in new] == [list(a) for a in old]
+
+
+@pytest.mark.parametrize("model, device, gpus, seq, global_batch, headroom", [
+    ("facebook/llama-7b", "A100-40G", 4, 2048, 8, 0.10),  # 13 of 424 fit; most are skipped before validation
+    ("facebook/llama-7b", "A100-40G", 6, 4096, 6, 0.90),  # nothing fits: the closest misses must be the same
+])
+def test_pruned_search_ranks_as_the_exhaustive_search(model, device, gpus, seq, global_batch, headroom):
+    from llm_pretrain.planner.search import search
+
+    new = search(model, device, gpus, seq, global_batch, top=1000, headroom=headroom)
+    old = reference_search(model, device, gpus, seq, global_batch, top=1000, headroom=headroom)
+    assert new["not_validated"] > 0  # the pruning did something
+    assert _rows(new) == _rows(old) and new["fitting"] == old["fitting"]
+    assert new["closest"] == old["closest"] and len(new["closest"]) == 5
+    assert new["examined"] == old["examined"]
+    left_out = new["not_validated"] + new["refused_by_trainer"] + new["too_large"]
+    assert left_out == old["refused_by_trainer"] + old["too_large"]
+    assert new["refused_by_trainer"] <= old["refused_by_trainer"] and new["too_large"] <= old["too_large"]
+
+
+# Recorded from fb63fad (module docstring): strategy, micro-batch, accumulation, sequence parallel, recompute,
+# reserved MiB and tokens/card/s as the table prints them.
+LLAMA_70B_FIRST_FIVE = [
+    ("pp16cp2sd2_stage1", 1, 256, False, "full", "71,737", "895"),
+    ("pp8vpp2tp2cp2sd2_stage1", 1, 256, True, "full", "63,555", "892"),
+    ("pp4vpp4tp2sd8_stage1", 1, 64, True, "full", "69,254", "887"),
+    ("pp16sep2sd2_stage1", 1, 256, False, "full", "71,845", "885"),
+    ("pp8vpp2tp2sep2sd2_stage1", 1, 256, True, "full", "63,607", "882"),
+]
+
+
+def test_llama_70b_on_64_h100_first_five_rows_as_before():
+    """The issue's example (17,664 candidates, minutes before the pruning; seconds now)."""
+    from llm_pretrain.planner.search import search
+
+    result = search("meta-llama/Llama-3.1-70B", "H100-80G", 64, 8192, 512)
+    assert result["examined"] == 17664 and result["fitting"] == 252
+    rows = [(r["strategy"], a["per_device_train_batch_size"], a["gradient_accumulation_steps"], a["sequence_parallel"],
+             a["recompute_granularity"] if a["recompute"] else "none",
+             f"{r['peak_mem_reserved_mb']:,.0f}", f"{r['tokens_per_card_per_sec']:,.0f}")
+            for r, a in ((r, r["arguments"]) for r in result["top"])]
+    assert rows == LLAMA_70B_FIRST_FIVE
+
+
+def _plan(capsys, *args):
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import plan
+
+    try:
+        code = plan.main([str(a) for a in args])
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_progress_bar_on_stderr_and_none_with_json(capsys, monkeypatch):
+    """A tqdm bar on stderr once the search has run PROGRESS_DELAY_S (2 s; 0 here so that a short search shows
+    it); with --json nothing but the JSON document, on stdout, and nothing on stderr."""
+    import llm_pretrain.planner.search as search_module
+
+    monkeypatch.setattr(search_module, "PROGRESS_DELAY_S", 0)
+    request = ["search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 2, "--seq", 1024,
+               "--global_batch_size", 8, "--top", 2]
+    code, out, err = _plan(capsys, *request)
+    assert code == 0 and "| 1 |" in out
+    assert "search:" in err and "layouts" in err and "search:" not in out
+    code, out, err = _plan(capsys, *request, "--json")
+    assert code == 0 and err == ""
+    result = json.loads(out)  # the whole of stdout is the document: no bar text in it
+    assert result["top"] and result["examined"] > 0
+    # refusals stay one line `error: ...`, exit 2, before the search
+    code, out, err = _plan(capsys, "search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 0,
+                           "--seq", 1024, "--global_batch_size", 8, "--json")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and out == ""
