@@ -74,6 +74,17 @@ class Arguments:
     data_impl: str = _key("mmap", "Format of the prepared data.", choices=("mmap",))
     skip_warmup: bool = _key(True, "Skip reading the mmap files once before training.")
     data_cache: Optional[str] = _key(None, "Directory for the cached sample indices (default: next to the data).")
+    reset_attention_mask: bool = _key(
+        False, "Packed documents: attention stops at document boundaries (the .idx documents, and after every "
+        "end-of-document token); Megatron's --reset-attention-mask (llm_pretrain/data/documents.py).")
+    reset_position_ids: bool = _key(
+        False, "Packed documents: positions restart at 0 in every document (needs reset_attention_mask); "
+        "Megatron's --reset-position-ids.")
+    eod_mask_loss: bool = _key(
+        False, "No loss on the prediction made from an end-of-document token (the next document's first "
+        "token); Megatron's --eod-mask-loss.")
+    eod_token_id: Optional[int] = _key(
+        None, "The end-of-document token id (default: the tokenizer's end-of-text token).", minimum=0)
 
     # ---- output, logging, checkpoints -----------------------------------------
     output_dir: str = _key("output", "Checkpoints, metrics (train_log.jsonl) and VisualDL logs go here.")
@@ -122,10 +133,21 @@ class Arguments:
     max_steps: int = _key(-1, "Optimizer steps to train (required, > 0).")
     learning_rate: float = _key(5e-05, "Peak learning rate.", minimum=0)
     min_learning_rate: float = _key(1e-05, "Learning rate at the end of the decay.", minimum=0)
-    lr_scheduler_type: str = _key("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    lr_scheduler_type: str = _key(
+        "cosine", "Decay after warmup; wsd: warmup-stable-decay (held at learning_rate, then the last "
+        "wsd_decay_ratio of max_steps decays to min_learning_rate with wsd_decay_style).",
+        choices=("cosine", "linear", "constant", "wsd"))
     warmup_steps: int = _key(0, "Linear warmup steps (wins over warmup_ratio when > 0).", minimum=0)
     warmup_ratio: float = _key(0.0, "Warmup as a fraction of max_steps.", minimum=0)
     decay_steps: Optional[int] = _key(None, "Step at which the decay reaches min_learning_rate (default max_steps).", minimum=1)
+    wsd_decay_ratio: float = _key(0.1, "wsd: the last fraction of max_steps that decays (the decay starts at step "
+                                  "max_steps x (1 - ratio), not rounded).", minimum=0)
+    wsd_decay_style: str = _key("1-sqrt", "wsd: the decay's shape; 1-sqrt is 1 - sqrt(progress) (MiniCPM, ERNIE 4.5), "
+                                "half_life ERNIE 4.5's default (PaddleFormers' decay_function).",
+                                choices=("linear", "cosine", "1-sqrt", "half_life"))
+    wsd_decay_start_step: Optional[int] = _key(
+        None, "wsd: the step the decay starts from, instead of wsd_decay_ratio (PaddleFormers' lr_scheduler "
+        "'wsd:N' sets it to N).", minimum=1)
     weight_decay: float = _key(0.0, "AdamW weight decay (not applied to norms and biases).", minimum=0)
     adam_beta1: float = _key(0.9, "AdamW beta1.", minimum=0)
     adam_beta2: float = _key(0.999, "AdamW beta2.", minimum=0)
@@ -232,6 +254,13 @@ class Arguments:
             return self.warmup_steps
         return self.warmup_ratio * self.max_steps
 
+    @property
+    def wsd_decay_start(self) -> float:
+        """wsd: the step whose rate is still learning_rate, the decay's progress 0."""
+        if self.wsd_decay_start_step is not None:
+            return self.wsd_decay_start_step
+        return self.max_steps * (1 - self.wsd_decay_ratio)
+
 
 # PaddleNLP keys accepted for compatibility that change nothing here, with
 # PaddleNLP's defaults. A different value gets one warning.
@@ -300,7 +329,18 @@ INERT_KEYS: dict[str, Any] = {
 }
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Arguments)}
-KNOWN_KEYS = sorted(set(FIELDS) | set(INERT_KEYS))
+# PaddleFormers' ERNIE 4.5 pretraining files (examples/config/pt/eb45_pretrain/*.yaml) spell the schedule
+# `lr_scheduler: "wsd:231084"`, `decay_function: "1-sqrt"`, `min_lr: 2.2e-5`. Accepted and translated to
+# this toolkit's keys with the meaning PaddleFormers' source gives them (translate_paddleformers_schedule).
+PADDLEFORMERS_SCHEDULE_KEYS = {
+    "lr_scheduler": "PaddleFormers' spelling: 'wsd' (the decay starts at 0.9 x max_steps), 'wsd:N' (it starts at "
+                    "step N) or 'cosine'; sets lr_scheduler_type (and wsd_decay_start_step).",
+    "decay_function": "PaddleFormers' spelling of wsd_decay_style: 'half_life' (its default) or '1-sqrt'.",
+    "min_lr": "PaddleFormers' spelling of min_learning_rate (the rate the decay ends at; PaddleFormers' "
+              "default 0 applies when lr_scheduler is given without it).",
+}
+
+KNOWN_KEYS = sorted(set(FIELDS) | set(INERT_KEYS) | set(PADDLEFORMERS_SCHEDULE_KEYS))
 
 _TRUE_STRINGS = {"true", "1", "yes", "y", "on"}
 _FALSE_STRINGS = {"false", "0", "no", "n", "off"}
@@ -442,8 +482,11 @@ def parse_arguments(argv: list[str]) -> tuple[Arguments, list[str]]:
 
     values: dict[str, Any] = {}
     warnings: list[str] = []
+    paddleformers_keys: dict[str, tuple[Any, str]] = {}
     for key, value, from_command_line, where in items:
-        if key in FIELDS:
+        if key in PADDLEFORMERS_SCHEDULE_KEYS:
+            paddleformers_keys[key] = (value, where)
+        elif key in FIELDS:
             values[key] = _convert(key, value, from_command_line, where)
         elif key in INERT_KEYS:
             if from_command_line and isinstance(value, str):
@@ -460,6 +503,7 @@ def parse_arguments(argv: list[str]) -> tuple[Arguments, list[str]]:
                 )
         else:
             raise _unknown_key_error(key, where)
+    translate_paddleformers_schedule(paddleformers_keys, values)
     args = Arguments(**values)
     validate_arguments(args)
     ignored = [option for option in args.unified_checkpoint_config.split() if option != "async_save"]
@@ -467,6 +511,59 @@ def parse_arguments(argv: list[str]) -> tuple[Arguments, list[str]]:
         warnings.append(f"unified_checkpoint_config: {' '.join(ignored)} has no effect in llm-pretrain (only "
                         "async_save has); it is accepted so that PaddleNLP argument files parse unchanged")
     return args, warnings
+
+
+def translate_paddleformers_schedule(given: dict[str, tuple[Any, str]], values: dict[str, Any]) -> None:
+    """PaddleFormers' lr_scheduler / decay_function / min_lr into lr_scheduler_type, wsd_decay_start_step,
+    wsd_decay_ratio, wsd_decay_style and min_learning_rate (in `values`, the keys given so far).
+
+    The meaning is PaddleFormers' (examples/experiments/ernie_pretrain/ernie/src/trainers/pretraining_trainer.py
+    PreTrainingArguments and create_scheduler; the curve in PaddlePaddle/ERNIE
+    examples/pre-training/ernie/src/lr_schedulers/wsd_lr.py): "wsd:N" holds the rate below step N
+    (num_steady_steps, an absolute step, warmup included) and decays from N to max_steps; plain "wsd" decays
+    from 0.9 x max_steps; min_lr is an absolute rate (its default 0.0) and decay_function's default is
+    "half_life". Any other lr_scheduler value gives PaddleFormers' cosine. A key given in both spellings
+    is an error: no silent winner."""
+    if not given:
+        return
+
+    def clash(ours: str, theirs: str) -> None:
+        if ours in values:
+            raise UsageError(f"{theirs} ({given[theirs][1]}) is PaddleFormers' spelling of {ours}, which is given "
+                             f"too; give one of them")
+
+    if "lr_scheduler" in given:
+        value, where = given["lr_scheduler"]
+        clash("lr_scheduler_type", "lr_scheduler")
+        kind, _, steady = str(value).partition(":")
+        if kind == "cosine" and not steady:
+            values["lr_scheduler_type"] = "cosine"
+        elif kind == "wsd" and (not steady or steady.isdigit() and int(steady) > 0):
+            values["lr_scheduler_type"] = "wsd"
+            if steady:
+                clash("wsd_decay_start_step", "lr_scheduler")
+                values["wsd_decay_start_step"] = int(steady)
+            else:
+                clash("wsd_decay_ratio", "lr_scheduler")
+                values["wsd_decay_ratio"] = 0.1  # num_steady_steps = 0.9 * num_training_steps
+            if "decay_function" not in given and "wsd_decay_style" not in values:
+                values["wsd_decay_style"] = "half_life"  # PaddleFormers' default decay_function
+        else:
+            raise UsageError(f"lr_scheduler: {_describe(value)} is not allowed ({where}); allowed (PaddleFormers' "
+                             "spelling): \"wsd\", \"wsd:N\" (N the step the decay starts from, N > 0), \"cosine\"")
+        if "min_lr" not in given and "min_learning_rate" not in values:
+            values["min_learning_rate"] = 0.0  # PaddleFormers' min_lr default
+    if "decay_function" in given:
+        value, where = given["decay_function"]
+        clash("wsd_decay_style", "decay_function")
+        if value not in ("half_life", "1-sqrt"):
+            raise UsageError(f"decay_function: {_describe(value)} is not allowed ({where}); allowed (PaddleFormers'): "
+                             "\"half_life\", \"1-sqrt\"")
+        values["wsd_decay_style"] = value
+    if "min_lr" in given:
+        value, where = given["min_lr"]
+        clash("min_learning_rate", "min_lr")
+        values["min_learning_rate"] = _convert("min_learning_rate", value, isinstance(value, str), where)
 
 
 def validate_arguments(args: Arguments) -> None:
@@ -510,9 +607,32 @@ def validate_arguments(args: Arguments) -> None:
         if value is not None and value >= 1:
             raise UsageError(f"{name}: {value} is not allowed; use a probability in [0, 1)")
     check_resilience_arguments(args)
+    check_schedule_arguments(args)
+    if args.reset_position_ids and not args.reset_attention_mask:
+        raise UsageError("reset_position_ids: restarting positions without reset_attention_mask is not supported; "
+                         "set reset_attention_mask true too")
     check_elastic_arguments(args)
     if args.no_recompute_layers is not None and any(i < 0 for i in args.no_recompute_layers):
         raise UsageError(f"no_recompute_layers: layer indices must be >= 0, got {args.no_recompute_layers}")
+
+
+def check_schedule_arguments(args: Arguments) -> None:
+    """The warmup-stable-decay schedule's keys against each other and max_steps."""
+    if args.lr_scheduler_type != "wsd":
+        return
+    if args.decay_steps is not None:
+        raise UsageError("decay_steps: not used by lr_scheduler_type wsd, whose decay ends at max_steps; set "
+                         "wsd_decay_ratio or wsd_decay_start_step instead")
+    if not 0 < args.wsd_decay_ratio <= 1:
+        raise UsageError(f"wsd_decay_ratio: {args.wsd_decay_ratio} is not allowed; use a fraction of max_steps "
+                         "in (0, 1]")
+    if args.do_train and args.max_steps > 0:
+        if args.wsd_decay_start_step is not None and args.wsd_decay_start_step >= args.max_steps:
+            raise UsageError(f"wsd_decay_start_step: {args.wsd_decay_start_step} is not allowed; the decay must "
+                             f"start before max_steps {args.max_steps} (PaddleFormers' lr_scheduler 'wsd:N' sets it)")
+        if args.effective_warmup_steps > args.wsd_decay_start:
+            raise UsageError(f"warmup_steps: the warmup ({args.effective_warmup_steps:g} steps) ends after the wsd "
+                             f"decay starts (step {args.wsd_decay_start:g}); shorten the warmup or the decay")
 
 
 UNIFIED_CHECKPOINT_OPTIONS = ("skip_save_model_weight", "master_weight_compatible", "async_save",
@@ -581,5 +701,6 @@ def format_key_help() -> str:
     for name, f in FIELDS.items():
         default = getattr(Arguments(), name)
         lines.append(f"  --{name} (default {_describe(default)}): {f.metadata['help']}")
+    lines += [f"  --{name}: {help}" for name, help in PADDLEFORMERS_SCHEDULE_KEYS.items()]
     lines.append("  Also accepted for PaddleNLP compatibility (no effect): " + ", ".join(sorted(INERT_KEYS)))
     return "\n".join(lines)

@@ -71,6 +71,7 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: coef x mean over tokens of logsumexp(logits)^2
     moe_capacity_factor: float = 0.0  # > 0: each expert takes at most ceil(factor x tokens x k / E); 0: dropless
     expert_parallel_degree: int = 1  # experts split over fleet's expert group (each rank: E / ep of them)
+    reset_position_ids: bool = False  # packed documents: positions restart at 0 in each (models/decoder.py Documents)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -108,4 +109,5 @@ RUNTIME_KEYS = (
     "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "context_parallel_degree", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
+    "reset_position_ids",
 )

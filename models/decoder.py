@@ -67,7 +67,11 @@ def apply_rotary(x, cos, sin):
     half = head_dim // 2
     x32 = x.astype("float32")
     signed_sin = paddle.concat([-sin[..., :half], sin[..., half:]], axis=-1)
-    cos_rows, sin_rows = (t.expand([1, seq, heads, head_dim]).reshape([seq, heads * head_dim]) for t in (cos, signed_sin))
+    # Tables are [1, seq, 1, head_dim], or [batch, seq, 1, head_dim] when positions restart at each
+    # document (each sample its own rows, `document_positions`).
+    tables = cos.shape[0]
+    cos_rows, sin_rows = (t.expand([tables, seq, heads, head_dim]).reshape([tables, seq, heads * head_dim])
+                          for t in (cos, signed_sin))
     rolled = paddle.roll(x32, half, axis=-1)  # per head: the last axis only
     rows = [batch, seq, heads * head_dim]
     return (x32.reshape(rows) * cos_rows + rolled.reshape(rows) * sin_rows).reshape(x.shape).astype(x.dtype)
@@ -96,6 +100,37 @@ def causal_mask(seq_length: int):
     return paddle.triu(paddle.full([seq_length, seq_length], float("-inf"), dtype="float32"), diagonal=1)
 
 
+# ----------------------------------------------------------------------------- packed documents
+# A training sample packs several documents. `document_ids` [batch, seq] numbers each input token's
+# document within its sample (0, 0, 0, 1, 1, 2, ...: non-decreasing); with them attention stops at the
+# documents' boundaries (Megatron's --reset-attention-mask) and, with config.reset_position_ids,
+# positions restart at 0 in every document (--reset-position-ids).
+def document_mask(document_ids):
+    """[batch, 1, seq, seq] float32: 0 where query and key are in the same document, -inf elsewhere
+    (the causal mask is added on its own)."""
+    same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    return paddle.where(same, paddle.zeros([], "float32"), paddle.full([], float("-inf"), "float32"))
+
+
+def document_positions(document_ids):
+    """[batch, seq] int64: each token's position within its document."""
+    seq = document_ids.shape[1]
+    index = paddle.arange(seq, dtype="int64").expand(document_ids.shape)
+    starts_here = paddle.concat([paddle.ones_like(document_ids[:, :1], dtype="bool"),
+                                 document_ids[:, 1:] != document_ids[:, :-1]], axis=1)
+    first_token = paddle.cummax(paddle.where(starts_here, index, paddle.zeros_like(index)), axis=1)[0]
+    return index - first_token
+
+
+class Documents:
+    """What every layer needs of the packed documents, computed once per forward: the additive mask and,
+    when positions restart, each token's position in its document (None otherwise)."""
+
+    def __init__(self, config: ModelConfig, document_ids):
+        self.mask = document_mask(document_ids)
+        self.positions = document_positions(document_ids) if config.reset_position_ids else None
+
+
 # ----------------------------------------------------------------------------- blocks
 class Embeddings(nn.Layer):
     """Word embeddings (+ learned positions for GPT-3) (+ LayerNorm for Bloom)."""
@@ -115,14 +150,17 @@ class Embeddings(nn.Layer):
         """The matrix a tied output head shares (named for fleet's SharedLayerDesc)."""
         return self.word_embeddings.weight
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, documents: Documents | None = None):
         # Segment / context parallelism: this rank's part of every sequence (whole sequences come in,
         # in one process as in the pipeline's first stage; the loss splits the labels alike).
         input_ids = pl.split_segment(self.config, input_ids)
         hidden = self.word_embeddings(input_ids)
         if self.config.position_embedding == "learned":
-            positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
-            hidden = hidden + self.position_embeddings(positions)[None]
+            if documents is not None and documents.positions is not None:  # restarting at each document
+                hidden = hidden + self.position_embeddings(documents.positions)
+            else:
+                positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
+                hidden = hidden + self.position_embeddings(positions)[None]
         # Split before the (per-token) LayerNorm: under sequence parallelism its weights then
         # see only local tokens, like every other norm, and are all-reduced the same way.
         hidden = pl.split_sequence(self.config, hidden)
@@ -177,7 +215,7 @@ class Attention(nn.Layer):
             local = slopes[first:first + self.attention_heads]
             self.register_buffer("alibi_slopes", paddle.to_tensor(local, dtype="float32"), persistable=False)
 
-    def project_qkv(self, hidden):
+    def project_qkv(self, hidden, positions=None):
         # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens;
         # the column-parallel projections gather every token, so the outputs are whole sequences.
         seq = self.config.tokens_per_rank if hidden.ndim == 2 else hidden.shape[1]
@@ -207,24 +245,33 @@ class Attention(nn.Layer):
             cos, sin = rotary_tables(self.config.seq_length if self.config.context_parallel_degree > 1 else seq, d,
                                      self.config.rope_theta, self.config.rope_scaling)
             if self.config.context_parallel_degree > 1:  # the rows of this rank's (global) positions
-                positions = pl.token_positions(self.config, seq)
-                cos, sin = (paddle.index_select(t, positions, axis=1) for t in (cos, sin))
+                rank_positions = pl.token_positions(self.config, seq)
+                cos, sin = (paddle.index_select(t, rank_positions, axis=1) for t in (cos, sin))
             if self.config.use_fused_rope:
                 # GPU kernel, as paddlenlp/transformers/llama/modeling.py LlamaAttention.forward (Paddle > 2.6:
                 # q and k with different head counts in one call). use_neox_rotary_style=False is the
                 # rotate-half layout of `apply_rotary` (halves of head_dim, tables [freqs, freqs]), not
                 # the interleaved pairs (paddle/incubate/nn/functional/fused_rotary_position_embedding.py).
+                # Positions restarting at each document go in as position_ids [batch, seq], the kernel picking
+                # each token's row of the tables, as PaddleNLP's LlamaAttention passes its position_ids.
                 from paddle.incubate.nn.functional import fused_rotary_position_embedding
 
                 q, k, _ = fused_rotary_position_embedding(q, k, None, sin=sin.astype(q.dtype), cos=cos.astype(q.dtype),
-                                                          use_neox_rotary_style=False)
+                                                          position_ids=positions, use_neox_rotary_style=False)
             else:
+                if positions is not None:
+                    # Positions restart at each document: each sample its own rows of the tables.
+                    cos, sin = (paddle.gather(t[0], positions.flatten(), axis=0).reshape([-1, seq, 1, d])
+                                for t in (cos, sin))
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def core_attention(self, q, k, v):
-        """softmax(q k^T / sqrt(d) + bias + causal mask) v; [batch, seq, heads, head_dim] in and out."""
+    def core_attention(self, q, k, v, document_mask=None):
+        """softmax(q k^T / sqrt(d) + bias + causal mask (+ document mask)) v; [batch, seq, heads, head_dim]
+        in and out."""
         if self.config.use_flash_attention:
+            if document_mask is not None:  # never dropped silently (llm_pretrain refuses the combination first)
+                raise ValueError("document masks need the plain attention path (no flashmask path yet)")
             return self.flash_attention(q, k, v)
         batch, seq = q.shape[0], q.shape[1]
         groups = self.attention_kv_heads  # grouped-query attention: each kv head serves num_heads / groups q heads
@@ -243,6 +290,8 @@ class Attention(nn.Layer):
         if self.config.position_embedding == "alibi":
             scores = scores + alibi_bias(self.alibi_slopes, seq)[None]
         scores = scores + causal_mask(seq)
+        if document_mask is not None:  # [batch, 1, seq, seq]: no attention across a document boundary
+            scores = scores + document_mask
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs.reshape([batch, groups, -1, seq]), v)
@@ -274,15 +323,16 @@ class Attention(nn.Layer):
         return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group(),
                               self.config.use_flash_attention)
 
-    def forward(self, hidden):
-        q, k, v = self.project_qkv(hidden)
+    def forward(self, hidden, documents: Documents | None = None):
+        q, k, v = self.project_qkv(hidden, documents.positions if documents is not None else None)
         attention = self.ring_attention if self.config.context_parallel_degree > 1 else self.core_attention
+        extra = (documents.mask,) if documents is not None else ()  # the plain path only (layout refuses others)
         if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 
-            out = recompute(attention, q, k, v, use_reentrant=False)
+            out = recompute(attention, q, k, v, *extra, use_reentrant=False)
         else:
-            out = attention(q, k, v)
+            out = attention(q, k, v, *extra)
         if self.config.sep_parallel_degree > 1:  # back to this rank's tokens of every head
             out = pl.heads_to_sequence(self.config, out.reshape([0, 0, self.attention_heads, -1]))
             out = out.reshape([0, 0, -1])
@@ -338,16 +388,16 @@ class DecoderLayer(nn.Layer):
         self.mlp = MoE(config, MLP) if config.is_moe else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def attention_block(self, hidden):
-        return self.dropout(self.self_attn(self.input_layernorm(hidden)))
+    def attention_block(self, hidden, documents: Documents | None = None):
+        return self.dropout(self.self_attn(self.input_layernorm(hidden), documents))
 
-    def forward(self, hidden):
+    def forward(self, hidden, documents: Documents | None = None):
         if self._recompute("full_attn"):
             from paddle.distributed.fleet.utils import recompute
 
-            hidden = hidden + recompute(self.attention_block, hidden, use_reentrant=False)
+            hidden = hidden + recompute(self.attention_block, hidden, documents, use_reentrant=False)
         else:
-            hidden = hidden + self.attention_block(hidden)
+            hidden = hidden + self.attention_block(hidden, documents)
         return hidden + self.dropout(self.mlp(self.post_attention_layernorm(hidden)))
 
     def _recompute(self, granularity: str) -> bool:
@@ -430,16 +480,19 @@ class CausalLM(nn.Layer):
         self.lm_head = LMHead(config, tied)
         self.router_metrics = RouterMetrics(config) if config.is_moe else None
 
-    def forward(self, input_ids, labels=None):
-        hidden = self.embeddings(input_ids)
+    def forward(self, input_ids, labels=None, document_ids=None):
+        """document_ids [batch, seq] (optional): each input token's document in its packed sample; attention
+        then stays within documents (see `Documents`)."""
+        documents = Documents(self.config, document_ids) if document_ids is not None else None
+        hidden = self.embeddings(input_ids, documents)
         router_stats = []
         for layer in self.layers:
             if layer._recompute("full"):
                 from paddle.distributed.fleet.utils import recompute
 
-                hidden = recompute(layer, hidden, use_reentrant=False)
+                hidden = recompute(layer, hidden, documents, use_reentrant=False)
             else:
-                hidden = layer(hidden)
+                hidden = layer(hidden, documents)
             if self.config.is_moe:
                 router_stats.append(layer.mlp.last_stats)
         logits = self.lm_head(self.norm(hidden))

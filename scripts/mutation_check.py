@@ -52,6 +52,7 @@ STANDIN_CAUSAL = f"{STANDINS}::test_off_diagonal_causal_block_is_bottom_right_al
 STANDIN_FLASH = f"{STANDINS}::test_flash_attn_equals_plain_attention"
 STANDIN_RING = f"{STANDINS}::test_ring_flash_blocks_run_on_the_stand_in"
 RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence"
+DOCUMENTS = "tests/test_documents.py"
 
 
 @dataclass
@@ -264,6 +265,21 @@ MUTATIONS = [
              "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, STANDIN_RING)),
     Mutation("ring_lse_unsliced", "the ring keeps flash_attn's padded softmax_lse (seqlen_q rounded up to 128)",
              "models/ring_attention.py", "return out, lse[:, :, :q.shape[1]]", "return out, lse", (RING_FLASH,)),
+    Mutation("wsd_not_held", "wsd: the stable phase dropped (the decay formula from the end of the warmup on)",
+             "llm_pretrain/parallel/optim.py", 'if kind == "wsd" and step < decay_start:', "if False:", (LR,)),
+    Mutation("wsd_1sqrt_as_linear", "wsd: the 1-sqrt decay computed as linear", "llm_pretrain/parallel/optim.py",
+             "return 1.0 - math.sqrt(progress)", "return 1.0 - progress", (LR,)),
+    Mutation("document_mask_off", "packed documents: the document mask not added to the attention scores",
+             "models/decoder.py", "            scores = scores + document_mask\n", "            pass\n", (DOCUMENTS,)),
+    Mutation("document_positions_not_reset", "packed documents: learned positions not restarted per document",
+             "models/decoder.py", "hidden = hidden + self.position_embeddings(documents.positions)",
+             "hidden = hidden + self.position_embeddings(pl.token_positions(self.config, input_ids.shape[1]))[None]",
+             (DOCUMENTS,)),
+    Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",
+             "llm_pretrain/data/documents.py", "return np.where(inputs == self.eod_token_id, -100, labels)",
+             "return labels", (DOCUMENTS,)),
+    Mutation("eod_boundaries_off", "packed documents: an eod token inside an .idx document starts no new document",
+             "llm_pretrain/data/documents.py", "starts[1:] |= tokens[:-1] == eod_token_id", "pass", (DOCUMENTS,)),
 ]
 
 

@@ -314,7 +314,8 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def _window_spans(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ranges [starts, ends) in the .bin of the pieces of documents that make window i."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range ({len(self)} samples)")
         k = int(self.shuffle_idx[i])
@@ -325,10 +326,20 @@ class GPTDataset:
         starts, ends = self.data.document_spans(documents, self._single_items)
         ends[-1] = starts[-1] + end + 1  # the window ends inside its last document (inclusive)...
         starts[0] += start  # ...and starts inside its first
+        return starts, ends
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        starts, ends = self._window_spans(i)
         tokens = self.data.tokens
-        if first == last:
+        if len(starts) == 1:
             return tokens[starts[0]:ends[0]].astype(np.int64)
         return np.concatenate([tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).astype(np.int64)
+
+    def document_pieces(self, i: int) -> np.ndarray:
+        """Lengths of the pieces of .idx documents window i is made of, in order (they sum to seq_length + 1):
+        where its documents start (llm_pretrain/data/documents.py)."""
+        starts, ends = self._window_spans(i)
+        return ends - starts
 
 
 class BlendedDataset:
@@ -367,6 +378,11 @@ class BlendedDataset:
         if not 0 <= i < self.size:
             raise IndexError(f"sample {i} out of range ({self.size} samples)")
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+    def document_pieces(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} out of range ({self.size} samples)")
+        return self.datasets[int(self.dataset_index[i])].document_pieces(int(self.dataset_sample_index[i]))
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -587,7 +587,40 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     check_model_fits_layout(config, layout)
     check_mixture_of_experts(args, config, layout)
     check_strategy(args, config, layout)
+    check_document_keys(args, config, layout, device)
     return layout, config, weights_file, notes
+
+
+def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:
+    """reset_attention_mask / eod_mask_loss: the end-of-document token inside the vocabulary, and a layout
+    and attention path that honour document masks (the plain path in one process, for now)."""
+    if not (args.reset_attention_mask or args.eod_mask_loss):
+        return
+    from llm_pretrain.data.documents import eod_token_of
+
+    eod = eod_token_of(args.eod_token_id, args.tokenizer_path)
+    if args.eod_token_id is not None and args.eod_token_id >= config.vocab_size:
+        raise UsageError(f"eod_token_id: {args.eod_token_id} is outside the model's vocabulary (0 to "
+                         f"{config.vocab_size - 1})")
+    if args.eod_mask_loss and eod is None:
+        raise UsageError(f"eod_mask_loss: the tokenizer {args.tokenizer_path} has no end-of-text token; set "
+                         "eod_token_id")
+    if not args.reset_attention_mask:
+        return
+    if args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device)):  # the flash branch runs
+        raise UsageError("reset_attention_mask with use_flash_attention is not supported yet (the flashmask "
+                         "attention path is not built); set use_flash_attention false")
+    # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
+    # sequences of its heads) run the same attention with the same mask (tests/test_documents.py, shared
+    # launches dp2, tp2, sd2). Not yet: the pipeline (the ids would travel with the micro-batch), sep
+    # (the all-to-all) and cp (the ring's blocks).
+    degrees = {"pipeline_parallel_degree": layout.pipeline_parallel_degree,
+               "sep_parallel_degree": layout.sep_parallel_degree,
+               "context_parallel_degree": layout.context_parallel_degree}
+    for name, degree in degrees.items():
+        if degree > 1:
+            raise UsageError(f"reset_attention_mask with {name} {degree} is not supported yet; document masks run "
+                             "with data, tensor (and sequence) parallelism and sharding, or turn it off")
 
 
 def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
@@ -640,6 +673,7 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
         use_fused_rope=args.use_fused_rope and kernels,
         use_fused_swiglu=kernels,  # as PaddleNLP's LLaMA on GPU (the CPU build has the kernel too: stand-in runs)
         use_fast_layer_norm=args.use_fast_layer_norm and kernels and config.norm_type == "layernorm",
+        reset_position_ids=args.reset_position_ids,
     )
     if config.use_fast_layer_norm and gpu and importlib.util.find_spec("fast_ln") is None:
         raise UsageError("use_fast_layer_norm: needs the fast_ln package (PaddleNLP's external CUDA ops, which "

@@ -36,6 +36,7 @@ from llm_pretrain.observe.flops import training_flops_per_token
 from llm_pretrain.parallel.layout import Layout, pipeline_chunks, pipeline_eval_micro_batches, pipeline_split, predict_iterations
 from llm_pretrain.observe.metrics import MetricsLogger, reset_peak_memory, scalar
 from llm_pretrain.parallel.optim import build_optimizer, build_schedule
+from llm_pretrain.data.documents import DocumentRule, document_rule
 from llm_pretrain.observe import run_record
 from llm_pretrain.run.preflight import RunPlan, device_name, layout_summary, no_usable_checkpoint, warn
 from llm_pretrain.checkpoint.replica_check import check_replicas
@@ -96,27 +97,41 @@ class BatchPlan:
     accumulation_steps: int
     data_replicas: int
     data_replica_rank: int
+    documents: DocumentRule | None = None  # packed documents' boundaries and eod loss (data/documents.py)
 
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.accumulation_steps * self.data_replicas
 
-    def host_batch(self, dataset, first_sample: int, vocab_size: int) -> np.ndarray:
-        """This replica's samples of the global batch that starts at first_sample (int64, on the host)."""
+    def host_batch(self, dataset, first_sample: int, vocab_size: int):
+        """This replica's samples of the global batch that starts at first_sample (int64, on the host);
+        with document masks (tokens, document ids of every token)."""
         per_replica = self.micro_batch_size * self.accumulation_steps
         start = first_sample + self.data_replica_rank * per_replica
         tokens = np.stack([dataset[i] for i in range(start, start + per_replica)]).astype("int64")
         if tokens.max() >= vocab_size:
             raise UsageError(f"input_dir: token id {tokens.max()} in the data is not below the model's vocab_size "
                              f"{vocab_size}; was the data prepared with another tokenizer?")
-        return tokens
+        if self.documents is None or not self.documents.document_masks:
+            return tokens
+        ids = np.stack([self.documents.window_ids(dataset, i, window)
+                        for i, window in zip(range(start, start + per_replica), tokens)])
+        return tokens, ids
 
-    def to_micro_batches(self, tokens: np.ndarray, device: str = "cpu") -> list:
-        """(input_ids, labels) tensors of each micro-batch of host_batch's samples."""
+    def to_micro_batches(self, host, device: str = "cpu") -> list:
+        """(input_ids, labels) tensors of each micro-batch of host_batch's samples, with document masks
+        (input_ids, labels, document_ids)."""
+        tokens, ids = host if isinstance(host, tuple) else (host, None)
         batches = []
         for i in range(self.accumulation_steps):
-            chunk = tokens[i * self.micro_batch_size:(i + 1) * self.micro_batch_size]
-            batches.append((to_device(chunk[:, :-1], device), to_device(chunk[:, 1:], device)))
+            rows = slice(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
+            inputs, labels = tokens[rows, :-1], tokens[rows, 1:]
+            if self.documents is not None:
+                labels = self.documents.labels(inputs, labels)
+            batch = (to_device(inputs, device), to_device(labels, device))
+            if ids is not None:  # each input token's document (the last window token has no input)
+                batch += (to_device(ids[rows, :-1], device),)
+            batches.append(batch)
         return batches
 
     def micro_batches(self, dataset, first_sample: int, vocab_size: int, device: str = "cpu") -> list:
@@ -296,13 +311,13 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         return StepResult(float(host[0]), grad_norm, ", ".join(nonfinite) or None, bool(host[3]), stepped,
                           float(host[5]), bool(host[4]))
     total_loss = paddle.zeros([], dtype="float32")
-    for i, (input_ids, labels) in enumerate(micro_batches):
+    for i, (input_ids, labels, *documents) in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
         # Data parallelism all-reduces gradients once, after the last micro-batch.
         sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with precision.autocast():
-                loss = model(input_ids, labels)
+                loss = model(input_ids, labels, *documents)  # documents: [document_ids] with document masks
             precision.backward(loss / len(micro_batches))
         total_loss += loss.detach().astype("float32")
     # In a single process the squares give the grad norm (unscaled first: a one-process clip scales
@@ -386,7 +401,7 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
             model.accumulate_steps = saved
     else:
         with autocast():
-            losses = [fed(float(model(input_ids, labels))) for input_ids, labels in batches]
+            losses = [fed(float(model(*batch))) for batch in batches]  # (input_ids, labels[, document_ids])
     model.train()
     return all_reduce_mean_over_replicas(sum(losses) / len(losses), layout)
 
@@ -452,9 +467,11 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
     model, optimizer = wrap_for_training(model, optimizer, layout, args.gradient_accumulation_steps)
     clip_grad_norm = record_grad_norm(optimizer) if layout.distributed else None
 
+    documents = document_rule(args)  # packed documents: masks, eod loss (llm_pretrain/data/documents.py)
     train_plan = BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                           layout.data_replicas, layout.data_replica_rank)
-    eval_plan = BatchPlan(args.per_device_eval_batch_size, 1, layout.data_replicas, layout.data_replica_rank)
+                           layout.data_replicas, layout.data_replica_rank, documents)
+    eval_plan = BatchPlan(args.per_device_eval_batch_size, 1, layout.data_replicas, layout.data_replica_rank,
+                          documents)
     num_samples = (args.max_steps * train_plan.global_batch_size if args.do_train else 0,
                    valid_samples(args, eval_plan) if args.do_eval else 0,
                    predict_iterations(args) * eval_plan.global_batch_size if args.do_predict else 0)
@@ -497,6 +514,10 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
         "paddle_version": paddle.__version__, "paddle_commit": paddle.version.commit,
         "flops_per_token": flops_per_token, "model_config": config.architecture_dict(),
         "prediction": prediction, "cpu_defaults": plan.cpu_defaults,
+        "lr_schedule": schedule.describe(),  # the learning-rate schedule as built (parallel/optim.py)
+        "documents": None if documents is None else {  # what the batches and the model were built with
+            "document_masks": documents.document_masks, "eod_token_id": documents.eod_token_id,
+            "eod_mask_loss": documents.eod_mask_loss, "reset_position_ids": unwrapped_model.config.reset_position_ids},
         **({"elastic": plan.elastic} if plan.elastic else {}),
     })
     if plan.elastic:  # the layout change the preflight made for the ranks present, also as its own record

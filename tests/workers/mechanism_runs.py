@@ -131,13 +131,13 @@ def watch_kv_heads():
 
     original = Attention.project_qkv
 
-    def project_qkv(self, hidden):
+    def project_qkv(self, hidden, positions=None):  # positions: restarting per packed document
         if not (self.training and getattr(self, "replicated_kv", False)) or self.layer_index in probe["kv_heads"]:
-            return original(self, hidden)
+            return original(self, hidden, positions)
         whole = []
         handle = self.v_proj.register_forward_post_hook(lambda layer, inputs, output: whole.append(output))
         try:
-            q, k, v = original(self, hidden)
+            q, k, v = original(self, hidden, positions)
         finally:
             handle.remove()
         d, kv_heads = self.config.head_dim, self.config.num_key_value_heads
@@ -230,10 +230,10 @@ def grad_fingerprint(model) -> float | None:
 def watch_data_parallel():
     original_forward = CausalLM.forward
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, *documents):  # documents: [document_ids] with document masks
         if self.training:
             probe["grad_fingerprints"].append(("micro_batch", grad_fingerprint(self)))
-        return original_forward(self, input_ids, labels)
+        return original_forward(self, input_ids, labels, *documents)
 
     CausalLM.forward = forward
 
