@@ -327,10 +327,10 @@ def _count_per_layer(monkeypatch):
     counts, current = defaultdict(lambda: defaultdict(int)), [None]
     forward = DecoderLayer.forward
 
-    def layer_forward(self, hidden):
+    def layer_forward(self, hidden, *documents):
         current[0] = self.layer_index if self.training else None
         try:
-            return forward(self, hidden)
+            return forward(self, hidden, *documents)
         finally:
             current[0] = None
 
