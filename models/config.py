@@ -43,6 +43,10 @@ class ModelConfig:
     norm_head: bool = False  # Baichuan2: the output head's rows are L2-normalized
     fuse_attention_qkv: bool = False  # one q/k/v projection instead of three
     fuse_attention_ffn: bool = False  # one gate/up projection instead of two
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (one [head_dim] weight each, shared by the heads)
+    # The width of one attention head when it is not hidden_size / num_attention_heads (Qwen3: 128 at every
+    # size, config.json "head_dim"); None: hidden_size / num_attention_heads.
+    attention_head_dim: Optional[int] = None
 
     # mixture of experts (models/moe.py; Mixtral, Qwen2-MoE); num_experts 0: a dense MLP
     num_experts: int = 0
@@ -82,7 +86,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection's output (hidden_size unless head_dim is set apart, Qwen3)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:

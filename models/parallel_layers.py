@@ -143,6 +143,24 @@ def norm(config: ModelConfig, hidden_size: int) -> nn.Layer:
     return layer
 
 
+def head_norm(config: ModelConfig, head_dim: int) -> nn.Layer:
+    """RMSNorm over each attention head (Qwen3's q_norm / k_norm), replicated on every rank.
+
+    Each rank normalizes the heads it holds (tensor parallelism) of the tokens it holds (sep, cp): its
+    weight gradients are partial sums. Under tensor parallelism they are marked like the norms under
+    sequence parallelism, so that fleet's hooks sum them over the tensor-parallel group
+    (llm_pretrain/parallel/distributed.py wrap_for_training); over the sep/cp group they are summed like
+    every other replicated weight's."""
+    layer = RMSNorm(head_dim, config.norm_eps, fused=config.use_fused_rms_norm)
+    for param in layer.parameters():
+        tag_split(param, None)
+        if _tensor_parallel(config):
+            from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
+
+            mark_as_sequence_parallel_parameter(param)
+    return layer
+
+
 class RMSNorm(nn.Layer):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as in PaddleNLP's LLaMA."""
 

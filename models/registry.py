@@ -43,13 +43,15 @@ def known_model_names() -> list[str]:
 def parameter_count(config: ModelConfig) -> int:
     """Number of parameters of the whole (unsplit) model, from the architecture alone."""
     h, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    kv = config.num_key_value_heads * config.head_dim
+    q, kv = config.q_size, config.num_key_value_heads * config.head_dim
     norm = h if config.norm_type == "rmsnorm" else 2 * h
-    attention = 2 * h * h + 2 * h * kv
+    attention = 2 * h * q + 2 * h * kv  # q and o_proj, k and v
     if config.qkv_bias or config.linear_bias:
-        attention += h + 2 * kv
+        attention += q + 2 * kv
     if config.linear_bias:
         attention += h
+    if config.qk_norm:  # Qwen3's q_norm and k_norm: one [head_dim] weight each
+        attention += 2 * config.head_dim
     mlp = (3 if config.uses_swiglu else 2) * h * inner
     if config.linear_bias:
         mlp += (2 * inner if config.uses_swiglu else inner) + h
