@@ -164,6 +164,18 @@ MUTATIONS = [
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
              "dist.broadcast(packed, src=group.ranks[0], group=group)", (MOE_PIPELINE,)),
+    # Qwen3 (issue 34): the q/k norms skipped in the forward; their gradients not summed over the tensor-parallel
+    # group (each rank's are partial over its heads).
+    Mutation("qwen3_qk_norm_off", "Qwen3's q/k RMSNorm per head not applied", "models/decoder.py",
+             "            q, k = self.q_norm(q), self.k_norm(k)\n", "            q, k = q, k\n",
+             ("tests/test_qwen3.py::test_q_and_k_norms_are_applied_per_head",)),
+    Mutation("qwen3_qk_norm_tp_partial", "the q/k norms' gradients under tensor parallelism not summed over the group",
+             "models/parallel_layers.py",
+             "        if _tensor_parallel(config):\n            from paddle.distributed.fleet.utils.sequence_parallel_utils "
+             "import mark_as_sequence_parallel_parameter\n\n            mark_as_sequence_parallel_parameter(param)\n    "
+             "return layer\n\n\nclass RMSNorm",
+             "        if False:\n            pass\n    return layer\n\n\nclass RMSNorm",
+             ("tests/test_parallel_parity.py::test_tensor_parallel",)),
 ]
 
 

@@ -1,0 +1,138 @@
+"""Qwen3 (models/families/qwen3.py), in one process: the published sizes and their parameter counts,
+config.json reading (and what is refused), the q/k norms and the head width apart from hidden / heads.
+
+The same function as PaddleFormers 0.4.1's Qwen3ForCausalLM (logits and loss, same weights) is judged in
+its own environment by scripts/verify_paddleformers.py (benchmarks/paddleformers_parity.md, checked by
+tests/test_paddleformers_parity.py); every parallel layout trains qwen3-tiny in the shared launches of
+tests/test_parallel_parity.py (the family is in models.families.FAMILIES).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from llm_pretrain.planner.params import parameter_list
+from models.decoder import CausalLM
+from models.errors import UsageError
+from models.families.qwen3 import hf_qwen3_config
+from models.registry import ARCHITECTURES, config_from_dict, parameter_count
+from models.weights import init_weights
+
+# The model cards' "Number of Parameters" and "(Non-Embedding)" (Qwen/<name> on the Hugging Face hub), in
+# billions as printed there; non-embedding leaves out the embedding and an untied head.
+MODEL_CARDS = {
+    "Qwen/Qwen3-0.6B": (0.6, 0.44), "Qwen/Qwen3-1.7B": (1.7, 1.4), "Qwen/Qwen3-4B": (4.0, 3.6),
+    "Qwen/Qwen3-8B": (8.2, 6.95), "Qwen/Qwen3-14B": (14.8, 13.2), "Qwen/Qwen3-32B": (32.8, 31.2),
+}
+
+# Qwen/Qwen3-0.6B's config.json as published (the architecture keys; the token ids and dtype left out).
+QWEN3_06B_CONFIG_JSON = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def _round_to(value: float, printed: float) -> float:
+    decimals = len(repr(printed).split(".")[1])
+    return round(value, decimals)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CARDS))
+def test_parameter_counts_are_the_model_cards(name):
+    config = ARCHITECTURES[name]
+    total = parameter_count(config)
+    embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    card_total, card_non_embedding = MODEL_CARDS[name]
+    assert _round_to(total / 1e9, card_total) == card_total
+    assert _round_to((total - embedding) / 1e9, card_non_embedding) == card_non_embedding
+    assert config.head_dim == 128 and config.qk_norm and not config.qkv_bias
+    assert sum(p.numel for p in parameter_list(config, 1)) == total  # the planner counts the same parameters
+
+
+def test_qwen3_8b_is_8_19_billion():
+    assert parameter_count(ARCHITECTURES["Qwen/Qwen3-8B"]) == 8_190_735_360
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-real"])
+def test_presets_hold_the_counted_parameters(name):
+    config = ARCHITECTURES[name]
+    model = CausalLM(config)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    assert sum(int(np.prod(s)) for s in shapes.values()) == parameter_count(config)
+    assert [(p.name, p.numel) for p in parameter_list(config, 1)] == [(n, int(np.prod(s))) for n, s in shapes.items()]
+    # the query columns are heads x head_dim, not the hidden width; one [head_dim] norm each for q and k
+    q_columns = config.num_attention_heads * config.head_dim
+    assert shapes["layers.0.self_attn.q_proj.weight"] == [config.hidden_size, q_columns]
+    assert shapes["layers.0.self_attn.o_proj.weight"] == [q_columns, config.hidden_size]
+    assert shapes["layers.0.self_attn.q_norm.weight"] == shapes["layers.0.self_attn.k_norm.weight"] == [config.head_dim]
+    assert "layers.0.self_attn.q_proj.bias" not in shapes
+    if name == "qwen3-tiny":
+        assert q_columns != config.hidden_size
+    else:  # above Paddle's thresholds: stage 3 slices > 2**20 elements, stage 2 keeps > 2**23 out of its buffer
+        assert int(np.prod(shapes["layers.0.mlp.gate_proj.weight"])) > 2**20
+        assert int(np.prod(shapes["embeddings.word_embeddings.weight"])) > 2**23
+
+
+def test_published_config_json_is_the_built_in_architecture():
+    config = config_from_dict(dict(QWEN3_06B_CONFIG_JSON), source="Qwen3-0.6B/config.json")
+    assert config == ARCHITECTURES["Qwen/Qwen3-0.6B"]
+    for name in MODEL_CARDS:  # and our export's config.json reads back as the same architecture
+        assert config_from_dict(hf_qwen3_config(ARCHITECTURES[name]), source=name) == ARCHITECTURES[name]
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"attention_bias": True}, "attention_bias true"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window true"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope_scaling"),
+])
+def test_switches_it_cannot_compute_are_refused_in_one_line(change, key):
+    with pytest.raises(UsageError) as error:
+        config_from_dict({**QWEN3_06B_CONFIG_JSON, **change}, source="Qwen3-0.6B/config.json")
+    message = str(error.value)
+    assert "\n" not in message and key in message and "Qwen3-0.6B/config.json" in message
+
+
+def _random_model(config, seed=3):
+    """qwen3-tiny with every weight drawn, the norms' too (a norm weight of 1 would hide a missing norm)."""
+    model = CausalLM(config)
+    init_weights(model, config, seed)
+    rng = np.random.default_rng(seed)
+    with paddle.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.set_value(rng.uniform(0.5, 1.5, param.shape).astype("float32"))
+    model.eval()
+    return model
+
+
+def test_q_and_k_norms_are_applied_per_head():
+    """The q/k norms act: the logits are those of RMSNorm over each head of q and k (computed here from the
+    q/k projections with numpy), and differ from the same weights without the norms."""
+    config = ARCHITECTURES["qwen3-tiny"].replace(seq_length=16)
+    model = _random_model(config)
+    tokens = paddle.to_tensor(np.random.default_rng(0).integers(0, config.vocab_size, (2, 16)), dtype="int64")
+    logits = model(tokens).numpy()
+
+    attention = model.layers[0].self_attn
+    hidden = model.layers[0].input_layernorm(model.embeddings(tokens))
+    d = config.head_dim
+    q = attention.q_proj(hidden).numpy().reshape(2, 16, config.num_attention_heads, d)
+    w = attention.q_norm.weight.numpy()
+    expected = q / np.sqrt((q ** 2).mean(-1, keepdims=True) + config.norm_eps) * w
+    np.testing.assert_allclose(attention.q_norm(paddle.to_tensor(q)).numpy(), expected, rtol=1e-5, atol=1e-6)
+
+    plain = CausalLM(config.replace(qk_norm=False))
+    plain.set_state_dict({k: v for k, v in model.state_dict().items() if "q_norm" not in k and "k_norm" not in k})
+    plain.eval()
+    assert np.abs(plain(tokens).numpy() - logits).max() > 1e-2
+    # and both norms matter: scaling k_norm's weight alone changes the attention scores, hence the logits
+    with paddle.no_grad():
+        attention.k_norm.weight.set_value(attention.k_norm.weight * 2.0)
+    assert np.abs(model(tokens).numpy() - logits).max() > 1e-3
