@@ -69,6 +69,15 @@ def parameter_count(config: ModelConfig) -> int:
     return total
 
 
+def activated_parameter_count(config: ModelConfig) -> int:
+    """Parameters one token passes through: all but the experts it is not routed to (a mixture of experts'
+    "A3B" / "activated" figure; the whole count for a dense model)."""
+    idle_experts = config.num_experts - config.num_experts_per_tok if config.is_moe else 0
+    mlp_matrices = 3 if config.uses_swiglu else 2
+    return parameter_count(config) - config.num_hidden_layers * idle_experts * mlp_matrices * config.hidden_size \
+        * config.expert_intermediate_size
+
+
 def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:
     """The architecture and, for a directory with weights, the weights file.
 

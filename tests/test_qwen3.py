@@ -9,6 +9,8 @@ tests/test_parallel_parity.py (the family is in models.families.FAMILIES).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import pytest
@@ -17,7 +19,8 @@ from llm_pretrain.planner.params import parameter_list
 from models.decoder import CausalLM
 from models.errors import UsageError
 from models.families.qwen3 import hf_qwen3_config
-from models.registry import ARCHITECTURES, config_from_dict, parameter_count
+from models.families.qwen3_moe import hf_qwen3_moe_config
+from models.registry import ARCHITECTURES, activated_parameter_count, config_from_dict, parameter_count
 from models.weights import init_weights
 
 # The model cards' "Number of Parameters" and "(Non-Embedding)" (Qwen/<name> on the Hugging Face hub), in
@@ -38,9 +41,13 @@ QWEN3_06B_CONFIG_JSON = {
 }
 
 
-def _round_to(value: float, printed: float) -> float:
-    decimals = len(repr(printed).split(".")[1])
-    return round(value, decimals)
+def _decimals(printed) -> int:
+    return len(repr(printed).split(".")[1]) if isinstance(printed, float) else 0
+
+
+def _round_to(value: float, printed) -> float:
+    """`value` rounded to the digits the model card prints (235 -> units, 30.5 -> tenths)."""
+    return round(value, _decimals(printed))
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_CARDS))
@@ -136,3 +143,62 @@ def test_q_and_k_norms_are_applied_per_head():
     with paddle.no_grad():
         attention.k_norm.weight.set_value(attention.k_norm.weight * 2.0)
     assert np.abs(model(tokens).numpy() - logits).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- Qwen3-MoE
+# The model cards: total and activated parameters, in billions as printed there.
+MOE_MODEL_CARDS = {"Qwen/Qwen3-30B-A3B": (30.5, 3.3), "Qwen/Qwen3-235B-A22B": (235, 22)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODEL_CARDS))
+def test_moe_parameter_counts_are_the_model_cards(name):
+    config = ARCHITECTURES[name]
+    total, activated = MOE_MODEL_CARDS[name]
+    assert _round_to(parameter_count(config) / 1e9, total) == total
+    # The cards cut the activated count to their digits rather than rounding it: 3.353B is "3.3B", 22.19B "22B".
+    assert math.floor(activated_parameter_count(config) / 1e9 * 10 ** _decimals(activated)) / 10 ** _decimals(
+        activated) == activated
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (128, 8, True)
+    assert config.shared_expert_intermediate_size == 0 and config.qk_norm and config.head_dim == 128
+    assert config.router_aux_loss_coef == 0.001 and not config.tie_word_embeddings
+    assert sum(p.numel for p in parameter_list(config, 1)) == parameter_count(config)
+    assert config_from_dict(hf_qwen3_moe_config(config), source=name) == config
+
+
+def test_qwen3_30b_a3b_exact_counts():
+    config = ARCHITECTURES["Qwen/Qwen3-30B-A3B"]
+    assert (parameter_count(config), activated_parameter_count(config)) == (30_532_122_624, 3_353_032_704)
+
+
+def test_moe_tiny_trains_a_step_with_every_parameter_counted():
+    config = ARCHITECTURES["qwen3-moe-tiny"].replace(seq_length=16)
+    model = CausalLM(config)
+    init_weights(model, config, 0)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    assert sum(int(np.prod(s)) for s in shapes.values()) == parameter_count(config)
+    assert [(p.name, p.numel) for p in parameter_list(config, 1)] == [(n, int(np.prod(s))) for n, s in shapes.items()]
+    assert not any("shared_expert" in n for n in shapes) and "layers.1.self_attn.k_norm.weight" in shapes
+    tokens = paddle.to_tensor(np.random.default_rng(0).integers(0, config.vocab_size, (2, 16)), dtype="int64")
+    loss = model(tokens, tokens)
+    loss.backward()
+    assert np.isfinite(float(loss)) and float(paddle.abs(model.layers[0].mlp.gate.weight.grad).sum()) > 0
+
+
+MOE_CONFIG_JSON = {**QWEN3_06B_CONFIG_JSON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                   "tie_word_embeddings": False, "moe_intermediate_size": 768, "num_experts": 128,
+                   "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "router_aux_loss_coef": 0.001}
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"mlp_only_layers": [0, 5]}, "mlp_only_layers [0, 5]"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+    ({"shared_expert_intermediate_size": 4096}, "shared_expert_intermediate_size 4096"),
+    ({"attention_bias": True}, "attention_bias true"),
+])
+def test_moe_switches_it_cannot_compute_are_refused_in_one_line(change, key):
+    assert config_from_dict(dict(MOE_CONFIG_JSON), source="c.json").num_experts == 128  # the published file reads
+    with pytest.raises(UsageError) as error:
+        config_from_dict({**MOE_CONFIG_JSON, **change}, source="Qwen3-30B-A3B/config.json")
+    message = str(error.value)
+    assert "\n" not in message and key in message and "allowed" in message

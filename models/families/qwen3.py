@@ -106,10 +106,15 @@ def qwen3_table(config, transpose: bool = False) -> list:
             + qk_norm_rules("model."))
 
 
+def is_hugging_face_layout(raw: dict, names=()) -> bool:
+    """Hugging Face's files (PyTorch's [out, in] matrices) rather than PaddleFormers' ([in, out]): both name the
+    tensors "model.", so the config.json tells them apart: transformers writes "transformers_version" /
+    "torch_dtype" (and so does llm-export-hf), PaddleFormers' save_pretrained neither."""
+    return is_hugging_face(names) and ("transformers_version" in raw or "torch_dtype" in raw)
+
+
 def import_table(raw: dict, config, names=()) -> list:
-    # The names are the same in both; Hugging Face's files are safetensors of [out, in] matrices, which
-    # paddlenlp_interop reads as Hugging Face's by their names (model.safetensors) -> transpose.
-    return qwen3_table(config, transpose=is_hugging_face(names) and raw.get("_hugging_face", True))
+    return qwen3_table(config, transpose=is_hugging_face_layout(raw, names))
 
 
 def hf_qwen3_config(c) -> dict:
@@ -129,7 +134,9 @@ HF_QWEN3_CLASS = HuggingFaceClass(
 
 FAMILY = Family(
     name="qwen3", switches=SWITCHES,
-    scaled_output_init=False,  # PaddleFormers' Qwen3PretrainedModel._init_weights draws every matrix N(0, 0.02)
+    # Every matrix N(0, initializer_range), o_proj and down_proj too: PaddleFormers' Qwen3PretrainedModel has no
+    # _init_weights of its own (paddleformers/transformers/qwen3/modeling.py), nor scaled output projections.
+    scaled_output_init=False,
     architectures=ARCHITECTURES, tiny="qwen3-tiny", model_types=("qwen3",), read_config=read_config,
     paddlenlp=PaddleNLPClass(
         class_name="Qwen3ForCausalLM", model_type="qwen3", requires=QWEN3_REQUIRES,
