@@ -74,6 +74,9 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: coef x mean over tokens of logsumexp(logits)^2
     moe_capacity_factor: float = 0.0  # > 0: each expert takes at most ceil(factor x tokens x k / E); 0: dropless
     expert_parallel_degree: int = 1  # experts split over fleet's expert group (each rank: E / ep of them)
+    # Qwen3's global-batch load balancing (Qiu et al. 2025): the pick frequencies f_e of the load-balancing loss
+    # summed over the ranks that hold other samples (data-parallel and sharding) before the loss (models/moe.py)
+    moe_global_batch_balance: bool = False
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -116,4 +119,5 @@ RUNTIME_KEYS = (
     "seq_length", "tensor_parallel_degree", "sequence_parallel", "sep_parallel_degree", "context_parallel_degree", "recompute", "recompute_granularity",
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
+    "moe_global_batch_balance",
 )

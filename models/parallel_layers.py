@@ -462,6 +462,25 @@ def sum_over_segments(config: ModelConfig, x):
     return _SumOverGroup.apply(x, sequence_group())
 
 
+def sum_over_data_replicas(x):
+    """`x` summed over the ranks that hold other samples of the step's batch (fleet's data-parallel and sharding
+    groups), and how many they are: (x, 1) in one process. No gradient (the routers' pick counts)."""
+    import paddle.distributed as dist
+
+    if not dist.is_initialized():
+        return x, 1
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    ranks = 1
+    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):
+        if group.nranks > 1:
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+            ranks *= group.nranks
+    return x, ranks
+
+
 def whole_sequences(config: ModelConfig, local):
     """This rank's part of every sequence (numpy [batch, seq / degree, ...]) -> (every rank's parts in
     sequence order [batch, seq, ...], the positions of this rank's part); without sep or cp (local, all)."""

@@ -176,6 +176,10 @@ MUTATIONS = [
              "return layer\n\n\nclass RMSNorm",
              "        if False:\n            pass\n    return layer\n\n\nclass RMSNorm",
              ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    Mutation("qwen3_global_batch_balance_off", "moe_global_batch_balance set but each rank's own pick frequencies "
+             "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
+             "    if True:\n        return stats\n",
+             ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
 ]
 
 

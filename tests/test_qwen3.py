@@ -202,3 +202,70 @@ def test_moe_switches_it_cannot_compute_are_refused_in_one_line(change, key):
         config_from_dict({**MOE_CONFIG_JSON, **change}, source="Qwen3-30B-A3B/config.json")
     message = str(error.value)
     assert "\n" not in message and key in message and "allowed" in message
+
+
+# ----------------------------------------------------------------------------- global-batch balancing
+def _loss_and_grads(model, tokens):
+    model.clear_gradients()
+    loss = model(tokens, tokens)
+    loss.backward()
+    return float(loss), {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_global_batch_balancing_is_one_process_over_the_whole_batch(monkeypatch):
+    """Two data-parallel ranks with different loads (rank 1's tokens all one id: its router sends them to the
+    same few experts) under moe_global_batch_balance: each rank's picks summed with the other's before the loss
+    (pl.sum_over_data_replicas, the all-reduce, here given the other rank's picks) -> the mean of the two ranks'
+    losses and gradients (fleet's data-parallel mean) is one process's over both batches. Without the switch
+    (each rank's own frequencies, the ordinary micro-batch loss) they are not."""
+    import models.parallel_layers as pl
+
+    config = ARCHITECTURES["qwen3-moe-tiny"].replace(seq_length=16, router_aux_loss_coef=0.5)
+    model = CausalLM(config)
+    init_weights(model, config, 0)
+    rng = np.random.default_rng(0)
+    batches = [paddle.to_tensor(rng.integers(0, config.vocab_size, (2, 16)), dtype="int64"),
+               paddle.full([2, 16], 7, dtype="int64")]
+    whole = paddle.concat(batches)
+
+    def picks_of(tokens):
+        with paddle.no_grad():
+            model(tokens, tokens)
+        return [layer.mlp.last_stats.picks for layer in model.layers]
+
+    own_picks = [picks_of(b) for b in batches]
+    assert np.abs(own_picks[0][0].numpy() - own_picks[1][0].numpy()).max() >= 8  # the loads differ
+
+    def two_ranks(global_balance: bool):
+        """Each rank's loss and gradients with the other rank's picks added by the (simulated) all-reduce."""
+        ranked = model.__class__(config.replace(moe_global_batch_balance=global_balance))
+        ranked.set_state_dict(model.state_dict())
+        results = []
+        for rank, tokens in enumerate(batches):
+            other = iter(own_picks[1 - rank])
+            monkeypatch.setattr(pl, "sum_over_data_replicas", lambda picks: (picks + next(other), 2))
+            results.append(_loss_and_grads(ranked, tokens))
+        loss = (results[0][0] + results[1][0]) / 2
+        return loss, {n: (results[0][1][n] + results[1][1][n]) / 2 for n in results[0][1]}
+
+    single_loss, single_grads = _loss_and_grads(model, whole)  # one process, the whole batch (no all-reduce)
+    loss, grads = two_ranks(global_balance=True)
+    assert abs(loss - single_loss) < 1e-5
+    for name, grad in single_grads.items():
+        np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-6, err_msg=name)
+    local_loss, local_grads = two_ranks(global_balance=False)
+    assert abs(local_loss - single_loss) > 1e-3
+    assert np.abs(local_grads["layers.0.mlp.gate.weight"] - single_grads["layers.0.mlp.gate.weight"]).max() > 1e-4
+
+
+def test_global_batch_balancing_bad_input_is_one_line():
+    from types import SimpleNamespace
+
+    from llm_pretrain.parallel.layout import Layout, check_mixture_of_experts
+
+    args = SimpleNamespace(expert_parallel_degree=1, moe_global_batch_balance=True)
+    with pytest.raises(UsageError, match="^moe_global_batch_balance: true needs a mixture-of-experts model"):
+        check_mixture_of_experts(args, ARCHITECTURES["qwen3-tiny"], Layout())
+    with pytest.raises(UsageError, match="^moe_global_batch_balance: true is not supported under the pipeline"):
+        check_mixture_of_experts(args, ARCHITECTURES["qwen3-moe-tiny"], Layout(pipeline_parallel_degree=2))
+    check_mixture_of_experts(args, ARCHITECTURES["qwen3-moe-tiny"], Layout(data_parallel_degree=2))
