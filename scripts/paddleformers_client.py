@@ -49,12 +49,28 @@ def main(jobs_file: str) -> None:
         else:
             model = build_own(job["save"])
         model.eval()
+        router_logits = []  # every MoE layer's gate output, in layer order
+        for name, layer in model.named_sublayers():
+            if name.endswith("mlp.gate"):
+                layer.register_forward_post_hook(lambda layer, inputs, output: router_logits.append(output))
         input_ids = paddle.to_tensor(np.load(job["input_ids"]))
         labels = paddle.to_tensor(np.load(job["labels"]))
         with paddle.no_grad():
             out = model(input_ids=input_ids, labels=labels, return_dict=True)
+        loss, aux = float(out.loss), None
+        if router_logits:
+            # PaddleFormers 0.4.1's Qwen3MoeModel.forward returns no router_logits, so Qwen3MoeForCausalLM's
+            # load_balancing_loss_func(None, ...) gives 0 and its loss has no load-balancing term
+            # (paddleformers/transformers/qwen3_moe/modeling.py): add it with PaddleFormers' own function on the
+            # logits its gates computed, times router_aux_loss_coef, as its forward means to.
+            from paddleformers.transformers.qwen3_moe.modeling import load_balancing_loss_func
+
+            assert float(getattr(out, "aux_loss", None) or 0.0) == 0.0
+            aux = float(load_balancing_loss_func(tuple(router_logits), model.config.num_experts,
+                                                 model.config.num_experts_per_tok))
+            loss += model.config.router_aux_loss_coef * aux
         np.save(job["logits_out"], out.logits.astype("float32").numpy())
-        print(json.dumps({"name": job["name"], "class": type(model).__name__, "loss": float(out.loss),
+        print(json.dumps({"name": job["name"], "class": type(model).__name__, "loss": loss, "aux_loss": aux,
                           "paddleformers": paddleformers.__version__, "paddle": paddle.__version__}))
 
 

@@ -15,9 +15,11 @@ this repository. Both directions, fp32, on 2 x 24 fixed token ids with labels (a
   import  a model PaddleFormers makes and saves itself (save_pretrained) -> our import
           (import_from_paddlenlp) -> our logits and loss.
 
-The bar is 1e-5 on the logits and on the loss (the MoE loss includes the load-balancing loss times
-router_aux_loss_coef, which PaddleFormers adds when output_router_logits is set). tests/test_paddleformers_parity.py
-checks the report: every case present and within the bar.
+The bar is 1e-5 on the logits and on the loss. The MoE loss includes the load-balancing loss times
+router_aux_loss_coef: PaddleFormers 0.4.1's Qwen3MoeForCausalLM means to add it (output_router_logits) but its
+Qwen3MoeModel.forward returns no router logits, so its own loss has none; the client adds it with PaddleFormers'
+load_balancing_loss_func on the logits PaddleFormers' gates computed (scripts/paddleformers_client.py).
+tests/test_paddleformers_parity.py checks the report: every case present and within the bar.
 """
 
 from __future__ import annotations
@@ -192,6 +194,16 @@ def write_report(rows: list[dict], out_file: str) -> None:
         lines.append(f"| {r['case']} | {r['direction']} | {r['preset']} | {r['saved_files']} | {r['client']} | "
                      f"{r['loss']:.6f} | {r['logit_diff']:.2e} | {r['loss_diff']:.2e} | {r['logit_std']:.2f} | "
                      f"{'yes' if r['ok'] else 'NO'} |")
+    lines += [
+        "",
+        "Notes:",
+        "- PaddleFormers 0.4.1's LMHead holds lm_head.weight as [vocab, hidden] (ours: [hidden, vocab]); the export",
+        "  transposes it (models/families/qwen3.py `qwen3_table`).",
+        "- Qwen3-MoE: PaddleFormers 0.4.1's Qwen3MoeModel.forward returns no router logits, so Qwen3MoeForCausalLM's",
+        "  `load_balancing_loss_func(None, ...)` is 0 and its loss has no load-balancing term. The client adds",
+        "  `router_aux_loss_coef x load_balancing_loss_func(...)` itself, PaddleFormers' function on the logits its",
+        "  gates computed (forward hooks), which is what that forward means to do.",
+    ]
     with open(out_file, "w") as f:
         f.write("\n".join(lines) + "\n")
 

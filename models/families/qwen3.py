@@ -101,9 +101,12 @@ def qk_norm_rules(prefix: str) -> list:
 
 
 def qwen3_table(config, transpose: bool = False) -> list:
-    """PaddleFormers' and Hugging Face's Qwen3ForCausalLM: "model." names (transpose: PyTorch's [out, in])."""
-    return (llama_style_table("model.", head=not config.tie_word_embeddings, transpose=transpose)
-            + qk_norm_rules("model."))
+    """PaddleFormers' and Hugging Face's Qwen3ForCausalLM: "model." names (transpose: PyTorch's [out, in]).
+    lm_head is [vocab, hidden] in both (PaddleFormers 0.4.1's LMHead holds it so: nn/lm_head.py), ours [hidden,
+    vocab]: always transposed."""
+    table = [R("lm_head.weight", "lm_head.weight", "transpose") if rule.theirs == "lm_head.weight" else rule
+             for rule in llama_style_table("model.", head=not config.tie_word_embeddings, transpose=transpose)]
+    return table + qk_norm_rules("model.")
 
 
 def is_hugging_face_layout(raw: dict, names=()) -> bool:

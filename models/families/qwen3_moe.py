@@ -37,6 +37,7 @@ from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, tiny_
 from models.families.qwen3 import HEAD_DIM, QWEN3_REQUIRES, hf_qwen3_config, qk_norm_rules
 from models.families.qwen3 import read_config as read_qwen3_config
 from models.families.qwen2_moe import qwen2_moe_table
+from models.weight_names import R
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qk_norm=True,
                 norm_topk_prob=True, router_aux_loss_coef=0.001)
@@ -87,6 +88,8 @@ def qwen3_moe_table(config, transpose: bool = False) -> list:
     plus the q/k norms."""
     rules = [r for r in qwen2_moe_table(config, "model.", transpose) if "shared_expert" not in r.theirs
              and ".bias" not in r.theirs]
+    # lm_head [vocab, hidden] in PaddleFormers too (models/families/qwen3.py qwen3_table)
+    rules = [R("lm_head.weight", "lm_head.weight", "transpose") if r.theirs == "lm_head.weight" else r for r in rules]
     return rules + qk_norm_rules("model.")
 
 
