@@ -1,7 +1,7 @@
 """Same function as PaddleFormers: Qwen3 and Qwen3-MoE against PaddleFormers 0.4.1's own classes; writes
 benchmarks/paddleformers_parity.md.
 
-    python scripts/verify_paddleformers.py [--venv /work/venv-pf] [--out benchmarks/paddleformers_parity.md]
+    python scripts/verify_paddleformers.py [--venv .cache/paddleformers-venv] [--out benchmarks/paddleformers_parity.md]
 
 PaddleNLP 2.8.1 (the reference of the other families, tests/test_reference_parity.py) has no Qwen3 class;
 PaddleFormers (its successor) has Qwen3ForCausalLM and Qwen3MoeForCausalLM, but it cannot sit beside
