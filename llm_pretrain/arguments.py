@@ -64,6 +64,9 @@ class Arguments:
     moe_capacity_factor: float = _key(
         0.0, "Mixture of experts: each expert takes at most ceil(factor x tokens x top-k / experts) of a "
         "micro-batch's tokens, the rest are dropped; 0: dropless.", minimum=0)
+    moe_global_batch_balance: bool = _key(
+        False, "Mixture of experts: the load-balancing loss takes the experts' pick frequencies of the global "
+        "batch (summed over the data-parallel and sharding ranks), Qwen3's global-batch balancing.")
 
     # ---- data ------------------------------------------------------------------
     input_dir: Optional[str] = _key(

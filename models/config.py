@@ -44,6 +44,10 @@ class ModelConfig:
     norm_head: bool = False  # Baichuan2: the output head's rows are L2-normalized
     fuse_attention_qkv: bool = False  # one q/k/v projection instead of three
     fuse_attention_ffn: bool = False  # one gate/up projection instead of two
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (one [head_dim] weight each, shared by the heads)
+    # The width of one attention head when it is not hidden_size / num_attention_heads (Qwen3: 128 at every
+    # size, config.json "head_dim"); None: hidden_size / num_attention_heads.
+    attention_head_dim: Optional[int] = None
 
     # mixture of experts (models/moe.py; Mixtral, Qwen2-MoE); num_experts 0: a dense MLP
     num_experts: int = 0
@@ -72,6 +76,9 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # > 0: each expert takes at most ceil(factor x tokens x k / E); 0: dropless
     expert_parallel_degree: int = 1  # experts split over fleet's expert group (each rank: E / ep of them)
     reset_position_ids: bool = False  # packed documents: positions restart at 0 in each (models/decoder.py Documents)
+    # Qwen3's global-batch load balancing (Qiu et al. 2025): the pick frequencies f_e of the load-balancing loss
+    # summed over the ranks that hold other samples (data-parallel and sharding) before the loss (models/moe.py)
+    moe_global_batch_balance: bool = False
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -84,7 +91,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection's output (hidden_size unless head_dim is set apart, Qwen3)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -110,4 +122,5 @@ RUNTIME_KEYS = (
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
     "reset_position_ids",
+    "moe_global_batch_balance",
 )

@@ -201,6 +201,12 @@ class Attention(nn.Layer):
                 self.k_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
                 self.v_proj = pl.column_linear(config, config.hidden_size, kv_size, bias)
         self.o_proj = pl.row_linear(config, q_size, config.hidden_size, config.linear_bias)
+        if config.qk_norm:
+            # Qwen3: RMSNorm over each q and k head before the rotation, one [head_dim] weight each shared by
+            # every head (transformers' Qwen3Attention q_norm / k_norm). Every rank holds it whole; its
+            # gradients are partial over the heads of the rank (pl.head_norm).
+            self.q_norm = pl.head_norm(config, head_dim)
+            self.k_norm = pl.head_norm(config, head_dim)
         # Heads the core attention sees: under segment parallelism 1/sep of this rank's heads, with
         # every token (llm_pretrain/parallel/layout.py: sep divides the q heads of a rank). With fewer kv heads
         # than sep, each kv head is repeated sep / kv times before the all-to-all, so that every rank
@@ -235,6 +241,8 @@ class Attention(nn.Layer):
         q = q.reshape([-1, seq, self.num_heads, d])
         k = k.reshape([-1, seq, self.num_kv_heads, d])
         v = v.reshape([-1, seq, self.num_kv_heads, d])
+        if self.config.qk_norm:  # per head, before the rotation (and before sep's all-to-all: this rank's tokens)
+            q, k = self.q_norm(q), self.k_norm(k)
         # Segment parallelism: from this rank's tokens of every head to every token of 1/sep of the
         # heads; rotary positions are then global (as PaddleNLP's LLaMA, which ropes after the reshard).
         if self.kv_repeat > 1:

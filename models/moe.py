@@ -58,6 +58,20 @@ class RouterStats:
     z_sum: paddle.Tensor       # []  float32: sum over tokens of logsumexp(logits)^2 (carries gradient)
     dropped: paddle.Tensor     # []  int64: pairs over capacity
     tokens: int
+    pick_tokens: int = 0       # tokens the picks were counted over (0: `tokens`; more under global-batch balancing)
+
+
+def global_batch_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
+    """Global-batch balancing (moe_global_batch_balance; Qwen3, Qiu et al. 2025): the picks of every rank that
+    holds other samples of the step's batch (the data-parallel and sharding ranks) summed before the loss, so
+    that f_e is the global batch's and P_e stays this rank's. The picks carry no gradient: the loss's gradient
+    reaches this rank's router probabilities only, and averaged over the ranks (fleet's data-parallel mean) it
+    is the gradient of one process's loss over the whole batch (tests/test_qwen3.py). Identity in one process."""
+    if not config.moe_global_batch_balance:
+        return stats
+    picks, ranks = pl.sum_over_data_replicas(stats.picks)
+    return RouterStats(picks=picks, prob_sum=stats.prob_sum, z_sum=stats.z_sum, dropped=stats.dropped,
+                       tokens=stats.tokens, pick_tokens=stats.tokens * ranks)
 
 
 def whole_sequence_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
@@ -79,9 +93,10 @@ def whole_sequence_stats(config: ModelConfig, stats: RouterStats) -> RouterStats
 def router_losses(config: ModelConfig, stats: list[RouterStats]):
     """(load-balancing loss, z-loss), unscaled, over the layers' statistics (see the module docstring)."""
     tokens = sum(s.tokens for s in stats)
+    pick_tokens = sum(s.pick_tokens or s.tokens for s in stats)  # the global batch's under global-batch balancing
     picks = paddle.add_n([s.picks for s in stats])
     prob_sum = paddle.add_n([s.prob_sum for s in stats])
-    balance = config.num_experts * (picks * prob_sum).sum() / (tokens * tokens)
+    balance = config.num_experts * (picks * prob_sum).sum() / (pick_tokens * tokens)
     z_loss = paddle.add_n([s.z_sum for s in stats]) / tokens
     return balance, z_loss
 
@@ -326,7 +341,7 @@ class MoE(nn.Layer):
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if idle_zero is not None:
             out = out + idle_zero.astype(out.dtype)
-        self.last_stats = whole_sequence_stats(self.config, stats)
+        self.last_stats = global_batch_stats(self.config, whole_sequence_stats(self.config, stats))
         # Sequence parallelism: this rank's chunk of the output, summed over the tensor-parallel ranks by the
         # experts' row-parallel layers (fleet's ScatterOp; backward gathers the chunks' gradients).
         # The compute dtype of the residual stream: under O2 the combine's ops on the O2 black lists (scatter,

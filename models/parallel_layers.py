@@ -143,6 +143,24 @@ def norm(config: ModelConfig, hidden_size: int) -> nn.Layer:
     return layer
 
 
+def head_norm(config: ModelConfig, head_dim: int) -> nn.Layer:
+    """RMSNorm over each attention head (Qwen3's q_norm / k_norm), replicated on every rank.
+
+    Each rank normalizes the heads it holds (tensor parallelism) of the tokens it holds (sep, cp): its
+    weight gradients are partial sums. Under tensor parallelism they are marked like the norms under
+    sequence parallelism, so that fleet's hooks sum them over the tensor-parallel group
+    (llm_pretrain/parallel/distributed.py wrap_for_training); over the sep/cp group they are summed like
+    every other replicated weight's."""
+    layer = RMSNorm(head_dim, config.norm_eps, fused=config.use_fused_rms_norm)
+    for param in layer.parameters():
+        tag_split(param, None)
+        if _tensor_parallel(config):
+            from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
+
+            mark_as_sequence_parallel_parameter(param)
+    return layer
+
+
 class RMSNorm(nn.Layer):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as in PaddleNLP's LLaMA."""
 
@@ -442,6 +460,25 @@ def sum_over_segments(config: ModelConfig, x):
     if not _splits_sequence(config):
         return x
     return _SumOverGroup.apply(x, sequence_group())
+
+
+def sum_over_data_replicas(x):
+    """`x` summed over the ranks that hold other samples of the step's batch (fleet's data-parallel and sharding
+    groups), and how many they are: (x, 1) in one process. No gradient (the routers' pick counts)."""
+    import paddle.distributed as dist
+
+    if not dist.is_initialized():
+        return x, 1
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    ranks = 1
+    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):
+        if group.nranks > 1:
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+            ranks *= group.nranks
+    return x, ranks
 
 
 def whole_sequences(config: ModelConfig, local):

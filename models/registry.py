@@ -46,13 +46,15 @@ def known_model_names() -> list[str]:
 def parameter_count(config: ModelConfig) -> int:
     """Number of parameters of the whole (unsplit) model, from the architecture alone."""
     h, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    kv = config.num_key_value_heads * config.head_dim
+    q, kv = config.q_size, config.num_key_value_heads * config.head_dim
     norm = h if config.norm_type == "rmsnorm" else 2 * h
-    attention = 2 * h * h + 2 * h * kv
+    attention = 2 * h * q + 2 * h * kv  # q and o_proj, k and v
     if config.qkv_bias or config.linear_bias:
-        attention += h + 2 * kv
+        attention += q + 2 * kv
     if config.linear_bias:
         attention += h
+    if config.qk_norm:  # Qwen3's q_norm and k_norm: one [head_dim] weight each
+        attention += 2 * config.head_dim
     mlp = (3 if config.uses_swiglu else 2) * h * inner
     if config.linear_bias:
         mlp += (2 * inner if config.uses_swiglu else inner) + h
@@ -68,6 +70,15 @@ def parameter_count(config: ModelConfig) -> int:
     if not config.tie_word_embeddings:
         total += h * vocab
     return total
+
+
+def activated_parameter_count(config: ModelConfig) -> int:
+    """Parameters one token passes through: all but the experts it is not routed to (a mixture of experts'
+    "A3B" / "activated" figure; the whole count for a dense model)."""
+    idle_experts = config.num_experts - config.num_experts_per_tok if config.is_moe else 0
+    mlp_matrices = 3 if config.uses_swiglu else 2
+    return parameter_count(config) - config.num_hidden_layers * idle_experts * mlp_matrices * config.hidden_size \
+        * config.expert_intermediate_size
 
 
 def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:

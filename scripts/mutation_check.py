@@ -280,6 +280,22 @@ MUTATIONS = [
              "return labels", (DOCUMENTS,)),
     Mutation("eod_boundaries_off", "packed documents: an eod token inside an .idx document starts no new document",
              "llm_pretrain/data/documents.py", "starts[1:] |= tokens[:-1] == eod_token_id", "pass", (DOCUMENTS,)),
+    # Qwen3 (issue 34): the q/k norms skipped in the forward; their gradients not summed over the tensor-parallel
+    # group (each rank's are partial over its heads).
+    Mutation("qwen3_qk_norm_off", "Qwen3's q/k RMSNorm per head not applied", "models/decoder.py",
+             "            q, k = self.q_norm(q), self.k_norm(k)\n", "            q, k = q, k\n",
+             ("tests/test_qwen3.py::test_q_and_k_norms_are_applied_per_head",)),
+    Mutation("qwen3_qk_norm_tp_partial", "the q/k norms' gradients under tensor parallelism not summed over the group",
+             "models/parallel_layers.py",
+             "        if _tensor_parallel(config):\n            from paddle.distributed.fleet.utils.sequence_parallel_utils "
+             "import mark_as_sequence_parallel_parameter\n\n            mark_as_sequence_parallel_parameter(param)\n    "
+             "return layer\n\n\nclass RMSNorm",
+             "        if False:\n            pass\n    return layer\n\n\nclass RMSNorm",
+             ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    Mutation("qwen3_global_batch_balance_off", "moe_global_batch_balance set but each rank's own pick frequencies "
+             "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
+             "    if True:\n        return stats\n",
+             ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
 ]
 
 

@@ -36,8 +36,9 @@ from test_reference_parity import (
 paddlenlp_transformers = pytest.importorskip("paddlenlp.transformers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One model per family, from its record: (parity case whose config we use, changes to our config)
-FAMILY_CASES = {name: family.export_case for name, family in FAMILIES.items()}
+# One model per family, from its record: (parity case whose config we use, changes to our config). The families
+# PaddleNLP 2.8.1 has no class for (Qwen3) have none: PaddleFormers judges them (scripts/verify_paddleformers.py).
+FAMILY_CASES = {name: family.export_case for name, family in FAMILIES.items() if family.export_case}
 
 
 def our_random_model(config, seed=5):

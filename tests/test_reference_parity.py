@@ -370,7 +370,7 @@ def test_baichuan2_norm_head_against_normalized_head():
     assert np.abs(our_outputs(plain, input_ids, labels)[0] - logits).max() > 0.1
 
 
-@pytest.mark.parametrize("case", [family.export_case[0] for family in FAMILIES.values()])
+@pytest.mark.parametrize("case", [family.export_case[0] for family in FAMILIES.values() if family.export_case])
 def test_initial_weights_are_drawn_like_paddlenlp(case):
     """Each of our initial weight matrices has the spread PaddleNLP's own initialization gives it:
     N(0, initializer_range), the residual output projections (o_proj, down_proj) scaled by

@@ -483,7 +483,8 @@ def with_moe_options(args: Arguments, config: ModelConfig) -> ModelConfig:
     if not config.is_moe:
         return config
     changes = dict(router_z_loss_coef=args.router_z_loss_coef, moe_capacity_factor=args.moe_capacity_factor,
-                   expert_parallel_degree=_degree(args.expert_parallel_degree))
+                   expert_parallel_degree=_degree(args.expert_parallel_degree),
+                   moe_global_batch_balance=args.moe_global_batch_balance)
     if args.router_aux_loss_coef is not None:
         changes["router_aux_loss_coef"] = args.router_aux_loss_coef
     return config.replace(**changes)
@@ -498,7 +499,14 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
         if ep > 1:
             raise UsageError(f"expert_parallel_degree: {ep} needs a mixture-of-experts model ({config.family} has "
                              "no experts; mixtral and qwen2_moe have)")
+        if getattr(args, "moe_global_batch_balance", False):
+            raise UsageError(f"moe_global_batch_balance: true needs a mixture-of-experts model ({config.family} has "
+                             "no experts; allowed: false)")
         return
+    if getattr(args, "moe_global_batch_balance", False) and layout.pipeline_parallel_degree > 1:
+        # models/pipeline.py RouterCarry passes each layer's token count on, not the global batch's
+        raise UsageError(f"moe_global_batch_balance: true is not supported under the pipeline yet "
+                         f"(pipeline_parallel_degree {layout.pipeline_parallel_degree}; allowed: 1)")
     experts, top_k = config.num_experts, config.num_experts_per_tok
     if not 1 <= top_k <= experts:
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")

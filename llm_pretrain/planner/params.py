@@ -62,6 +62,8 @@ def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
             params += _linear(p + "self_attn.k_proj", h, kv_size, qkv_bias, tp, kv_split, i)
             params += _linear(p + "self_attn.v_proj", h, kv_size, qkv_bias, tp, kv_split, i)
         params += _linear(p + "self_attn.o_proj", q_size, h, config.linear_bias, tp, "row", i)
+        if config.qk_norm:  # Qwen3: one [head_dim] RMSNorm weight each for q and k, replicated (pl.head_norm)
+            params += [Param(p + f"self_attn.{n}_norm.weight", d, d, i, "layer") for n in "qk"]
         params += _norm(p + "post_attention_layernorm", config, i, "layer")
         if config.is_moe:
             params += moe_parameters(p + "mlp.", config, tp, i)

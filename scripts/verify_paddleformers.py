@@ -1,0 +1,224 @@
+"""Same function as PaddleFormers: Qwen3 and Qwen3-MoE against PaddleFormers 0.4.1's own classes; writes
+benchmarks/paddleformers_parity.md.
+
+    python scripts/verify_paddleformers.py [--venv .cache/paddleformers-venv] [--out benchmarks/paddleformers_parity.md]
+
+PaddleNLP 2.8.1 (the reference of the other families, tests/test_reference_parity.py) has no Qwen3 class;
+PaddleFormers (its successor) has Qwen3ForCausalLM and Qwen3MoeForCausalLM, but it cannot sit beside
+PaddleNLP 2.8.1 in one environment, so it runs in its own venv (paddlepaddle==3.3.1 paddleformers==0.4.1,
+created here with pip when missing), through scripts/paddleformers_client.py, which imports nothing of
+this repository. Both directions, fp32, on 2 x 24 fixed token ids with labels (a few -100):
+
+  export  our model (random weights, every norm too) -> our PaddleFormers export
+          (llm_pretrain/checkpoint/interchange.py export_to_paddlenlp: config.json + model_state.pdparams in
+          PaddleFormers' names) -> PaddleFormers' AutoModelForCausalLM.from_pretrained -> its logits and loss;
+  import  a model PaddleFormers makes and saves itself (save_pretrained) -> our import
+          (import_from_paddlenlp) -> our logits and loss.
+
+The bar is 1e-5 on the logits and on the loss. The MoE loss includes the load-balancing loss times
+router_aux_loss_coef: PaddleFormers 0.4.1's Qwen3MoeForCausalLM means to add it (output_router_logits) but its
+Qwen3MoeModel.forward returns no router logits, so its own loss has none; the client adds it with PaddleFormers'
+load_balancing_loss_func on the logits PaddleFormers' gates computed (scripts/paddleformers_client.py).
+tests/test_paddleformers_parity.py checks the report: every case present and within the bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-5
+BATCH, SEQ = 2, 24
+CLIENT_PACKAGES = ("paddlepaddle==3.3.1", "paddleformers==0.4.1")
+# (case, preset, changes to its config): the published switches at tiny sizes. qwen3-tiny: head_dim 32 apart from
+# hidden / heads (16), GQA 4:2, tied head (as 0.6B-4B); untied as 8B-32B; qwen3-moe-tiny: 16 experts, top 4
+# renormalized, no shared expert, load-balancing loss 0.02.
+CASES = [
+    ("qwen3", "qwen3-tiny", {}),
+    ("qwen3-untied", "qwen3-tiny", {"tie_word_embeddings": False}),
+    ("qwen3_moe", "qwen3-moe-tiny", {}),
+]
+
+
+def ensure_client_venv(venv: str) -> str:
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.isfile(python):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    if subprocess.run([python, "-c", "import paddleformers"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "-q", *CLIENT_PACKAGES], check=True)
+    return python
+
+
+def randomize(model, seed: int) -> None:
+    """Every parameter random, norms around 1 (never 1: a missing norm would show)."""
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    with paddle.no_grad():
+        for name, param in model.named_parameters():
+            shape = list(param.shape)
+            if len(shape) == 1:
+                value = 1.0 + 0.1 * rng.standard_normal(shape)
+            elif "embeddings" in name:
+                value = 0.25 * rng.standard_normal(shape)
+            else:
+                value = rng.standard_normal(shape) / np.sqrt(shape[0])
+            param.set_value(value.astype("float32"))
+
+
+def our_outputs(model, input_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float]:
+    import paddle
+
+    with paddle.no_grad():
+        logits = model(paddle.to_tensor(input_ids)).numpy()
+        loss = float(model(paddle.to_tensor(input_ids), paddle.to_tensor(labels)))
+    return logits, loss
+
+
+def build_ours(config, weights: dict | None = None, seed: int = 0):
+    import paddle
+
+    from models.decoder import CausalLM
+    from models.weights import load_full_weights
+
+    paddle.seed(seed)
+    model = CausalLM(config)
+    if weights is None:
+        randomize(model, seed)
+    else:
+        load_full_weights(model, config, weights, "import")
+    model.eval()
+    return model
+
+
+def run(venv: str, out_file: str) -> list[dict]:
+    import paddle
+
+    from llm_pretrain.checkpoint.interchange import export_to_paddlenlp, import_from_paddlenlp
+    from models.registry import ARCHITECTURES, resolve_model
+
+    python = ensure_client_venv(venv)
+    work = tempfile.mkdtemp(prefix="verify_pf_")
+    rng = np.random.default_rng(5)
+    rows, jobs = [], []
+    for seed, (case, preset, changes) in enumerate(CASES, start=21):
+        config = ARCHITECTURES[preset].replace(seq_length=SEQ, **changes)
+        input_ids = rng.integers(0, config.vocab_size, size=(BATCH, SEQ)).astype("int64")
+        labels = np.concatenate([input_ids[:, 1:], rng.integers(0, config.vocab_size, (BATCH, 1))], axis=1)
+        labels[0, :3] = -100
+        case_dir = os.path.join(work, case)
+        os.makedirs(case_dir)
+        np.save(os.path.join(case_dir, "input_ids.npy"), input_ids)
+        np.save(os.path.join(case_dir, "labels.npy"), labels)
+        model = build_ours(config, seed=seed)
+        state = {name: p.numpy() for name, p in model.canonical_named_parameters()}
+        export_to_paddlenlp(state, os.path.join(case_dir, "exported"), config=config)
+        logits, loss = our_outputs(model, input_ids, labels)
+        common = {"input_ids": os.path.join(case_dir, "input_ids.npy"), "labels": os.path.join(case_dir, "labels.npy")}
+        jobs.append({"name": f"{case}:export", "load": os.path.join(case_dir, "exported"),
+                     "logits_out": os.path.join(case_dir, "pf_export.npy"), **common})
+        rows.append({"case": case, "direction": "export", "preset": preset + (f" {changes}" if changes else ""),
+                     "_ours": (logits, loss), "_job": jobs[-1]})
+        # PaddleFormers' own model and save format: the config.json of our export (the same switches)
+        with open(os.path.join(case_dir, "exported", "config.json")) as f:
+            pf_config = json.load(f)
+        jobs.append({"name": f"{case}:import", "save": {"config": pf_config, "dir": os.path.join(case_dir, "pf_saved"),
+                                                         "seed": seed},
+                     "logits_out": os.path.join(case_dir, "pf_own.npy"), **common})
+        rows.append({"case": case, "direction": "import", "preset": preset + (f" {changes}" if changes else ""),
+                     "_job": jobs[-1], "_input_ids": input_ids, "_labels": labels, "_config": config})
+
+    with open(os.path.join(work, "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    done = subprocess.run([python, os.path.join(REPO, "scripts", "paddleformers_client.py"),
+                           os.path.join(work, "jobs.json")], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the PaddleFormers client failed:\n{done.stderr[-6000:]}")
+    answers = {a["name"]: a for a in map(json.loads, [l for l in done.stdout.splitlines() if l.startswith("{")])}
+    for row in rows:
+        job = row.pop("_job")
+        answer = answers[job["name"]]
+        theirs = (np.load(job["logits_out"]), answer["loss"])
+        if row["direction"] == "import":
+            imported = os.path.join(work, row["case"], "ours_from_pf")
+            import_from_paddlenlp(job["save"]["dir"], imported)
+            config, weights_file = resolve_model(imported)
+            weights = paddle.load(weights_file, return_numpy=True)
+            ours = our_outputs(build_ours(config.replace(seq_length=SEQ), weights), row.pop("_input_ids"),
+                               row.pop("_labels"))
+            row.pop("_config")
+            row["saved_files"] = ", ".join(sorted(f for f in os.listdir(job["save"]["dir"])
+                                                  if f.endswith((".pdparams", ".safetensors", ".json"))))
+        else:
+            ours = row.pop("_ours")
+            row["saved_files"] = ", ".join(sorted(os.listdir(job["load"])))
+        row["client"] = f"paddleformers {answer['paddleformers']} ({answer['class']}), paddle {answer['paddle']}"
+        row["logit_diff"] = float(np.abs(ours[0] - theirs[0]).max())
+        row["loss_diff"] = abs(ours[1] - theirs[1])
+        row["loss"] = ours[1]
+        row["logit_std"] = float(ours[0].std())
+        row["ok"] = row["logit_diff"] <= TOLERANCE and row["loss_diff"] <= TOLERANCE
+    write_report(rows, out_file)
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def write_report(rows: list[dict], out_file: str) -> None:
+    import paddle
+
+    lines = [
+        "# Qwen3 and Qwen3-MoE: the same function as PaddleFormers",
+        "",
+        "Written by `python scripts/verify_paddleformers.py` (do not edit by hand; checked by",
+        "`tests/test_paddleformers_parity.py`). PaddleFormers runs in its own venv (`paddlepaddle==3.3.1",
+        "paddleformers==0.4.1`; it cannot share one with PaddleNLP 2.8.1, the test requirements' reference), through",
+        "`scripts/paddleformers_client.py`. *export*: our model with random weights, exported in PaddleFormers' names",
+        "and loaded by its `AutoModelForCausalLM.from_pretrained`; *import*: a model PaddleFormers makes and saves",
+        "itself (`save_pretrained`), imported by `import_from_paddlenlp` and run by our decoder. fp32, "
+        f"{BATCH} x {SEQ} token ids with labels (three -100); the bar is {TOLERANCE} on the logits and the loss.",
+        f"Our side: paddlepaddle {paddle.__version__} (CPU).",
+        "",
+        "| case | direction | preset | files | client (class) | loss | max abs logit diff | loss diff | logit std "
+        "| within 1e-5 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['direction']} | {r['preset']} | {r['saved_files']} | {r['client']} | "
+                     f"{r['loss']:.6f} | {r['logit_diff']:.2e} | {r['loss_diff']:.2e} | {r['logit_std']:.2f} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    lines += [
+        "",
+        "Notes:",
+        "- PaddleFormers 0.4.1's LMHead holds lm_head.weight as [vocab, hidden] (ours: [hidden, vocab]); the export",
+        "  transposes it (models/families/qwen3.py `qwen3_table`).",
+        "- Qwen3-MoE: PaddleFormers 0.4.1's Qwen3MoeModel.forward returns no router logits, so Qwen3MoeForCausalLM's",
+        "  `load_balancing_loss_func(None, ...)` is 0 and its loss has no load-balancing term. The client adds",
+        "  `router_aux_loss_coef x load_balancing_loss_func(...)` itself, PaddleFormers' function on the logits its",
+        "  gates computed (forward hooks), which is what that forward means to do.",
+    ]
+    with open(out_file, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv", default=os.path.join(REPO, ".cache", "paddleformers-venv"))
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "paddleformers_parity.md"))
+    args = parser.parse_args(argv)
+    rows = run(args.venv, args.out)
+    for r in rows:
+        print(f"{r['case']:14s} {r['direction']:7s} logits {r['logit_diff']:.2e} loss {r['loss_diff']:.2e} "
+              f"{'ok' if r['ok'] else 'FAIL'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

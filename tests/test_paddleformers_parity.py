@@ -1,0 +1,35 @@
+"""Qwen3 and Qwen3-MoE compute PaddleFormers' function: what the suite checks of the verification report.
+
+PaddleFormers 0.4.1 cannot share an environment with PaddleNLP 2.8.1 (the test requirements' reference), so
+`python scripts/verify_paddleformers.py` runs it in its own venv and writes benchmarks/paddleformers_parity.md:
+our export loaded by PaddleFormers and a model PaddleFormers saves imported by us, logits and loss in fp32.
+This test checks that the report covers every case of the script, both directions, by PaddleFormers 0.4.1,
+each within 1e-5; rerun the script when the families or the cases change.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from launch_utils import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from verify_paddleformers import CASES, TOLERANCE  # noqa: E402
+
+REPORT = REPO_ROOT / "benchmarks" / "paddleformers_parity.md"
+ROW = re.compile(r"^\| (?P<case>[\w-]+) \| (?P<direction>export|import) \| .* \| paddleformers (?P<version>[\d.]+) "
+                 r"\((?P<cls>\w+)\), paddle [\d.]+ \| (?P<loss>[\d.]+) \| (?P<logits>[\d.e+-]+) \| "
+                 r"(?P<loss_diff>[\d.e+-]+) \| (?P<std>[\d.]+) \| (?P<ok>yes|NO) \|$")
+
+
+def test_every_case_matches_paddleformers_both_ways():
+    rows = [m.groupdict() for m in map(ROW.match, REPORT.read_text().splitlines()) if m]
+    seen = {(r["case"], r["direction"]) for r in rows}
+    assert seen == {(case, d) for case, _, _ in CASES for d in ("export", "import")}, seen
+    for r in rows:
+        assert r["version"] == "0.4.1" and r["ok"] == "yes", r
+        assert float(r["logits"]) <= TOLERANCE and float(r["loss_diff"]) <= TOLERANCE, r
+        assert float(r["std"]) > 0.3, r  # logits far from constant: the comparison means something
+        expected = "Qwen3MoeForCausalLM" if r["case"].startswith("qwen3_moe") else "Qwen3ForCausalLM"
+        assert r["cls"] == expected, r
