@@ -132,7 +132,7 @@ def _rewrite_safetensors(path, change) -> None:
      "rope_scaling.rope_type 'yarn'"),
     (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
                                                           "use_sliding_window": True})),
-     "use_sliding_window True cannot be honoured"),
+     "use_sliding_window true cannot be honoured"),
 ])
 def test_bad_directories_are_one_line_naming_the_tensor_or_key(damage, message, tmp_path):
     directory, _ = hf_directory(tmp_path, "qwen2-tiny")

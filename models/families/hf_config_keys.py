@@ -15,7 +15,7 @@ does, and on a Refused key whose bad value is not refused.
 
 Sources of CLASS_KEYS (transcribed, not imported: transformers is not installed here):
   transformers 5.x  huggingface/transformers@008e574 (dataclass configs): models/llama, qwen2, mixtral,
-                    qwen2_moe configuration_*.py; configuration_utils.py PreTrainedConfig's fields;
+                    qwen2_moe, qwen3, qwen3_moe configuration_*.py; configuration_utils.py PreTrainedConfig's fields;
                     modeling_rope_utils.py RopeParameters (the keys inside rope_parameters: models/rope.py)
   transformers 4.x  the same classes' __init__ arguments rope_theta and rope_scaling (moved into
                     rope_parameters by 5.x's convert_rope_params_to_dict), torch_dtype (5.x: dtype);
@@ -28,6 +28,7 @@ Sources of CLASS_KEYS (transcribed, not imported: transformers is not installed 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -177,6 +178,29 @@ KEYS_BY_MODEL_TYPE = {
         "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
         "qkv_bias": Refused("true (q/k/v biases, as every published Qwen2-MoE)", _equals(True), False),
     },
+    "qwen3": {
+        **_ROTARY_KEYS, **_SLIDING_WINDOW_KEYS,
+        "head_dim": Used("attention_head_dim", 64),  # Qwen3's 128 at every size, apart from hidden / heads
+        "attention_bias": Refused("false (no biases in the attention projections, as every published Qwen3)",
+                                  _falsy, True),
+    },
+    "qwen3_moe": {
+        **_ROTARY_KEYS, **_SLIDING_WINDOW_KEYS,
+        # not a Qwen3MoeConfig field at 008e574, but in every published file (Qwen3-30B-A3B: 128 with
+        # hidden 2048 / 32 heads) and read by the modeling code through getattr: read like Qwen3's
+        "head_dim": Used("attention_head_dim", 64),
+        "attention_bias": Refused("false (no biases in the attention projections)", _falsy, True),
+        "decoder_sparse_step": Refused("1 (every layer a mixture of experts)", _equals(1), 2),
+        "mlp_only_layers": Refused("[] (no dense layers between the experts)", _falsy, [0]),
+        "moe_intermediate_size": Used("moe_intermediate_size", 48),
+        "num_experts_per_tok": Used("num_experts_per_tok", 1),
+        "num_experts": Used("num_experts", 6),
+        "norm_topk_prob": Used("norm_topk_prob", False),
+        "output_router_logits": NoEffect("whether transformers adds the load-balancing loss to its loss; here "
+                                         "router_aux_loss_coef decides (0: none)"),
+        "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
+        "shared_expert_intermediate_size": Refused("0 or absent (Qwen3-MoE has no shared expert)", _falsy, 96),
+    },
     "gpt2": {
         "vocab_size": Used("vocab_size", 300),
         "n_positions": Used("max_position_embeddings", 4096),
@@ -272,6 +296,19 @@ CLASS_KEYS = {
                   "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts",
                   "norm_topk_prob", "output_router_logits", "router_aux_loss_coef", "mlp_only_layers", "qkv_bias",
                   "layer_types", "pad_token_id", "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling"),
+    "qwen3": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+              "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "attention_bias",
+              "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "attention_dropout",
+              "pad_token_id", "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling"),
+    "qwen3_moe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range",
+                  "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "attention_bias",
+                  "use_sliding_window", "sliding_window", "attention_dropout", "decoder_sparse_step",
+                  "moe_intermediate_size", "num_experts_per_tok", "num_experts", "norm_topk_prob",
+                  "output_router_logits", "router_aux_loss_coef", "mlp_only_layers", "pad_token_id",
+                  "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling",
+                  "head_dim", "max_window_layers"),  # the last two: in the published files (4.x wrote both)
     "gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range", "summary_type",
              "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
@@ -302,5 +339,6 @@ def check_config_keys(raw: dict, model_type: str, source: str) -> None:
     for key, value in raw.items():
         entry = classify(model_type, key)
         if isinstance(entry, Refused) and not entry.honoured(value, raw):
-            raise UsageError(f"model_name_or_path: {source}: {key} {value!r} cannot be honoured by this toolkit's "
+            shown = json.dumps(value)  # as config.json spells it (true, null, "gelu")
+            raise UsageError(f"model_name_or_path: {source}: {key} {shown} cannot be honoured by this toolkit's "
                              f"decoder (allowed: {entry.allowed})")

@@ -42,7 +42,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, tiny_sizes, unsupported
 from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, llama_style_table, \
-    read_rope_scaling
+    read_rope
 from models.weight_names import R, _attn
 
 SWITCHES = dict(norm_type="rmsnorm", position_embedding="rope", hidden_act="silu", qk_norm=True)
@@ -89,7 +89,7 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
         unsupported(source, "attention_bias true (allowed: false, Qwen3's published value)")
     sizes["attention_head_dim"] = int(raw.get("head_dim", HEAD_DIM))
     sizes["qk_norm"] = True
-    sizes["rope_scaling"] = read_rope_scaling(raw, source)
+    read_rope(raw, sizes, source)  # rope_theta and rope_scaling, transformers 4.x or 5.x form
     sizes.setdefault("tie_word_embeddings", True)  # Qwen3Config's default; the published files say it
     return sizes
 
