@@ -366,11 +366,12 @@ def test_cli_search_writes_file(tmp_path, capsys):
 def test_trainer_and_planner_share_one_validity_module():
     from llm_pretrain.parallel import distributed, layout
     from llm_pretrain.run import preflight
-    from llm_pretrain.planner.estimate import validated_setup  # noqa: F401 (uses llm_pretrain.parallel.layout)
+    from llm_pretrain.planner import estimate
 
-    assert preflight.check_strategy is layout.check_strategy
-    assert preflight.check_model_fits_layout is layout.check_model_fits_layout
-    assert preflight.plan_layout is distributed.plan_layout is layout.plan_layout
+    # the run's preflight and the planner's estimate call the one check of layout and model (which runs
+    # plan_layout, check_model_fits_layout and check_strategy); fleet's setup plans with the same plan_layout
+    assert preflight.check_layout_and_model is estimate.check_layout_and_model is layout.check_layout_and_model
+    assert distributed.plan_layout is layout.plan_layout
     assert distributed.parallel_config_settings is layout.parallel_config_settings
     assert "import paddle" not in Path(layout.__file__).read_text()  # the planner needs no Paddle for validity
     run = layout.Layout(world_size=32, data_parallel_degree=2, tensor_parallel_degree=2, pipeline_parallel_degree=4,
