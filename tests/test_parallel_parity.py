@@ -59,8 +59,12 @@ from shared_launches import contribute
 # Mixture-of-experts families (mixtral, qwen2_moe) have their own layouts' parity tests (tests/test_expert_parallel.py);
 # mixtral and qwen2-moe join the dp2, uneven pp2 and sd2 launches here (MOE_SHORT); mixtral the interleaved pp4
 # and pp2 x tp2 (MOE).
+# Families proven so far only under tp2 (+ SP) here (and sep2/cp2 in tests/test_long_context.py): Qwen3 (issue
+# 34); the other launches do not train them yet, and the README claims no more for them.
+TP_ONLY = ("qwen3",)
 FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values()
-                 if family.name != "llama" and not family.architectures[family.tiny].is_moe)
+                 if family.name != "llama" and not family.architectures[family.tiny].is_moe
+                 and family.tiny.removesuffix("-tiny") not in TP_ONLY)
 ROPE_SCALED = ("llama3",)  # Llama 3.1 (LLaMA's decoder with its rotary scaling and GQA): every launch
 MOE = ("mixtral",)  # 8 layers, 5 steps: pp2 x tp2 and the interleaved pp4 (8 chunks), evaluating
 # The mixtures of experts' runs added for the README's table train 2 steps ("<family>-short": 4 layers, an 8-layer
@@ -68,7 +72,8 @@ MOE = ("mixtral",)  # 8 layers, 5 steps: pp2 x tp2 and the interleaved pp4 (8 ch
 # parallelism; tests/test_expert_parallel.py trains Mixtral's stages 1 and 2 with ep over the sharding ranks).
 SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
-                  if family.architectures[family.tiny].is_moe)  # mixtral-short, qwen2-moe-short
+                  if family.architectures[family.tiny].is_moe
+                  and family.name != "qwen3_moe")  # mixtral-short, qwen2-moe-short (Qwen3-MoE: one process only, yet)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
 # over the sharding ranks in tests/test_expert_parallel.py)
@@ -101,7 +106,7 @@ class Parity:
     def create(cls, work: Path, corpus: dict) -> Parity:
         """The argument files (written, the same each time) and where every output goes, under work."""
         files = {"llama": write_json(work / "llama.json", base_arguments(corpus, work))}
-        for family in FAMILIES + ROPE_SCALED + MOE:
+        for family in FAMILIES + ROPE_SCALED + MOE + TP_ONLY:
             files[family] = write_json(work / f"{family}.json", base_arguments(
                 corpus, work, model_name_or_path=f"{family}-tiny"))
         for name, (preset, layers) in SHORT_FILES.items():
@@ -259,7 +264,7 @@ def tp2_runs(parity: Parity) -> list[list[str]]:
     ]
     # Baichuan: ALiBi slopes sliced per rank and NormHead; GPT-3: learned positions under SP;
     # Bloom: ALiBi and the embedding LayerNorm under SP.
-    for family in FAMILIES + ROPE_SCALED:
+    for family in FAMILIES + ROPE_SCALED + TP_ONLY:
         runs += [parity.run(f"{family}-tp2", family, **tp),
                  parity.run(f"{family}-tp2-sp", family, **tp, sequence_parallel=True)]
     # the kernels' branches: ALiBi's mask per rank's heads (Bloom), one kv head replicated (Qwen2)
@@ -272,7 +277,7 @@ def test_tensor_parallel(parity, shared_launches):
     observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
                                                "tp2-sp-recompute-core_attn", "tp2-resume")]
-                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED for sp in ("", "-sp")]
+                 + [(f"{family}-tp2{sp}", family) for family in FAMILIES + ROPE_SCALED + TP_ONLY for sp in ("", "-sp")]
                  + [("tp2-sp-kernels", "llama"), ("bloom-tp2-sp-kernels", "bloom"), ("qwen2-tp2-kernels", "qwen2")])
     for name, kernels in (("tp2-sp-kernels", LLAMA_KERNELS), ("bloom-tp2-sp-kernels", GPT_KERNELS),
                           ("qwen2-tp2-kernels", LLAMA_KERNELS)):
