@@ -319,9 +319,10 @@ def test_every_family_record_is_complete():
         assert all(config.family == family.name for config in family.architectures.values())
         assert all(config.family == family.name for config in
                    (case.config for case in family.reference_cases.values()))
-        # PaddleNLP 2.8.1 has no class for Qwen3: PaddleFormers judges it instead (scripts/verify_paddleformers.py)
-        assert (family.export_case[0] in family.reference_cases if family.name not in ("qwen3", "qwen3_moe")
+        # PaddleNLP 2.8.1 has no class for Qwen3 and ERNIE 4.5: PaddleFormers judges them instead
+        # (scripts/verify_paddleformers.py)
+        assert (family.export_case[0] in family.reference_cases if family.name not in ("qwen3", "qwen3_moe", "ernie4_5")
                 else not family.export_case)
         assert family.paddlenlp.export_table(_get(family.tiny))
-    assert supported_model_types() == ["baichuan", "bloom", "gpt", "gpt2", "llama", "mixtral", "qwen", "qwen2",
+    assert supported_model_types() == ["baichuan", "bloom", "ernie4_5", "gpt", "gpt2", "llama", "mixtral", "qwen", "qwen2",
                                       "qwen2_moe", "qwen3", "qwen3_moe"]
