@@ -296,6 +296,18 @@ MUTATIONS = [
              "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
              "    if True:\n        return stats\n",
              ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
+    # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
+    # interleaved pairs; the layouts other than tp accepted for it.
+    Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",
+             "models/families/ernie4_5.py",
+             '    pairs = "rope_pairs_transpose" if transpose else "rope_pairs"\n',
+             '    pairs = "transpose" if transpose else "same"\n',
+             ("tests/test_ernie4_5.py::test_exported_q_and_k_give_their_interleaved_rope_our_attention_scores",)),
+    Mutation("ernie4_5_unproven_layouts", "ERNIE 4.5's unproven layouts (pp, sharding, dp, sep, cp) accepted",
+             "llm_pretrain/parallel/layout.py",
+             '        if value > 1 and key not in allowed:\n',
+             '        if False:\n',
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
 ]
 
 

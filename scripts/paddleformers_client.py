@@ -55,8 +55,14 @@ def main(jobs_file: str) -> None:
                 layer.register_forward_post_hook(lambda layer, inputs, output: router_logits.append(output))
         input_ids = paddle.to_tensor(np.load(job["input_ids"]))
         labels = paddle.to_tensor(np.load(job["labels"]))
+        extra = {}
+        if model.config.model_type == "ernie4_5":
+            # Ernie4_5Model builds a causal mask only from an attention_mask (transformers/ernie4_5/modeling.py
+            # forward: none given -> none, and its eager attention then lets every token see the whole sequence;
+            # its pretraining runs flash attention, causal by itself). All ones: no padding, just the causal mask.
+            extra["attention_mask"] = paddle.ones_like(input_ids)
         with paddle.no_grad():
-            out = model(input_ids=input_ids, labels=labels, return_dict=True)
+            out = model(input_ids=input_ids, labels=labels, return_dict=True, **extra)
         loss, aux = float(out.loss), None
         if router_logits:
             # PaddleFormers 0.4.1's Qwen3MoeModel.forward returns no router_logits, so Qwen3MoeForCausalLM's

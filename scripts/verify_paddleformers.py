@@ -1,4 +1,4 @@
-"""Same function as PaddleFormers: Qwen3 and Qwen3-MoE against PaddleFormers 0.4.1's own classes; writes
+"""Same function as PaddleFormers: Qwen3, Qwen3-MoE and ERNIE 4.5 (dense) against PaddleFormers 0.4.1's own classes; writes
 benchmarks/paddleformers_parity.md.
 
     python scripts/verify_paddleformers.py [--venv .cache/paddleformers-venv] [--out benchmarks/paddleformers_parity.md]
@@ -45,6 +45,10 @@ CASES = [
     ("qwen3", "qwen3-tiny", {}),
     ("qwen3-untied", "qwen3-tiny", {"tie_word_embeddings": False}),
     ("qwen3_moe", "qwen3-moe-tiny", {}),
+    # ernie4_5-tiny: head_dim 32 apart from hidden / heads, GQA 4:2, tied, interleaved rotary pairs (q/k columns
+    # reordered by the weight table), rope_theta 500000, eps 1e-5; untied as a check of the [vocab, hidden] head.
+    ("ernie4_5", "ernie4_5-tiny", {}),
+    ("ernie4_5-untied", "ernie4_5-tiny", {"tie_word_embeddings": False}),
 ]
 
 
@@ -175,7 +179,7 @@ def write_report(rows: list[dict], out_file: str) -> None:
     import paddle
 
     lines = [
-        "# Qwen3 and Qwen3-MoE: the same function as PaddleFormers",
+        "# Qwen3, Qwen3-MoE and ERNIE 4.5: the same function as PaddleFormers",
         "",
         "Written by `python scripts/verify_paddleformers.py` (do not edit by hand; checked by",
         "`tests/test_paddleformers_parity.py`). PaddleFormers runs in its own venv (`paddlepaddle==3.3.1",
@@ -203,6 +207,11 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  `load_balancing_loss_func(None, ...)` is 0 and its loss has no load-balancing term. The client adds",
         "  `router_aux_loss_coef x load_balancing_loss_func(...)` itself, PaddleFormers' function on the logits its",
         "  gates computed (forward hooks), which is what that forward means to do.",
+        "- ERNIE 4.5 rotates interleaved pairs of each head (PaddleFormers' ernie4_5/modeling.py rotate_half); our",
+        "  decoder rotates halves, and the weight table reorders q_proj's and k_proj's columns within each head",
+        "  (join `rope_pairs`, models/paddlenlp_interop.py), both ways.",
+        "- ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM) is not here: PaddleFormers 0.4.1's MoE layer calls GPU-only",
+        "  kernels (`expand_modality_expert_id` is not registered on CPU), and this decoder does not train it yet.",
     ]
     with open(out_file, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -54,7 +54,9 @@ from parity_utils import (
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
-MODELS = tuple(name for name, family in FAMILIES.items() if not family.architectures[family.tiny].is_moe) + ("llama3",)
+# ERNIE 4.5: sep/cp refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+MODELS = tuple(name for name, family in FAMILIES.items()
+               if not family.architectures[family.tiny].is_moe and name != "ernie4_5") + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},

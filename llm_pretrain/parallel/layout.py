@@ -586,6 +586,27 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 
 
 # ----------------------------------------------------------------------------- the model a layout trains
+# Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
+# against one process by a shared launch (ERNIE 4.5: tp2 and tp2 + SP, tests/test_parallel_parity.py TP_ONLY).
+# Every other layout of these families is refused until a test trains it.
+PROVEN_DEGREES = {"ernie4_5": ("tensor_parallel_degree",)}
+
+
+def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
+    allowed = PROVEN_DEGREES.get(config.family)
+    if allowed is None:
+        return
+    degrees = {"tensor_parallel_degree": layout.tensor_parallel_degree,
+               "pipeline_parallel_degree": layout.pipeline_parallel_degree,
+               "sharding_parallel_degree": layout.sharding_degree, "data_parallel_degree": layout.data_parallel_degree,
+               "sep_parallel_degree": layout.sep_parallel_degree,
+               "context_parallel_degree": layout.context_parallel_degree}
+    for key, value in degrees.items():
+        if value > 1 and key not in allowed:
+            raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
+                             f"process); allowed above 1: {', '.join(allowed)}")
+
+
 def check_layout_and_model(args: Arguments, world_size: int, device: str
                            ) -> tuple[Layout, ModelConfig, str | None, list[str]]:
     """The layout on world_size processes and the model it trains, both checked (the planner runs this too)."""
@@ -593,6 +614,7 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     config, weights_file, notes = build_model_config(args, layout, device)
     config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
+    check_proven_layout(config, layout)
     check_mixture_of_experts(args, config, layout)
     check_strategy(args, config, layout)
     check_document_keys(args, config, layout, device)
