@@ -101,6 +101,8 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
         return parts[0].T
     if join == "concat":
         return np.concatenate(parts, axis=-1)
+    if join == "swap_halves":  # the two halves of the input axis exchanged (DeepSeek's MTP eh_proj)
+        return np.concatenate(np.split(parts[0], 2, axis=0)[::-1], axis=0)
     prefix = parts[0].shape[:-1]
     if join == "per_head":  # [..., h*d] x 3 -> [..., h, 3, d]
         q, k, v = (p.reshape(prefix + (heads, d)) for p in parts)
@@ -124,6 +126,8 @@ def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> l
         return [x.T]
     if join == "concat":
         return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
+    if join == "swap_halves":
+        return [np.concatenate(np.split(x, 2, axis=0)[::-1], axis=0)]
     prefix = x.shape[:-1]
     if join == "per_head":
         x = x.reshape(prefix + (heads, 3, d))
