@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE compute PaddleFormers' function: what the suite checks of the verification report.
+"""Qwen3, Qwen3-MoE and DeepSeek-V3 compute PaddleFormers' function: what the suite checks of the verification report.
 
 PaddleFormers 0.4.1 cannot share an environment with PaddleNLP 2.8.1 (the test requirements' reference), so
 `python scripts/verify_paddleformers.py` runs it in its own venv and writes benchmarks/paddleformers_parity.md:
@@ -31,5 +31,6 @@ def test_every_case_matches_paddleformers_both_ways():
         assert r["version"] == "0.4.1" and r["ok"] == "yes", r
         assert float(r["logits"]) <= TOLERANCE and float(r["loss_diff"]) <= TOLERANCE, r
         assert float(r["std"]) > 0.3, r  # logits far from constant: the comparison means something
-        expected = "Qwen3MoeForCausalLM" if r["case"].startswith("qwen3_moe") else "Qwen3ForCausalLM"
+        expected = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}.get(r["case"],
+                                                                                                 "Qwen3ForCausalLM")
         assert r["cls"] == expected, r

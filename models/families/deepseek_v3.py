@@ -185,6 +185,8 @@ def paddleformers_config(c) -> dict:
         rope_scaling=({**{k: v for k, v in c.rope_scaling.items() if k != "rope_type"}, "type": "yarn"}
                       if c.rope_scaling else None),
         attention_bias=False, attention_dropout=0.0, num_nextn_predict_layers=c.num_nextn_predict_layers,
+        # PaddleFormers' DeepseekV2Attention reshapes the rotary key by config.seq_length (the run's tokens)
+        seq_length=c.seq_length,
     )
 
 
