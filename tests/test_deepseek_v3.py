@@ -291,7 +291,7 @@ def _arguments(corpus, tmp_path, **overrides):
     from parity_utils import base_arguments
     from llm_pretrain.selfcheck.parity import write_json
 
-    data = base_arguments(corpus, tmp_path, **{"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 3,
+    data = base_arguments(corpus, tmp_path, **{"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2,
                                                "output_dir": str(tmp_path / "out"), **overrides})
     args, _ = parse_arguments([str(write_json(tmp_path / "args.json", data))])
     return args

@@ -65,7 +65,7 @@ def _cpu(**sizes) -> ModelConfig:
 ARCHITECTURES = {
     "deepseek-ai/DeepSeek-V3": _published(),
     "deepseek-ai/DeepSeek-V3-Base": _published(),
-    "deepseek-v3-tiny": _cpu(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    "deepseek-v3-tiny": _cpu(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                              qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
                              shared_expert_intermediate_size=32),
