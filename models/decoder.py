@@ -22,7 +22,7 @@ import paddle.nn.functional as F
 from models import parallel_layers as pl
 from models.config import ModelConfig
 from models.moe import MoE, RouterMetrics, router_losses
-from models.rope import scaled_inv_freq, yarn_cos_sin_factor
+from models.rope import scaled_inv_freq
 
 
 # ----------------------------------------------------------------------------- positions
@@ -30,12 +30,11 @@ def rotary_cos_sin(seq_length: int, head_dim: int, theta: float, scaling: dict |
     """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: linear or Llama 3.1's, models/rope.py)."""
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
     if scaling:
-        inv_freq = paddle.to_tensor(scaled_inv_freq(inv_freq.numpy(), scaling, theta))
+        inv_freq = paddle.to_tensor(scaled_inv_freq(inv_freq.numpy(), scaling))
     positions = paddle.arange(seq_length, dtype="float32")
     freqs = paddle.outer(positions, inv_freq)
     angles = paddle.concat([freqs, freqs], axis=-1)
-    factor = yarn_cos_sin_factor(scaling)  # 1 unless YaRN's two mscales differ
-    return (angles.cos() * factor)[None, :, None, :], (angles.sin() * factor)[None, :, None, :]
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
 
 
 _ROTARY_TABLES: dict = {}

@@ -6,7 +6,6 @@ Each piece is checked against a numpy implementation written here from the DeepS
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
