@@ -101,6 +101,8 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
         return parts[0].T
     if join == "concat":
         return np.concatenate(parts, axis=-1)
+    if join == "swap_halves":  # the two halves of the input axis exchanged (DeepSeek's MTP eh_proj)
+        return np.concatenate(np.split(parts[0], 2, axis=0)[::-1], axis=0)
     prefix = parts[0].shape[:-1]
     if join == "rope_pairs":  # each head's dims from rotate-half order to interleaved pairs (ERNIE 4.5)
         return _rope_pairs(parts[0], d, to_pairs=True)
@@ -140,6 +142,8 @@ def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> l
         return [x.T]
     if join == "concat":
         return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
+    if join == "swap_halves":
+        return [np.concatenate(np.split(x, 2, axis=0)[::-1], axis=0)]
     prefix = x.shape[:-1]
     if join == "rope_pairs":
         return [_rope_pairs(x, d, to_pairs=False)]

@@ -308,6 +308,23 @@ MUTATIONS = [
              '        if value > 1 and key not in allowed:\n',
              '        if False:\n',
              ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
+    # DeepSeek-V3 (issue 35): YaRN's mscale dropped from the latent attention's softmax scale; the correction bias
+    # used for the weights too; the bias moved the wrong way; the MTP loss weight ignored.
+    Mutation("deepseek_mla_mscale_dropped", "latent attention's softmax scale without YaRN's mscale", "models/mla.py",
+             "        scale *= yarn_mscale(scaling[\"factor\"], scaling[\"mscale_all_dim\"]) ** 2\n",
+             "        scale *= 1.0\n",
+             ("tests/test_deepseek_v3.py::test_latent_attention_is_the_reports_with_yarn_mscale",)),
+    Mutation("deepseek_bias_in_weights", "the router's correction bias added to the weights, not only the choice",
+             "models/deepseek_moe.py", "        weights = paddle.take_along_axis(scores, selected, axis=-1)\n",
+             "        weights = paddle.take_along_axis(scores + self.e_score_correction_bias, selected, axis=-1)\n",
+             ("tests/test_deepseek_v3.py::test_router_bias_chooses_and_weights_come_from_the_scores",)),
+    Mutation("deepseek_bias_update_sign", "the bias moved by rate x sign(load - mean load) (towards the loaded experts)",
+             "models/deepseek_moe.py", "rate * paddle.sign(load.mean() - load)", "rate * paddle.sign(load - load.mean())",
+             ("tests/test_deepseek_v3.py::test_bias_moves_by_rate_times_sign_of_mean_minus_load_and_only_when_on",)),
+    Mutation("deepseek_mtp_weight_ignored", "the MTP loss added with weight 1 instead of mtp_loss_weight",
+             "models/decoder.py", "loss = loss + self.config.mtp_loss_weight * mtp_loss",
+             "loss = loss + mtp_loss",
+             ("tests/test_deepseek_v3.py::test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head",)),
 ]
 
 
