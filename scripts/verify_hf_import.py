@@ -48,8 +48,9 @@ COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention
               intermediate_size=128, max_position_embeddings=128)
 # Llama 3.1's rotary scaling (meta-llama/Llama-3.1-8B config.json: rope_theta 500000, llama3 factor 8, low 1,
 # high 4), original length 64 here so that its bands fall inside these tiny heads' frequencies too.
-LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+LLAMA31_ROPE = {"rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}}
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 # (case, Hugging Face model_type, config.json settings, rotary settings or None, our family). Rope bases are the
 # published ones (Llama 2: 10000 is the default, so Llama here takes Llama 3's 500000; Qwen2/Qwen3, Mixtral: 1e6)
@@ -67,8 +68,8 @@ CASES = [
      "mixtral"),
     ("qwen2_moe", "qwen2_moe", {**COMMON, **QWEN_MOE, "shared_expert_intermediate_size": 64},
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen2_moe"),
-    ("qwen3", "qwen3", {**COMMON, "head_dim": 32, "tie_word_embeddings": True}, {"rope_theta": 1e6, "rope_scaling": None},
-     "qwen3"),
+    ("qwen3", "qwen3", {**COMMON, "head_dim": 32, "tie_word_embeddings": True},
+     {"rope_theta": 1e6, "rope_scaling": None}, "qwen3"),
     ("qwen3_moe", "qwen3_moe", {**COMMON, **QWEN_MOE, "head_dim": 32, "norm_topk_prob": True},
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen3_moe"),
     ("gpt3", "gpt2", dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128), None, "gpt3"),
@@ -129,6 +130,7 @@ def loss_with_lost_rope(directory: str, tokens: np.ndarray) -> float:
 def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
     from llm_pretrain.data import ensure_embedded_corpus
     from llm_pretrain.selfcheck import parity
+    from models.families.hf_config_keys import classify
 
     work = tempfile.mkdtemp(prefix="verify_hf_import_")
     corpus = ensure_embedded_corpus(os.path.join(work, "embedded"))
@@ -155,15 +157,18 @@ def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
         if done.returncode != 0:
             sys.exit(f"the transformers {form} client failed:\n{done.stderr[-4000:]}")
         theirs = {r["name"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
-        for case, _, _, rope, family in cases:
+        for case, model_type, _, rope, family in cases:
             directory = os.path.join(work, form, case)
             with open(os.path.join(directory, "config.json")) as f:
                 written = json.load(f)
             output = os.path.join(work, "runs", f"{case}-{form}")
             runs.append(parity.argv(args_file, output, model_name_or_path=directory, **NO_DROPOUT,
                                     **({"router_aux_loss_coef": 0.0} if family in MOE_FAMILIES else {})))
+            # every key transformers wrote is one the import classifies (used, no effect or refused)
+            unclassified = sorted(key for key in written if classify(model_type, key) is None)
             rows.append({"case": case, "form": form, "family": family, "theirs": theirs[case], "_dir": directory,
-                         "_output": output, "rope_keys": rope_keys(written), "_rope": rope})
+                         "_output": output, "rope_keys": rope_keys(written), "_rope": rope,
+                         "unclassified": ", ".join(unclassified) or "none"})
     parity.run_single(runs, Path(work), "import", timeout=3600)
     for row in rows:
         ours = parity.train_records(row.pop("_output"))[0]["loss"]
@@ -202,18 +207,21 @@ def write_section(rows: list[dict], out_file: str) -> None:
         "created at random by transformers itself and saved with `save_pretrained`, by transformers 4 (config.json",
         "with top-level `rope_theta` / `rope_scaling`) and by transformers 5 (`rope_parameters`); run_pretrain then",
         "trains from the directory as it is (`model_name_or_path`: the directory, one step, learning rate 0, fp32) and",
-        f"the loss it logs at step 1 (the initial weights, the first {BATCH} x {SEQ + 1} tokens of the embedded corpus) is",
-        f"compared with transformers' loss on the same token ids (fp32, eager attention). The bar is {TOLERANCE}.",
+        f"the loss it logs at step 1 (the initial weights, the first {BATCH} x {SEQ + 1} tokens of the embedded",
+        "corpus) is compared with transformers' loss on the same token ids (fp32, eager attention). The bar is",
+        f"{TOLERANCE}.",
         f"Our side: paddlepaddle {paddle.__version__} (CPU). \"lost rope\": our loss with rope_theta 10000 and no",
-        "scaling, what a 5.x file gave before issue 37.",
+        "scaling, what a 5.x file gave before issue 37. \"keys in no list\": keys of the written config.json that",
+        "models/families/hf_config_keys.py classifies neither as used, nor without effect, nor refused.",
         "",
-        "| case | form | rotary settings in config.json | client (class) | our loss | transformers' loss | abs diff "
-        "| lost rope | within 1e-5 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | form | rotary settings in config.json | keys in no list | client (class) | our loss "
+        "| transformers' loss | abs diff | lost rope | within 1e-5 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lost = "n/a" if r["lost_rope"] is None else f"{r['lost_rope']:.6f}"
-        lines.append(f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['client']} | {r['ours']:.7f} | "
+        lines.append(f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['unclassified']} | {r['client']} | "
+                     f"{r['ours']:.7f} | "
                      f"{r['transformers']:.7f} | {r['diff']:.2e} | {lost} | {'yes' if r['ok'] else 'NO'} |")
     lines += [
         "",

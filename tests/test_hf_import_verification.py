@@ -22,8 +22,9 @@ from verify_hf_export import IMPORT_SECTION  # noqa: E402
 from verify_hf_import import CASES, FORMS, TOLERANCE  # noqa: E402
 
 REPORT = REPO_ROOT / "benchmarks" / "hf_export_verification.md"
-ROW = re.compile(r"^\| (?P<case>[\w.-]+) \| (?P<form>[45]\.x) \| (?P<rope>[^|]+) \| transformers (?P<major>\d+)\.[\d.]+, "
-                 r"torch [\w.+]+ \((?P<cls>\w+)\) \| (?P<ours>[\d.]+) \| (?P<theirs>[\d.]+) \| (?P<diff>[\d.e+-]+) \| "
+ROW = re.compile(r"^\| (?P<case>[\w.-]+) \| (?P<form>[45]\.x) \| (?P<rope>[^|]+) \| (?P<unclassified>[^|]+) \| "
+                 r"transformers (?P<major>\d+)\.[\d.]+, torch [\w.+]+ \((?P<cls>\w+)\) \| (?P<ours>[\d.]+) \| "
+                 r"(?P<theirs>[\d.]+) \| (?P<diff>[\d.e+-]+) \| "
                  r"(?P<lost>[\d.]+|n/a) \| (?P<ok>yes|NO) \|$")
 
 
@@ -41,6 +42,7 @@ def test_every_case_in_both_forms_matches_transformers_loss():
     rotary = {case for case, _, _, rope, _ in CASES if rope is not None}
     for r in rows:
         assert r["ok"] == "yes" and float(r["diff"]) <= TOLERANCE, r
+        assert r["unclassified"] == "none", r  # every key transformers wrote is used, without effect or refused
         assert abs(float(r["ours"]) - float(r["theirs"])) <= TOLERANCE + 1e-7, r
         assert int(r["major"]) == FORMS[r["form"]][1], r  # each form written by the transformers that writes it
         assert r["cls"] == FAMILIES[family_of[r["case"]]].hugging_face.class_name, r
