@@ -208,6 +208,10 @@ MUTATIONS = [
     Mutation("config_refusals_off", "config.json values the decoder cannot compute accepted silently",
              "models/families/hf_config_keys.py", "if isinstance(entry, Refused) and not entry.honoured(value, raw):",
              "if False:", ("tests/test_hf_config_keys.py::test_refused_keys_are_one_line_naming_the_key",)),
+    Mutation("qwen3_moe_num_local_experts_ignored", "a Qwen3-MoE config.json as transformers 5.24 writes it: its "
+             "num_local_experts not read (Qwen3MoeConfig's default 128 experts instead)", "models/families/qwen3_moe.py",
+             "    if count is not None:\n        sizes[\"num_experts\"] = count\n", "",
+             ("tests/test_hf_config_keys.py::test_qwen3_moe_expert_count_as_transformers5_writes_it",)),
     # Training from a Hugging Face directory (models/hf_directory.py) and the export round trip.
     Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
              "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",
