@@ -72,6 +72,10 @@ CASES = [
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen3"),
     ("qwen3_moe", "qwen3_moe", {**COMMON, **QWEN_MOE, "head_dim": 32, "norm_topk_prob": True},
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen3_moe"),
+    # ERNIE 4.5 (baidu/ERNIE-4.5-0.3B-Base-PT's switches: head_dim apart, tied head, no biases, base 500000): its
+    # interleaved rotary pairs, which the import reorders into halves (models/families/ernie4_5.py)
+    ("ernie4_5", "ernie4_5", {**COMMON, "head_dim": 32, "tie_word_embeddings": True, "use_bias": False},
+     {"rope_theta": 500000.0, "rope_scaling": None}, "ernie4_5"),
     ("gpt3", "gpt2", dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128), None, "gpt3"),
     ("bloom", "bloom", dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), None, "bloom"),
 ]
