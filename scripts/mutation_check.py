@@ -296,6 +296,12 @@ MUTATIONS = [
              "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
              "    if True:\n        return stats\n",
              ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
+    Mutation("selfcheck_reference_options_differ", "the self-check's one-process references built with their "
+             "precision's options, not the row's (dp2 and sd2 stage 3 bf16 rows without master_grad, references with it)",
+             "llm_pretrain/selfcheck/rows.py",
+             "    return {key: value for key, value in row.options.items() if key not in layout}\n",
+             "    return dict(PRECISIONS[row.precision])\n",
+             ("tests/test_gpu_selfcheck.py::test_each_row_reference_runs_with_the_row_options",)),
 ]
 
 
