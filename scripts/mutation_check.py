@@ -302,6 +302,19 @@ MUTATIONS = [
              "    return {key: value for key, value in row.options.items() if key not in layout}\n",
              "    return dict(PRECISIONS[row.precision])\n",
              ("tests/test_gpu_selfcheck.py::test_each_row_reference_runs_with_the_row_options",)),
+    Mutation("moe_capacity_host_read_per_layer", "MoE with a capacity factor dispatched through the host-counted "
+             "blocks (one device read per layer) instead of the fixed-capacity device dispatch", "models/moe.py",
+             "        if kept is not None and self.ep_degree == 1:\n", "        if False:\n",
+             ("tests/test_per_layer_work.py::test_a_training_step_reads_the_host_no_more_with_more_layers",)),
+    Mutation("ring_slopes_host_read_per_layer", "each layer reads its ALiBi slopes from the device for the ring",
+             "models/decoder.py", "slopes = list(self.alibi_slope_list) if", "slopes = self.alibi_slopes.tolist() if",
+             ("tests/test_per_layer_work.py::test_the_ring_takes_the_alibi_slopes_without_a_device_read",)),
+    Mutation("mask_built_per_layer", "the causal / ALiBi masks and the ring's positions built at every call (every "
+             "layer) instead of once", "models/constants.py", "        if full_key not in _CONSTANTS:\n",
+             "        if True:\n",
+             ("tests/test_per_layer_work.py::test_one_attention_mask_per_forward_whatever_the_layers",
+              "tests/test_per_layer_work.py::test_the_flash_alibi_mask_is_one_tensor_for_every_layer",
+              "tests/test_per_layer_work.py::test_the_ring_builds_its_positions_slopes_and_diagonal_mask_once")),
 ]
 
 
