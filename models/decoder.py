@@ -225,14 +225,15 @@ class Attention(nn.Layer):
             # device read per layer (issue 33, finding 4).
             self.alibi_slope_list = tuple(local)
 
-    def additive_mask(self, seq: int):
-        """The plain path's mask: causal [seq, seq], or with ALiBi [1, heads, seq, seq] (slope x key position
-        + causal), float32; one per process for this rank's heads (models/constants.py), shared by the layers."""
+    def shared_masks(self, seq: int):
+        """(ALiBi bias [heads, 1, seq] or None, causal mask [seq, seq]), float32: one each per process for this
+        rank's heads and this length (models/constants.py), shared by every layer and forward."""
+        causal = shared_constant("causal_mask", (seq,), lambda: causal_mask(seq))
         if self.config.position_embedding != "alibi":
-            return shared_constant("causal_mask", (seq,), lambda: causal_mask(seq))
+            return None, causal
         slopes = self.alibi_slope_list
-        return shared_constant("alibi_causal_mask", (slopes, seq), lambda: (
-            alibi_bias(paddle.to_tensor(slopes, dtype="float32"), seq) + causal_mask(seq))[None])
+        return shared_constant("alibi_bias", (slopes, seq), lambda: alibi_bias(
+            paddle.to_tensor(slopes, dtype="float32"), seq)), causal
 
     def project_qkv(self, hidden, positions=None):
         # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens;
@@ -307,8 +308,11 @@ class Attention(nn.Layer):
         # seq x seq), and mask by adding 0/-inf: on CPU a full-size `where` + `full_like` and their
         # gradients cost more than these products (benchmarks/cpu_speed.md).
         scores = paddle.matmul(q.astype("float32") / math.sqrt(d), k.astype("float32"), transpose_y=True)
-        # ALiBi and the causal mask in one addition (the same values: the causal mask adds 0 or -inf)
-        scores = scores.reshape([batch, self.attention_heads, seq, seq]) + self.additive_mask(seq)
+        scores = scores.reshape([batch, self.attention_heads, seq, seq])
+        alibi, causal = self.shared_masks(seq)
+        if alibi is not None:
+            scores = scores + alibi[None]
+        scores = scores + causal
         if document_mask is not None:  # [batch, 1, seq, seq]: no attention across a document boundary
             scores = scores + document_mask
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
@@ -329,8 +333,11 @@ class Attention(nn.Layer):
         if self.config.position_embedding == "alibi":
             # One per process for these shapes (models/constants.py): the kernel keeps it for the backward,
             # so every layer keeps the same tensor rather than its own copy.
-            mask = shared_constant("flash_alibi_mask", (self.alibi_slope_list, batch, seq, str(q.dtype)), lambda: (
-                self.additive_mask(seq).astype(q.dtype).expand([batch, self.attention_heads, seq, seq])))
+            def build():
+                alibi, causal = self.shared_masks(seq)
+                return (alibi + causal)[None].astype(q.dtype).expand([batch, self.attention_heads, seq, seq])
+
+            mask = shared_constant("flash_alibi_mask", (self.alibi_slope_list, batch, seq, str(q.dtype)), build)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.config.attention_probs_dropout_prob,
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])

@@ -17,7 +17,9 @@ its own chunk of the (already summed) output.
 Dispatch: the (token, slot) pairs are sorted by expert (stable: token order within an expert),
 so each expert's tokens are one contiguous block. With a capacity factor each expert keeps its
 first ceil(factor x tokens x k / E) pairs and the others are dropped (contribute 0; the default,
-factor 0, is dropless like the reference implementations). Under expert parallelism
+factor 0, is dropless like the reference implementations). The dropless blocks' lengths are the
+data's: read from the device once per layer; with a capacity factor every block has capacity rows
+and the dispatch stays on the device (no host read; `_fixed_capacity_experts`). Under expert parallelism
 (expert_parallel_degree ep) each rank holds the E/ep experts [rank x E/ep, (rank+1) x E/ep):
 the blocks go to their expert's rank by an all-to-all over fleet's expert group and come back by
 a second one (and the reverse pair in backward).
@@ -364,16 +366,20 @@ class MoE(nn.Layer):
         return paddle.scatter(paddle.zeros([flat.shape[0], x.shape[-1]], dtype=x.dtype), order,
                               expert_out), idle_zero
 
-    def _fixed_capacity_experts(self, x, flat, keep, place, block):
+    def _fixed_capacity_experts(self, x, flat, keep, capacity):
         """With a capacity factor every expert's block has a length known without the data (capacity rows):
         the dispatch is gathers and a scatter on the device and no host read, as GShard's fixed-capacity
         dispatch (Lepikhin et al. 2020, its dispatch/combine tensors), which PaddleNLP 3.0's moe_layer.py
-        follows. Kept pair p goes to row place[p] of its expert's block; rows no pair fills are zeros
-        whose outputs nobody takes (so an idle expert gets a zero gradient, as `_local_experts` gives it).
-        block: the rows of each expert. -> pair outputs [pairs, hidden] (0 for dropped pairs), the same values
-        as `_counted_experts`."""
+        follows. A kept pair goes to the row of its expert's block given by its place among this rank's kept
+        pairs of that expert; rows no pair fills are zeros whose outputs nobody takes (so an idle expert gets
+        a zero gradient, as `_local_experts` gives it). A block has min(capacity, this rank's tokens) rows: an
+        expert keeps at most capacity pairs and gets at most one pair per token. -> pair outputs
+        [pairs, hidden] (0 for dropped pairs), the same values as `_counted_experts`."""
         c = self.config
         k, experts, pairs, hidden = c.num_experts_per_tok, c.num_experts, flat.shape[0], x.shape[-1]
+        block = min(capacity, pairs // k)
+        kept = F.one_hot(flat, experts).astype("int64") * keep.astype("int64").unsqueeze(-1)  # [pairs, E]
+        place = (paddle.cumsum(kept, axis=0) * kept).sum(axis=1) - 1  # a running count of each expert's kept pairs
         spare = experts * block  # every dropped pair's slot: a zero output row
         slot = paddle.where(keep, flat * block + place, paddle.full_like(flat, spare))
         filler = paddle.scatter(paddle.full([spare + 1], pairs, dtype="int64"), slot,
@@ -385,8 +391,7 @@ class MoE(nn.Layer):
 
     def _capacity_keep(self, expert_ids):
         """With a capacity factor (None: dropless): which of this rank's pairs (expert_ids [batch, tokens, k]
-        -> [pairs] bool) it keeps, each pair's place among its expert's pairs ([pairs] int64) and the rows of
-        an expert's block in `_fixed_capacity_experts`. Each expert keeps its first ceil(factor x pairs / E)
+        -> [pairs] bool) it keeps, and the capacity. Each expert keeps its first ceil(factor x pairs / E)
         pairs of the micro-batch, in the order of its tokens. Under sep/cp the ranks' parts of the sequences
         are gathered first, so that every rank drops what one process drops. On the device: no host read
         (the place is a running count of each expert's pairs)."""
@@ -400,9 +405,7 @@ class MoE(nn.Layer):
         place = ((paddle.cumsum(picked, axis=0) * picked).sum(axis=1) - 1).reshape(whole.shape)
         if mine is not None:
             place = paddle.index_select(place, mine, axis=1)
-        place = place.reshape([-1])
-        # An expert gets at most one pair per token: a block longer than the tokens would only add zero rows.
-        return place < capacity, place, min(capacity, flat.shape[0] // self.config.num_experts_per_tok)
+        return place.reshape([-1]) < capacity, capacity
 
     def run_experts(self, expert_in, counts):
         """Each expert on its block of rows (rows sorted by expert; counts[e] rows for expert e) ->

@@ -315,6 +315,10 @@ MUTATIONS = [
              ("tests/test_per_layer_work.py::test_one_attention_mask_per_forward_whatever_the_layers",
               "tests/test_per_layer_work.py::test_the_flash_alibi_mask_is_one_tensor_for_every_layer",
               "tests/test_per_layer_work.py::test_the_ring_builds_its_positions_slopes_and_diagonal_mask_once")),
+    Mutation("alibi_mask_reads_free", "the planner's reads of the flash kernel's ALiBi mask cost nothing",
+             "llm_pretrain/planner/speed.py", "    return layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
+             "    return 0.0 * layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
+             ("tests/test_planner.py::test_paddlenlp_published_speeds_and_the_alibi_mask_reads",)),
 ]
 
 

@@ -122,24 +122,23 @@ def _unshared(kind, key, build):
         return build()
 
 
-@pytest.mark.parametrize("name, kind", [("bloom-tiny", "alibi_causal_mask"), ("baichuan-tiny", "alibi_causal_mask"),
-                                        ("llama-tiny", "causal_mask")])
-def test_one_attention_mask_per_forward_whatever_the_layers(name, kind, monkeypatch):
+@pytest.mark.parametrize("name, kinds", [("bloom-tiny", ("causal_mask", "alibi_bias")),
+                                         ("baichuan-tiny", ("causal_mask", "alibi_bias")), ("llama-tiny", ("causal_mask",))])
+def test_one_attention_mask_per_forward_whatever_the_layers(name, kinds, monkeypatch):
     config = resolve_model(name)[0]
-    if kind == "alibi_causal_mask":
-        assert config.position_embedding == "alibi"
+    assert (config.position_embedding == "alibi") == ("alibi_bias" in kinds)
     for layers in (2, 4):
         constants.clear()
         shared = _logits_and_grads(config.replace(num_hidden_layers=layers))
-        assert constants.BUILDS == {kind: 1}, (layers, constants.BUILDS)
+        assert constants.BUILDS == {kind: 1 for kind in kinds}, (layers, constants.BUILDS)
         _logits_and_grads(config.replace(num_hidden_layers=layers))  # a second forward builds nothing
-        assert constants.BUILDS == {kind: 1}
-    # the same logits and gradients as a mask built in every layer
+        assert constants.BUILDS == {kind: 1 for kind in kinds}
+    # the same logits and gradients as masks built in every layer
     with monkeypatch.context() as patch:
         patch.setattr(decoder, "shared_constant", _unshared)
         constants.clear()
         per_layer = _logits_and_grads(config.replace(num_hidden_layers=4))
-        assert constants.BUILDS == {kind: 4}
+        assert constants.BUILDS == {kind: 4 for kind in kinds}
     np.testing.assert_array_equal(shared[0], per_layer[0])
     for param, grad in shared[1].items():
         np.testing.assert_array_equal(grad, per_layer[1][param])
@@ -155,7 +154,7 @@ def test_the_flash_alibi_mask_is_one_tensor_for_every_layer():
         config = resolve_model("bloom-tiny")[0].replace(num_hidden_layers=4)
         constants.clear()
         flash = _logits_and_grads(config.replace(use_flash_attention=True))
-        assert constants.BUILDS == {"flash_alibi_mask": 1, "alibi_causal_mask": 1}
+        assert constants.BUILDS == {"flash_alibi_mask": 1, "alibi_bias": 1, "causal_mask": 1}
     finally:
         ks.uninstall_kernel_standins()
     plain = _logits_and_grads(config)

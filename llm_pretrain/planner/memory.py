@@ -32,6 +32,7 @@ Constants and where they come from:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from llm_pretrain.planner.params import Param, stage_chunks, stage_parameters
@@ -244,8 +245,13 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         pairs = tokens * c.num_experts_per_tok
         f_expert = c.expert_intermediate_size // tp
         router = tokens * 4 * 2 * c.num_experts
-        rows = pairs * a * h * (3 if c.expert_parallel_degree > 1 else 2)
-        mlp = router + rows + pairs * a * 4 * f_expert + pairs * 4 * 2
+        computed = pairs  # rows the experts run on
+        if c.moe_capacity_factor and c.expert_parallel_degree <= 1:
+            # _fixed_capacity_experts: each expert on a block of min(capacity, tokens) rows (zeros where no pair)
+            whole_pairs = pairs * setup.sep * setup.cp
+            computed = c.num_experts * min(math.ceil(c.moe_capacity_factor * whole_pairs / c.num_experts), tokens)
+        rows = (pairs + computed + (pairs if c.expert_parallel_degree > 1 else 0)) * a * h
+        mlp = router + rows + computed * a * 4 * f_expert + pairs * 4 * 2
         if c.shared_expert_intermediate_size:
             mlp += tokens * a * (4 * c.shared_expert_intermediate_size // tp + 2 * h)
     elif c.uses_swiglu:
