@@ -39,6 +39,12 @@ def shared_constant(kind: str, key: tuple, build):
         return _CONSTANTS[full_key]
 
 
+def release() -> None:
+    """Drop every constant (a new model: another run in the same process must not keep the last one's masks)."""
+    with _LOCK:
+        _CONSTANTS.clear()
+
+
 def clear() -> None:
     with _LOCK:
         _CONSTANTS.clear()

@@ -267,6 +267,25 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     return attention_block + mlp_block
 
 
+def shared_mask_bytes(config: ModelConfig, setup: Setup) -> float:
+    """The masks models/constants.py keeps once per process for every layer: the plain path's causal mask
+    [s, s] and ALiBi bias [heads, 1, s] (float32); under flash attention with ALiBi also the kernel's mask
+    [b, heads, s, s] in the compute dtype (a causal flash call takes none); the ring's diagonal block's
+    causal mask [s / cp, s / cp] float32 (its flash blocks without ALiBi take none)."""
+    c = config
+    s, heads = c.seq_length, c.num_attention_heads // (setup.tp * setup.sep)
+    alibi = c.position_embedding == "alibi"
+    if setup.cp > 1:
+        local = s / setup.cp
+        return local * local * 4 if (alibi or not c.use_flash_attention) else 0.0
+    if c.use_flash_attention and not alibi:
+        return 0.0
+    masks = s * s * 4 + (heads * s * 4 if alibi else 0.0)
+    if c.use_flash_attention:
+        masks += setup.micro_batch * heads * s * s * setup.precision.activation_bytes
+    return masks
+
+
 def attention_backward_bytes(config: ModelConfig, setup: Setup) -> float:
     """Short-lived tensors of one layer's core-attention backward, at long sequences the peak.
 
@@ -442,6 +461,8 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
 
     # Activations of the in-flight micro-batches at the start of backward.
     layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else list(range(c.num_hidden_layers))
+    if layers:
+        persistent["attention masks shared by the layers"] = shared_mask_bytes(c, setup)
     last = stage == setup.pp - 1 or (setup.dualpipev and stage == 0)  # DualPipeV's V ends on stage 0
     first = stage == 0
     if setup.vpp > 1:
