@@ -56,6 +56,22 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-active expert behind a sigmoid gate
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum 1 (Mixtral yes, Qwen2-MoE no)
     router_aux_loss_coef: float = 0.001  # load-balancing loss (Switch Transformer / HF Mixtral form)
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek-V3: none)
+
+    # DeepSeek-V3 (models/families/deepseek_v3.py); the defaults switch each piece off
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (models/mla.py) instead of `Attention`
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0  # per head: the query/key part without rotation ...
+    qk_rope_head_dim: int = 0  # ... the rotated part (the key's is one vector shared by the heads) ...
+    v_head_dim: int = 0  # ... and the value's width
+    first_k_dense_replace: int = 0  # the first k layers keep the dense MLP (intermediate_size), the rest are MoE
+    router_score: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3, models/deepseek_moe.py)
+    n_group: int = 1  # group-limited routing: the experts in n_group groups, tokens pick from topk_group of them
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (report eq. 17-20)
+    num_nextn_predict_layers: int = 0  # multi-token prediction depth (0 or 1)
+    mtp_loss_weight: float = 0.3  # lambda of the MTP loss (DeepSeek-V3 report sec. 4.2: 0.3, later 0.1)
 
     # ---- runtime (set from the run's arguments; not part of config.json) -----
     seq_length: int = 1024
@@ -79,6 +95,9 @@ class ModelConfig:
     # Qwen3's global-batch load balancing (Qiu et al. 2025): the pick frequencies f_e of the load-balancing loss
     # summed over the ranks that hold other samples (data-parallel and sharding) before the loss (models/moe.py)
     moe_global_batch_balance: bool = False
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every MoE layer's correction bias
+    # moves by this x sign(mean load - load) (models/deepseek_moe.py); 0: off
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -102,6 +121,18 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether decoder layer `layer_index` has the mixture of experts (DeepSeek-V3: not the first k)."""
+        return self.is_moe and layer_index >= self.first_k_dense_replace
+
+    @property
+    def moe_layer_count(self) -> int:
+        return max(self.num_hidden_layers - self.first_k_dense_replace, 0) if self.is_moe else 0
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
     @property
     def expert_intermediate_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
@@ -122,5 +153,5 @@ RUNTIME_KEYS = (
     "no_recompute_layers", "pp_recompute_interval", "use_flash_attention", "use_fused_rms_norm", "use_fused_rope",
     "use_fused_swiglu", "use_fast_layer_norm", "router_z_loss_coef", "moe_capacity_factor", "expert_parallel_degree",
     "reset_position_ids",
-    "moe_global_batch_balance",
+    "moe_global_batch_balance", "moe_bias_update_rate",
 )

@@ -410,10 +410,10 @@ class DecoderLayer(nn.Layer):
         self.config = config
         self.layer_index = layer_index
         self.input_layernorm = pl.norm(config, config.hidden_size)
-        self.self_attn = Attention(config)
+        self.self_attn = latent_attention(config) if config.uses_mla else Attention(config)
         self.self_attn.layer_index = layer_index  # for no_recompute_layers under "core_attn"
         self.post_attention_layernorm = pl.norm(config, config.hidden_size)
-        self.mlp = MoE(config, MLP) if config.is_moe else MLP(config)
+        self.mlp = moe_block(config) if config.is_moe_layer(layer_index) else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def attention_block(self, hidden, documents: Documents | None = None):
@@ -430,6 +430,50 @@ class DecoderLayer(nn.Layer):
 
     def _recompute(self, granularity: str) -> bool:
         return self.training and recomputes(self.config, granularity, self.layer_index)
+
+
+def latent_attention(config: ModelConfig):
+    from models.mla import LatentAttention  # DeepSeek-V3 (models/mla.py)
+
+    return LatentAttention(config)
+
+
+def moe_block(config: ModelConfig):
+    if config.router_score == "sigmoid":
+        from models.deepseek_moe import DeepSeekMoE  # DeepSeek-V3's router and bias (models/deepseek_moe.py)
+
+        return DeepSeekMoE(config, MLP)
+    return MoE(config, MLP)
+
+
+class MTPLayer(nn.Layer):
+    """DeepSeek-V3's multi-token prediction module of depth 1 (report sec. 2.2): at position i it combines the
+    main model's last hidden state h_i with the embedding of token i + 1 and predicts token i + 2:
+        h' = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]),  h'' = DecoderLayer(h'),  logits = head(norm(h''))
+    The embedding and the output head are the main model's; the block, its norms, eh_proj (no bias, as the
+    published weights' model.layers.61.eh_proj) and its final norm (shared_head.norm) are its own. The order
+    [embedding; hidden] is that of the inference engines reading the published weights (vLLM deepseek_mtp.py
+    DeepSeekMultiTokenPredictorLayer); PaddleFormers 0.4.1's DeepseekV2MTPLayer.forward concatenates
+    [hidden; embedding] and its model applies the main norm (its import swaps the halves of eh_proj,
+    models/families/deepseek_v3.py)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        rms = config.replace(norm_type="rmsnorm")
+        self.enorm = pl.norm(rms, config.hidden_size)
+        self.hnorm = pl.norm(rms, config.hidden_size)
+        self.eh_proj = pl.replicated_linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.block = DecoderLayer(config, layer_index)
+        self.norm = pl.norm(config, config.hidden_size)
+
+    def forward(self, hidden, next_embeddings, documents=None):
+        combined = self.eh_proj(paddle.concat([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))
+        return self.norm(self.block(combined, documents))
+
+
+def mtp_labels(labels):
+    """The MTP targets: position i predicts label i + 1 (token i + 2); the last position has none (-100)."""
+    return paddle.concat([labels[:, 1:], paddle.full_like(labels[:, :1], -100)], axis=1)
 
 
 def recomputes(config: ModelConfig, granularity: str, layer_index: int) -> bool:
@@ -491,7 +535,10 @@ def add_router_losses(config: ModelConfig, loss, router_stats: list, metrics: Ro
     balance, z_loss = router_losses(config, router_stats)
     if metrics is not None:
         metrics.add(router_stats, balance)
-    return loss + config.router_aux_loss_coef * balance + config.router_z_loss_coef * z_loss
+    loss = loss + config.router_aux_loss_coef * balance + config.router_z_loss_coef * z_loss
+    if config.seq_aux_loss_coef:  # DeepSeek-V3: every MoE layer's sequence-wise balance loss (models/deepseek_moe.py)
+        loss = loss + config.seq_aux_loss_coef * paddle.add_n([s.seq_balance for s in router_stats])
+    return loss
 
 
 # ----------------------------------------------------------------------------- model
@@ -506,6 +553,8 @@ class CausalLM(nn.Layer):
         self.norm = pl.norm(config, config.hidden_size)
         tied = self.embeddings.word_embeddings.weight if config.tie_word_embeddings else None
         self.lm_head = LMHead(config, tied)
+        if config.num_nextn_predict_layers:  # after the head, so that the main model's names come first
+            self.mtp = MTPLayer(config, config.num_hidden_layers)
         self.router_metrics = RouterMetrics(config) if config.is_moe else None
 
     def forward(self, input_ids, labels=None, document_ids=None):
@@ -521,15 +570,37 @@ class CausalLM(nn.Layer):
                 hidden = recompute(layer, hidden, documents, use_reentrant=False)
             else:
                 hidden = layer(hidden, documents)
-            if self.config.is_moe:
+            if isinstance(layer.mlp, MoE):
                 router_stats.append(layer.mlp.last_stats)
         logits = self.lm_head(self.norm(hidden))
         if labels is None:
             return logits
         loss = causal_lm_loss(self.config, logits, labels)
+        if self.config.num_nextn_predict_layers:
+            mtp_loss = causal_lm_loss(self.config, self.mtp_logits(hidden, labels, documents), mtp_labels(labels))
+            if isinstance(self.mtp.block.mlp, MoE):
+                router_stats.append(self.mtp.block.mlp.last_stats)
+            if self.training and self.router_metrics is not None:
+                self.router_metrics.add_mtp(mtp_loss)
+            loss = loss + self.config.mtp_loss_weight * mtp_loss
         if router_stats:
             loss = add_router_losses(self.config, loss, router_stats, self.router_metrics if self.training else None)
         return loss
+
+    def mtp_logits(self, hidden, labels, documents=None):
+        """The MTP module's logits [batch, seq, vocab] from the main model's last hidden states and the labels
+        (token i + 1 at position i; -100 read as token 0: its position's target is masked or the last)."""
+        next_embeddings = self.embeddings.word_embeddings(labels.clip(min=0))
+        return self.lm_head(self.mtp(hidden, next_embeddings, documents))
+
+    def update_router_biases(self) -> None:
+        """After an optimizer step: DeepSeek-V3's auxiliary-loss-free bias update in every MoE layer (rate 0: off)."""
+        if not self.config.moe_bias_update_rate:
+            return
+        blocks = [layer.mlp for layer in self.layers] + ([self.mtp.block.mlp] if self.config.num_nextn_predict_layers else [])
+        for block in blocks:
+            if hasattr(block, "update_correction_bias"):
+                block.update_correction_bias(self.config.moe_bias_update_rate)
 
     def canonical_named_parameters(self):
         """(name in the single-process model, parameter) for every parameter this rank holds."""

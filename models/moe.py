@@ -61,6 +61,7 @@ class RouterStats:
     dropped: paddle.Tensor     # []  int64: pairs over capacity
     tokens: int
     pick_tokens: int = 0       # tokens the picks were counted over (0: `tokens`; more under global-batch balancing)
+    seq_balance: paddle.Tensor | None = None  # [] DeepSeek-V3's sequence-wise balance loss (models/deepseek_moe.py)
 
 
 def global_batch_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
@@ -73,7 +74,7 @@ def global_batch_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
         return stats
     picks, ranks = pl.sum_over_data_replicas(stats.picks)
     return RouterStats(picks=picks, prob_sum=stats.prob_sum, z_sum=stats.z_sum, dropped=stats.dropped,
-                       tokens=stats.tokens, pick_tokens=stats.tokens * ranks)
+                       tokens=stats.tokens, pick_tokens=stats.tokens * ranks, seq_balance=stats.seq_balance)
 
 
 def whole_sequence_stats(config: ModelConfig, stats: RouterStats) -> RouterStats:
@@ -114,6 +115,13 @@ class RouterMetrics:
 
     def reset(self):
         self.picks, self.dropped, self.balance, self.forwards = None, None, None, 0
+        self.mtp_loss, self.mtp_forwards = None, 0
+
+    def add_mtp(self, loss):
+        """DeepSeek-V3: the multi-token prediction loss of a training forward (reported as mtp_loss)."""
+        loss = loss.detach().astype("float32")
+        self.mtp_loss = loss if self.mtp_forwards == 0 else self.mtp_loss + loss
+        self.mtp_forwards += 1
 
     def add(self, stats: list[RouterStats], balance):
         picks = paddle.stack([s.picks for s in stats])  # [layers, E]
@@ -133,6 +141,8 @@ class RouterMetrics:
         ratio = None if (least == 0).any() else float((picks.max(axis=1) / least).max())
         out = {"moe_aux_loss": float(self.balance) / self.forwards, "expert_load_max_min_ratio": ratio,
                "tokens_dropped": int(self.dropped)}
+        if self.mtp_forwards:
+            out["mtp_loss"] = float(self.mtp_loss) / self.mtp_forwards
         self.reset()
         return out
 
@@ -298,7 +308,8 @@ class MoE(nn.Layer):
         if config.shared_expert_intermediate_size:
             self.shared_expert = mlp_class(config.replace(intermediate_size=config.shared_expert_intermediate_size,
                                                           fuse_attention_ffn=False, sequence_parallel=False))
-            self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
+            if config.shared_expert_gate:  # Qwen2-MoE's; DeepSeek-V3's shared expert has none
+                self.shared_expert_gate = pl.replicated_linear(hidden, 1, bias=False)
         self.last_stats: RouterStats | None = None
         # rows this rank's dispatching all-to-alls sent in forward and got back in backward (tests count them)
         self.rows_sent = {"forward": 0, "backward": 0}
@@ -336,7 +347,8 @@ class MoE(nn.Layer):
             pair_out, idle_zero = self._counted_experts(x, flat, kept[0] if kept is not None else None)
         out = (pair_out.reshape([-1, k, shape[-1]]) * weights.unsqueeze(-1)).sum(axis=1)
         if self.config.shared_expert_intermediate_size:
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + (F.sigmoid(self.shared_expert_gate(x)) * shared if self.config.shared_expert_gate else shared)
         if idle_zero is not None:
             out = out + idle_zero.astype(out.dtype)
         self.last_stats = global_batch_stats(self.config, whole_sequence_stats(self.config, stats))

@@ -101,7 +101,11 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
         return parts[0].T
     if join == "concat":
         return np.concatenate(parts, axis=-1)
+    if join == "swap_halves":  # the two halves of the input axis exchanged (DeepSeek's MTP eh_proj)
+        return np.concatenate(np.split(parts[0], 2, axis=0)[::-1], axis=0)
     prefix = parts[0].shape[:-1]
+    if join == "rope_pairs":  # each head's dims from rotate-half order to interleaved pairs (ERNIE 4.5)
+        return _rope_pairs(parts[0], d, to_pairs=True)
     if join == "per_head":  # [..., h*d] x 3 -> [..., h, 3, d]
         q, k, v = (p.reshape(prefix + (heads, d)) for p in parts)
         return np.stack([q, k, v], axis=-2).reshape(prefix + (3 * heads * d,))
@@ -111,6 +115,20 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
         k, v = (p.reshape(prefix + (kv_heads, d)) for p in parts[1:])
         return np.concatenate([q, k, v], axis=-1).reshape(prefix + (kv_heads * (groups + 2) * d,))
     raise ValueError(f"unknown join {join!r}")
+
+
+def _rope_pairs(x: np.ndarray, d: int, to_pairs: bool) -> np.ndarray:
+    """The output columns of q_proj / k_proj ([..., heads x d]) between two rotary layouts of a head.
+
+    Ours rotates halves: dim j pairs with j + d/2 at frequency j (models/decoder.py apply_rotary). ERNIE 4.5
+    rotates interleaved pairs: dim 2j with 2j + 1 at frequency j (PaddleFormers 0.4.1
+    transformers/ernie4_5/modeling.py rotate_half / apply_rotary_pos_emb, the tables repeat_interleave'd).
+    Their column 2j is our j, their 2j + 1 our j + d/2; q and k permuted alike leave every q.k unchanged,
+    so our decoder computes their attention with the columns reordered (v, o_proj untouched)."""
+    prefix = x.shape[:-1]
+    if to_pairs:  # [h, 2, d/2] -> [h, d/2, 2]
+        return x.reshape(prefix + (-1, 2, d // 2)).swapaxes(-1, -2).reshape(x.shape)
+    return x.reshape(prefix + (-1, d // 2, 2)).swapaxes(-1, -2).reshape(x.shape)
 
 
 def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> list[np.ndarray]:
@@ -124,7 +142,11 @@ def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> l
         return [x.T]
     if join == "concat":
         return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
+    if join == "swap_halves":
+        return [np.concatenate(np.split(x, 2, axis=0)[::-1], axis=0)]
     prefix = x.shape[:-1]
+    if join == "rope_pairs":
+        return [_rope_pairs(x, d, to_pairs=False)]
     if join == "per_head":
         x = x.reshape(prefix + (heads, 3, d))
         return [x[..., j, :].reshape(prefix + (heads * d,)) for j in range(3)]

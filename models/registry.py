@@ -55,14 +55,27 @@ def parameter_count(config: ModelConfig) -> int:
         attention += h
     if config.qk_norm:  # Qwen3's q_norm and k_norm: one [head_dim] weight each
         attention += 2 * config.head_dim
+    if config.uses_mla:  # models/mla.py: the latent projections, their norms, the up-projections, o_proj
+        c, heads = config, config.num_attention_heads
+        attention = (h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+                     + h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+                     + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * h)
     mlp = (3 if config.uses_swiglu else 2) * h * inner
     if config.linear_bias:
         mlp += (2 * inner if config.uses_swiglu else inner) + h
+    dense_mlp = mlp
     if config.is_moe:  # router + experts (+ the shared expert and its gate); models/moe.py
         mlp = h * config.num_experts + config.num_experts * 3 * h * config.expert_intermediate_size
         if config.shared_expert_intermediate_size:
-            mlp += 3 * h * config.shared_expert_intermediate_size + h
-    total = config.num_hidden_layers * (2 * norm + attention + mlp) + norm + vocab * h
+            mlp += 3 * h * config.shared_expert_intermediate_size + (h if config.shared_expert_gate else 0)
+        if config.router_score == "sigmoid":  # DeepSeek-V3's correction bias (models/deepseek_moe.py)
+            mlp += config.num_experts
+    moe_layers = config.moe_layer_count
+    total = (config.num_hidden_layers * (2 * norm + attention) + moe_layers * mlp
+             + (config.num_hidden_layers - moe_layers) * dense_mlp + norm + vocab * h)
+    if config.num_nextn_predict_layers:  # DeepSeek-V3's MTP module: 3 norms, eh_proj and one (MoE) block
+        last = config.num_hidden_layers
+        total += 3 * norm + 2 * h * h + 2 * norm + attention + (mlp if config.is_moe_layer(last) else dense_mlp)
     if config.position_embedding == "learned":
         total += config.max_position_embeddings * h
     if config.embedding_layernorm:
@@ -77,7 +90,8 @@ def activated_parameter_count(config: ModelConfig) -> int:
     "A3B" / "activated" figure; the whole count for a dense model)."""
     idle_experts = config.num_experts - config.num_experts_per_tok if config.is_moe else 0
     mlp_matrices = 3 if config.uses_swiglu else 2
-    return parameter_count(config) - config.num_hidden_layers * idle_experts * mlp_matrices * config.hidden_size \
+    moe_layers = config.moe_layer_count + (1 if config.num_nextn_predict_layers and config.is_moe else 0)
+    return parameter_count(config) - moe_layers * idle_experts * mlp_matrices * config.hidden_size \
         * config.expert_intermediate_size
 
 

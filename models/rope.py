@@ -15,9 +15,14 @@ computed here, as transformers' ROPE_INIT_FUNCTIONS compute them (modeling_rope_
               high_freq_factor stay, those longer than original / low_freq_factor are divided by `factor`,
               the band between is interpolated smoothly (_compute_llama3_parameters; Meta's apply_scaling)
 
-"dynamic", "yarn" and "longrope" (and any other type) are refused in one line naming the key: their
-frequencies depend on the sequence length (dynamic, longrope) or scale the attention logits (yarn,
-longrope), which this decoder does not compute.
+    yarn      DeepSeek-V3's (read only for families whose attention scales its logits by YaRN's mscale:
+              `read_rope_config(..., yarn=True)`, models/mla.py): frequencies interpolated by `factor` below
+              the band beta_slow..beta_fast rotations over original_max_position_embeddings, kept above it,
+              ramped between; cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+              (PaddleFormers 0.4.1 paddleformers/transformers/deepseek_v2/modeling.py _compute_yarn_parameters)
+
+"dynamic" and "longrope" (and any other type, yarn for other families) are refused in one line naming the key:
+their frequencies depend on the sequence length or scale the attention logits, which `Attention` does not compute.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 KNOWN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # The keys each supported type reads besides rope_type / rope_theta (transformers' validation functions).
 ROPE_TYPE_KEYS = {"default": (), "linear": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "yarn": ("factor", "original_max_position_embeddings")}
+YARN_OPTIONAL = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0}  # PaddleFormers' defaults
 
 
 def _refuse(source: str, key: str, value, allowed: str) -> None:
@@ -40,8 +47,9 @@ def _refuse(source: str, key: str, value, allowed: str) -> None:
                      f"(allowed: {allowed})")
 
 
-def read_rope_config(raw: dict, source: str) -> tuple[float | None, dict | None]:
-    """(rope_theta or None when the file gives none, our rope_scaling or None) of a Hugging Face config.json."""
+def read_rope_config(raw: dict, source: str, yarn: bool = False) -> tuple[float | None, dict | None]:
+    """(rope_theta or None when the file gives none, our rope_scaling or None) of a Hugging Face config.json.
+    yarn: the family computes YaRN (DeepSeek-V3's latent attention)."""
     parameters = raw.get("rope_parameters")
     top_theta, legacy_scaling = raw.get("rope_theta"), raw.get("rope_scaling")
     if parameters is not None:
@@ -65,8 +73,9 @@ def read_rope_config(raw: dict, source: str) -> tuple[float | None, dict | None]
         if not isinstance(scaling, dict):
             _refuse(source, "rope_scaling", scaling, "null or a JSON object with rope_type")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        _refuse(source, f"{key}.rope_type", kind, ", ".join(SUPPORTED_ROPE_TYPES))
+    supported = SUPPORTED_ROPE_TYPES + (("yarn",) if yarn else ())
+    if kind not in supported:
+        _refuse(source, f"{key}.rope_type", kind, ", ".join(supported))
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         _refuse(source, f"{key}.partial_rotary_factor", scaling["partial_rotary_factor"], "1.0 (every dimension rotated)")
     needed = ROPE_TYPE_KEYS[kind]
@@ -74,19 +83,25 @@ def read_rope_config(raw: dict, source: str) -> tuple[float | None, dict | None]
     if missing:
         raise UsageError(f"model_name_or_path: {source}: {key} has no {missing[0]!r} "
                          f"(rope_type {kind!r} needs {', '.join(needed)})")
-    unread = sorted(set(scaling) - set(needed) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    optional = set(YARN_OPTIONAL) if kind == "yarn" else set()
+    unread = sorted(set(scaling) - set(needed) - optional - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if unread:
         _refuse(source, f"{key}.{unread[0]}", scaling[unread[0]],
                 f"for rope_type {kind!r} only {', '.join(('rope_theta',) + needed) or 'rope_theta'}")
     if kind == "default" or (kind == "linear" and float(scaling["factor"]) == 1.0):
         return theta, None
+    if kind == "yarn":
+        return theta, {"rope_type": kind, **{k: scaling[k] for k in needed},
+                       **{k: scaling.get(k) or default for k, default in YARN_OPTIONAL.items()}}
     return theta, {"rope_type": kind, **{k: scaling[k] for k in needed}}
 
 
-def scaled_inv_freq(inv_freq: np.ndarray, scaling: dict | None) -> np.ndarray:
-    """The rotary inverse frequencies [head_dim / 2] after `scaling` (ours: rope_type linear or llama3)."""
+def scaled_inv_freq(inv_freq: np.ndarray, scaling: dict | None, theta: float = 10000.0) -> np.ndarray:
+    """The rotary inverse frequencies [head_dim / 2] after `scaling` (ours: rope_type linear, llama3 or yarn)."""
     if not scaling:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(2 * len(inv_freq), theta, scaling)
     if scaling["rope_type"] == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if scaling["rope_type"] == "llama3":
@@ -105,3 +120,36 @@ def llama3_scaled_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelength < old_context / high) & ~(wavelength > old_context / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor 0.1 mscale ln(scale) + 1 (1 for scale <= 1; PaddleFormers' yarn_get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_cos_sin_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies the cos/sin tables by: mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    (1.0 for DeepSeek-V3, whose two are equal; their product enters the softmax scale instead, models/mla.py)."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling["mscale"] and scaling["mscale_all_dim"]:
+        return yarn_mscale(scaling["factor"], scaling["mscale"]) / yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return yarn_mscale(scaling["factor"])
+
+
+def yarn_inv_freq(dim: int, base: float, scaling: dict) -> np.ndarray:
+    """YaRN's inverse frequencies [dim / 2], as PaddleFormers 0.4.1 _compute_yarn_parameters
+    (paddleformers/transformers/deepseek_v2/modeling.py; truncate true), in float32."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(scaling["beta_slow"])), dim - 1)
+    if low == high:
+        high += 0.001  # as theirs: no division by zero
+    pos_freqs = (base ** (np.arange(0, dim, 2).astype(np.float32) / dim)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = 1 - ramp
+    return ((1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation).astype(np.float32)

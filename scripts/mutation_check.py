@@ -208,6 +208,10 @@ MUTATIONS = [
     Mutation("config_refusals_off", "config.json values the decoder cannot compute accepted silently",
              "models/families/hf_config_keys.py", "if isinstance(entry, Refused) and not entry.honoured(value, raw):",
              "if False:", ("tests/test_hf_config_keys.py::test_refused_keys_are_one_line_naming_the_key",)),
+    Mutation("qwen3_moe_num_local_experts_ignored", "a Qwen3-MoE config.json as transformers 5.24 writes it: its "
+             "num_local_experts not read (Qwen3MoeConfig's default 128 experts instead)", "models/families/qwen3_moe.py",
+             "    if count is not None:\n        sizes[\"num_experts\"] = count\n", "",
+             ("tests/test_hf_config_keys.py::test_qwen3_moe_expert_count_as_transformers5_writes_it",)),
     # Training from a Hugging Face directory (models/hf_directory.py) and the export round trip.
     Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
              "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",
@@ -319,6 +323,35 @@ MUTATIONS = [
              "llm_pretrain/planner/speed.py", "    return layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
              "    return 0.0 * layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
              ("tests/test_planner.py::test_paddlenlp_published_speeds_and_the_alibi_mask_reads",)),
+    # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
+    # interleaved pairs; the layouts other than tp accepted for it.
+    Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",
+             "models/families/ernie4_5.py",
+             '    pairs = "rope_pairs_transpose" if transpose else "rope_pairs"\n',
+             '    pairs = "transpose" if transpose else "same"\n',
+             ("tests/test_ernie4_5.py::test_exported_q_and_k_give_their_interleaved_rope_our_attention_scores",)),
+    Mutation("ernie4_5_unproven_layouts", "ERNIE 4.5's unproven layouts (pp, sharding, dp, sep, cp) accepted",
+             "llm_pretrain/parallel/layout.py",
+             '        if value > 1 and key not in allowed:\n',
+             '        if False:\n',
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
+    # DeepSeek-V3 (issue 35): YaRN's mscale dropped from the latent attention's softmax scale; the correction bias
+    # used for the weights too; the bias moved the wrong way; the MTP loss weight ignored.
+    Mutation("deepseek_mla_mscale_dropped", "latent attention's softmax scale without YaRN's mscale", "models/mla.py",
+             "        scale *= yarn_mscale(scaling[\"factor\"], scaling[\"mscale_all_dim\"]) ** 2\n",
+             "        scale *= 1.0\n",
+             ("tests/test_deepseek_v3.py::test_latent_attention_is_the_reports_with_yarn_mscale",)),
+    Mutation("deepseek_bias_in_weights", "the router's correction bias added to the weights, not only the choice",
+             "models/deepseek_moe.py", "        weights = paddle.take_along_axis(scores, selected, axis=-1)\n",
+             "        weights = paddle.take_along_axis(scores + self.e_score_correction_bias, selected, axis=-1)\n",
+             ("tests/test_deepseek_v3.py::test_router_bias_chooses_and_weights_come_from_the_scores",)),
+    Mutation("deepseek_bias_update_sign", "the bias moved by rate x sign(load - mean load) (towards the loaded experts)",
+             "models/deepseek_moe.py", "rate * paddle.sign(load.mean() - load)", "rate * paddle.sign(load - load.mean())",
+             ("tests/test_deepseek_v3.py::test_bias_moves_by_rate_times_sign_of_mean_minus_load_and_only_when_on",)),
+    Mutation("deepseek_mtp_weight_ignored", "the MTP loss added with weight 1 instead of mtp_loss_weight",
+             "models/decoder.py", "loss = loss + self.config.mtp_loss_weight * mtp_loss",
+             "loss = loss + mtp_loss",
+             ("tests/test_deepseek_v3.py::test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head",)),
 ]
 
 

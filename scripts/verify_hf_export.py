@@ -39,6 +39,8 @@ from models.families.llama import LLAMA31_ROPE_SCALING
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-4
+# scripts/verify_hf_import.py's section of the report (transformers' own directories trained from): kept here
+IMPORT_SECTION = "## Trained from directories transformers wrote, judged by transformers"
 BATCH, SEQ = 2, 24
 CLIENT_PACKAGES = ("transformers", "safetensors", "numpy")
 # torch's CPU wheel first (192 MB; this machine's pip finds it): the default torch on PyPI pulls 15 nvidia-*
@@ -261,8 +263,14 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  (pre-norm LayerNorm, learned positions, tanh GELU, biases, tied head, any n_inner); they would not for",
         "  grouped-query attention, an untied head or rotary positions (GPT-NeoX-style), which export refuses.",
     ]
+    kept = ""
+    if os.path.isfile(out_file):
+        with open(out_file) as f:
+            old = f.read()
+        if IMPORT_SECTION in old:
+            kept = "\n" + IMPORT_SECTION + old.split(IMPORT_SECTION, 1)[1]
     with open(out_file, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n" + kept)
 
 
 def main(argv=None) -> int:

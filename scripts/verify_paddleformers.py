@@ -1,4 +1,5 @@
-"""Same function as PaddleFormers: Qwen3 and Qwen3-MoE against PaddleFormers 0.4.1's own classes; writes
+"""Same function as PaddleFormers: Qwen3, Qwen3-MoE, ERNIE 4.5 (dense) and DeepSeek-V3 against PaddleFormers 0.4.1's own
+classes; writes
 benchmarks/paddleformers_parity.md.
 
     python scripts/verify_paddleformers.py [--venv .cache/paddleformers-venv] [--out benchmarks/paddleformers_parity.md]
@@ -45,6 +46,13 @@ CASES = [
     ("qwen3", "qwen3-tiny", {}),
     ("qwen3-untied", "qwen3-tiny", {"tie_word_embeddings": False}),
     ("qwen3_moe", "qwen3-moe-tiny", {}),
+    # ernie4_5-tiny: head_dim 32 apart from hidden / heads, GQA 4:2, tied, interleaved rotary pairs (q/k columns
+    # reordered by the weight table), rope_theta 500000, eps 1e-5; untied as a check of the [vocab, hidden] head.
+    ("ernie4_5", "ernie4_5-tiny", {}),
+    ("ernie4_5-untied", "ernie4_5-tiny", {"tie_word_embeddings": False}),
+    # every switch on: latent attention with YaRN (mscale 1.14), a dense layer then MoE layers (8 experts in 4
+    # groups, top 2 of 2 groups, sigmoid router with random correction biases, shared expert), MTP
+    ("deepseek_v3", "deepseek-v3-tiny", {}),
 ]
 
 
@@ -74,9 +82,29 @@ def randomize(model, seed: int) -> None:
             param.set_value(value.astype("float32"))
 
 
+def cross_entropy(logits, labels) -> float:
+    import paddle
+
+    per_token = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), ignore_index=-100, reduction="none")
+    keep = (labels != -100).astype("float32")
+    return float((per_token.squeeze(-1) * keep).sum() / keep.sum())
+
+
 def our_outputs(model, input_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float]:
     import paddle
 
+    if model.config.num_nextn_predict_layers:  # DeepSeek-V3: (main and MTP logits, main + 0.3 x MTP loss)
+        from models.decoder import mtp_labels
+
+        ids, labels = paddle.to_tensor(input_ids), paddle.to_tensor(labels)
+        with paddle.no_grad():
+            hidden = model.embeddings(ids)
+            for layer in model.layers:
+                hidden = layer(hidden)
+            logits = model.lm_head(model.norm(hidden))
+            mtp_logits = model.mtp_logits(hidden, labels)
+        loss = cross_entropy(logits, labels) + 0.3 * cross_entropy(mtp_logits, mtp_labels(labels))
+        return np.stack([logits.numpy(), mtp_logits.numpy()]), loss
     with paddle.no_grad():
         logits = model(paddle.to_tensor(input_ids)).numpy()
         loss = float(model(paddle.to_tensor(input_ids), paddle.to_tensor(labels)))
@@ -116,15 +144,27 @@ def run(venv: str, out_file: str) -> list[dict]:
         labels[0, :3] = -100
         case_dir = os.path.join(work, case)
         os.makedirs(case_dir)
-        np.save(os.path.join(case_dir, "input_ids.npy"), input_ids)
+        their_ids = input_ids
+        if config.num_nextn_predict_layers:
+            # PaddleFormers' DeepSeek-V3 reads S + 1 ids, the MTP module embedding ids 1..S, ours the labels (-100
+            # read as 0): the ids are the labels shifted, with 0 where a label is -100
+            input_ids[:, 1:] = np.maximum(labels[:, :-1], 0)
+            their_ids = np.concatenate([input_ids, np.maximum(labels[:, -1:], 0)], axis=1)
+        np.save(os.path.join(case_dir, "input_ids.npy"), their_ids)
         np.save(os.path.join(case_dir, "labels.npy"), labels)
         model = build_ours(config, seed=seed)
+        if config.num_nextn_predict_layers:  # PaddleFormers' MTP output goes through the main norm: one weight
+            model.mtp.norm.weight.set_value(model.norm.weight)
         state = {name: p.numpy() for name, p in model.canonical_named_parameters()}
         export_to_paddlenlp(state, os.path.join(case_dir, "exported"), config=config)
         logits, loss = our_outputs(model, input_ids, labels)
         common = {"input_ids": os.path.join(case_dir, "input_ids.npy"), "labels": os.path.join(case_dir, "labels.npy")}
+        if config.num_nextn_predict_layers:
+            common["mtp_logits_out"] = os.path.join(case_dir, "pf_mtp_{}.npy")
         jobs.append({"name": f"{case}:export", "load": os.path.join(case_dir, "exported"),
                      "logits_out": os.path.join(case_dir, "pf_export.npy"), **common})
+        if "mtp_logits_out" in common:
+            jobs[-1]["mtp_logits_out"] = common["mtp_logits_out"].format("export")
         rows.append({"case": case, "direction": "export", "preset": preset + (f" {changes}" if changes else ""),
                      "_ours": (logits, loss), "_job": jobs[-1]})
         # PaddleFormers' own model and save format: the config.json of our export (the same switches)
@@ -133,6 +173,8 @@ def run(venv: str, out_file: str) -> list[dict]:
         jobs.append({"name": f"{case}:import", "save": {"config": pf_config, "dir": os.path.join(case_dir, "pf_saved"),
                                                          "seed": seed},
                      "logits_out": os.path.join(case_dir, "pf_own.npy"), **common})
+        if "mtp_logits_out" in common:
+            jobs[-1]["mtp_logits_out"] = common["mtp_logits_out"].format("import")
         rows.append({"case": case, "direction": "import", "preset": preset + (f" {changes}" if changes else ""),
                      "_job": jobs[-1], "_input_ids": input_ids, "_labels": labels, "_config": config})
 
@@ -147,6 +189,8 @@ def run(venv: str, out_file: str) -> list[dict]:
         job = row.pop("_job")
         answer = answers[job["name"]]
         theirs = (np.load(job["logits_out"]), answer["loss"])
+        if "mtp_logits_out" in job:  # main and MTP logits, as our_outputs stacks them
+            theirs = (np.stack([theirs[0], np.load(job["mtp_logits_out"])]), answer["loss"])
         if row["direction"] == "import":
             imported = os.path.join(work, row["case"], "ours_from_pf")
             import_from_paddlenlp(job["save"]["dir"], imported)
@@ -175,7 +219,7 @@ def write_report(rows: list[dict], out_file: str) -> None:
     import paddle
 
     lines = [
-        "# Qwen3 and Qwen3-MoE: the same function as PaddleFormers",
+        "# Qwen3, Qwen3-MoE, ERNIE 4.5 and DeepSeek-V3: the same function as PaddleFormers",
         "",
         "Written by `python scripts/verify_paddleformers.py` (do not edit by hand; checked by",
         "`tests/test_paddleformers_parity.py`). PaddleFormers runs in its own venv (`paddlepaddle==3.3.1",
@@ -185,6 +229,9 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "itself (`save_pretrained`), imported by `import_from_paddlenlp` and run by our decoder. fp32, "
         f"{BATCH} x {SEQ} token ids with labels (three -100); the bar is {TOLERANCE} on the logits and the loss.",
         f"Our side: paddlepaddle {paddle.__version__} (CPU).",
+        "",
+        "DeepSeek-V3's rows compare the main and the MTP logits (both in the max), and the loss main + 0.3 x MTP",
+        "(cross entropies over labels != -100; the balance losses are not in PaddleFormers' DeepseekV3ForCausalLM).",
         "",
         "| case | direction | preset | files | client (class) | loss | max abs logit diff | loss diff | logit std "
         "| within 1e-5 |",
@@ -203,6 +250,20 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  `load_balancing_loss_func(None, ...)` is 0 and its loss has no load-balancing term. The client adds",
         "  `router_aux_loss_coef x load_balancing_loss_func(...)` itself, PaddleFormers' function on the logits its",
         "  gates computed (forward hooks), which is what that forward means to do.",
+        "- ERNIE 4.5 rotates interleaved pairs of each head (PaddleFormers' ernie4_5/modeling.py rotate_half); our",
+        "  decoder rotates halves, and the weight table reorders q_proj's and k_proj's columns within each head",
+        "  (join `rope_pairs`, models/paddlenlp_interop.py), both ways.",
+        "- ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM) is not here: PaddleFormers 0.4.1's MoE layer calls GPU-only",
+        "  kernels (`expand_modality_expert_id` is not registered on CPU), and this decoder does not train it yet.",
+        "- DeepSeek-V3: PaddleFormers 0.4.1 reads S + 1 token ids (the MTP module embeds ids 1..S; ours embeds the",
+        "  labels), its criterion cannot compute the MTP loss (mtp_sft_loss_forward calls sft_loss_forward without",
+        "  `self`), so the client runs its model.model and lm_head and takes the cross entropies itself. Its MTP",
+        "  layer concatenates [hidden; embedding] into eh_proj (ours [embedding; hidden], as vLLM reads the published",
+        "  weights: the interchange swaps the halves) and has a bias there (zero in its models here; the published",
+        "  weights have none), and its MTP output goes through the main model.norm (ours: the MTP's own",
+        "  shared_head.norm, set equal to it for the export). Its router correction biases are random here.",
+        "  Its DeepseekV3Config loses config.json's num_nextn_predict_layers (PretrainedConfig.__init__ resets it to",
+        "  its default 0 after DeepseekV2Config set it): the client sets it back before building the model.",
     ]
     with open(out_file, "w") as f:
         f.write("\n".join(lines) + "\n")

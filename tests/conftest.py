@@ -32,3 +32,16 @@ def shared_launches(tmp_path_factory, embedded_corpus):
     from shared_launches import SharedLaunches
 
     return SharedLaunches(tmp_path_factory.mktemp("shared_launches"), embedded_corpus)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command), a test file runs whole on one worker
+    (its module-scoped fixtures train once), and every file asking for the session's shared launches runs on
+    the same worker (each launch trains once, with every file's runs: tests/shared_launches.py). The two workers
+    overlap launches whose processes wait on each other's collectives half the time (a 2-process launch keeps
+    about one of the two cores busy). Without xdist the marks do nothing."""
+    sharing = {item.module.__name__ for item in items if "shared_launches" in item.fixturenames}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared-launches" if module in sharing else module))

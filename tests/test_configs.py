@@ -22,7 +22,7 @@ import pytest
 
 from llm_pretrain.arguments import parse_arguments, validate_arguments
 from llm_pretrain.parallel.layout import check_model_fits_layout, check_strategy, plan_layout, strategy_name
-from llm_pretrain.parallel.layout import build_model_config
+from llm_pretrain.parallel.layout import PROVEN_DEGREES, build_model_config
 from models.families import FAMILY_NAMES as FAMILIES
 from models.registry import ARCHITECTURES
 
@@ -48,8 +48,10 @@ def world_size(args) -> int:
 
 def test_there_are_files_for_every_family():
     families = {os.path.basename(os.path.dirname(f)) for f in FILES}
-    assert families >= set(FAMILIES)
-    for family in set(FAMILIES):
+    # Families whose layouts are proven one by one (ERNIE 4.5: tp only) have no 8-GPU file: it would be data
+    # parallel, which llm_pretrain/parallel/layout.py refuses for them.
+    assert families >= set(FAMILIES) - set(PROVEN_DEGREES)
+    for family in set(FAMILIES) - set(PROVEN_DEGREES):
         assert os.path.isfile(os.path.join(REPO_ROOT, "configs", family, f"pretrain-{family}_tiny-dp.json")) \
             or family == "llama"  # configs/llama/pretrain-llama_tiny-dp.json belongs to the CPU quick start
 

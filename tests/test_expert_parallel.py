@@ -39,6 +39,9 @@ from parity_utils import (
 )
 
 STEPS, STOP = 4, 2
+# mixtral-real (92.6M parameters) trains 2 steps: a step of it costs about as much as a launch, and the sizes,
+# not the steps, are what it is here for (its matrices and embedding above Paddle's thresholds).
+REAL = {"model_name_or_path": "mixtral-real", "max_steps": 2, "save_steps": 2}
 QWEN_CAPPED = {"model_name_or_path": "qwen2-moe-tiny", "moe_capacity_factor": 0.5, "router_z_loss_coef": 0.001}
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
@@ -57,12 +60,12 @@ def trained(tmp_path_factory, embedded_corpus):
     ep2 = {"expert_parallel_degree": 2, "gradient_accumulation_steps": 2}
     run_single([argv(args_file, work / "single"), argv(args_file, work / "single-to-ep2", exit_interval=STOP),
                 argv(args_file, work / "single-to-sd4", exit_interval=STOP),
-                argv(args_file, work / "single-real", model_name_or_path="mixtral-real"),
+                argv(args_file, work / "single-real", **REAL),
                 argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
-                              argv(args_file, work / "ep2-real", model_name_or_path="mixtral-real", **ep2),
+                              argv(args_file, work / "ep2-real", **REAL, **ep2),
                               argv(args_file, work / "ep2-recompute-full_attn", **ep2, recompute=True,
                                    recompute_granularity="full_attn")]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
@@ -72,8 +75,7 @@ def trained(tmp_path_factory, embedded_corpus):
     # one moe_sharding rank here (each rank keeps the states of its own experts), two with 4 processes below
     # The last run keeps fleet's float32 master gradients (amp_master_grad's hooks, tests/workers/moe_worker.py).
     plan = {"ep": 0, "runs": [argv(args_file, work / f"ep2sd2s{stage}", **ep2, sharding=f"stage{stage}")
-                              for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2",
-                                                           model_name_or_path="mixtral-real"),
+                              for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2", **REAL),
                                                       argv(args_file, work / "ep2sd2s1-master-grad", **ep2,
                                                            sharding="stage1")],
             "fp32_master_grad": [3]}
@@ -119,9 +121,10 @@ def test_ep2_trains_like_one_process(trained):
                             ("single", "ep2sd2s1"), ("single", "ep2sd2s2"), ("single", "ep2sd4s1"),
                             ("single", "ep2sd4s2"), ("single", "single-to-sd4"), ("single", "sd4-to-single"),
                             ("single-real", "ep2sd2s2-real"), ("single", "ep2-recompute-full_attn")):
-        diffs = assert_same_training(work / reference, work / name, step=STEPS)
+        steps = REAL["max_steps"] if name.endswith("-real") else STEPS
+        diffs = assert_same_training(work / reference, work / name, step=steps)
         print(f"{name}: {diffs}")
-        assert [r["step"] for r in train_records(work / name)] == [1, 2, 3, 4]
+        assert [r["step"] for r in train_records(work / name)] == list(range(1, steps + 1))
         # the load-balancing loss logged (mean over the data replicas; the load ratio and the pairs dropped are
         # rank 0's tokens under data parallelism)
         for a, b in zip(train_records(work / reference), train_records(work / name)):

@@ -16,6 +16,7 @@ import pytest
 
 from models.errors import UsageError
 from models.families import FAMILIES
+from models.families.base import EXPERT_COUNT_KEYS
 from models.families.hf_config_keys import CLASS_KEYS, COMMON_KEYS, KEYS_BY_MODEL_TYPE, NoEffect, Refused, Used, \
     classify
 from models.registry import ARCHITECTURES, config_from_dict
@@ -40,6 +41,8 @@ def to_transformers5(raw: dict) -> dict:
         five["rope_parameters"] = {"rope_theta": raw.get("rope_theta", 10000.0), "rope_type": kind, **scaling}
     if "torch_dtype" in raw:
         five["dtype"] = raw["torch_dtype"]
+    if raw.get("model_type") == "qwen3_moe" and "num_experts" in five:  # 5.24.0's attribute_map writes it so
+        five["num_local_experts"] = five.pop("num_experts")
     return five
 
 
@@ -77,9 +80,11 @@ def test_used_keys_change_the_config_and_no_effect_keys_do_not(family):
     for key in CLASS_KEYS[model_type]:
         entry = classify(model_type, key)
         if isinstance(entry, Used):
-            # rope_parameters replaces the 4.x keys (both at once would be refused as ambiguous)
+            # rope_parameters replaces the 4.x keys, one spelling of the expert count the other (both at once
+            # would be refused as ambiguous)
             raw = {k: v for k, v in base_raw.items()
-                   if not (key == "rope_parameters" and k in ("rope_scaling", "rope_theta"))}
+                   if not (key == "rope_parameters" and k in ("rope_scaling", "rope_theta"))
+                   and not (key in EXPERT_COUNT_KEYS and k in EXPERT_COUNT_KEYS)}
             other = (not base[entry.field]) if isinstance(entry.other, bool) else copy.deepcopy(entry.other)
             config = config_from_dict({**raw, key: other}, key).architecture_dict()
             assert config[entry.field] != base[entry.field], (key, entry.field, config[entry.field])
@@ -122,6 +127,19 @@ def test_rope_theta_inside_rope_parameters_is_read(family):
     assert config_from_dict(raw, "x").rope_theta == 1000000.0
     raw["rope_parameters"]["rope_theta"] = 250000.0
     assert config_from_dict(raw, "x").rope_theta == 250000.0
+
+
+def test_qwen3_moe_expert_count_as_transformers5_writes_it():
+    """transformers 5.24 writes a Qwen3-MoE's count as num_local_experts (its attribute_map); before, the import read
+    only num_experts and took Qwen3MoeConfig's default 128 (found by scripts/verify_hf_import.py)."""
+    raw = hf_config("qwen3_moe")
+    five = to_transformers5(raw)
+    assert "num_experts" not in five and five["num_local_experts"] == raw["num_experts"] != 128
+    assert config_from_dict(five, "5").num_experts == raw["num_experts"]
+    with pytest.raises(UsageError, match=r"^model_name_or_path: x: num_experts 16 and num_local_experts 4 disagree"):
+        config_from_dict({**raw, "num_local_experts": 4}, "x")
+    mixtral = {k: v for k, v in hf_config("mixtral").items() if k != "num_local_experts"}
+    assert config_from_dict({**mixtral, "num_experts": 6}, "x").num_experts == 6  # MixtralConfig's alias
 
 
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -54,7 +54,9 @@ from parity_utils import (
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
-MODELS = tuple(name for name, family in FAMILIES.items() if not family.architectures[family.tiny].is_moe) + ("llama3",)
+# ERNIE 4.5: sep/cp refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+MODELS = tuple(name for name, family in FAMILIES.items()
+               if not family.architectures[family.tiny].is_moe and name != "ernie4_5") + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},
@@ -69,13 +71,24 @@ KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "lla
 EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
 
 
+# Layers: sep and cp act inside every layer alike, so the families train 2 layers (a third of the suite's
+# time was 8-layer runs here, each layer adding its all-to-alls or ring passes); the pipelines over cp/sep
+# need layers to split: 4 a stage under pp2, chunks of one layer under pp4 x 2 virtual stages (PIPELINE_MODELS).
+LAYERS = 2
+PIPELINE_LAYERS = 8
+PIPELINE_MODELS = ("llama", "bloom", "gpt3")  # "<model>-pp": the same model with PIPELINE_LAYERS
+
+
 class Runs:
     def __init__(self, work: Path, corpus: dict):
         self.work = work
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny")) for model in MODELS}
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS)) for model in MODELS}
         self.files.update({model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
+        self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=PIPELINE_LAYERS))
+            for model in PIPELINE_MODELS})
 
     def reference(self, model: str) -> Path:
         return self.work / "single" / model
@@ -109,11 +122,12 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
-    references = [argv(setup.files[model], setup.reference(model)) for model in (*MODELS, *MOE_MODELS)]
+    references = [argv(setup.files[model], setup.reference(model))
+                  for model in (*MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS))]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
-    references.append(argv(setup.files["llama"], setup.reference("llama-eval"), **EVALUATION))
+    references.append(argv(setup.files["llama-pp"], setup.reference("llama-eval"), **EVALUATION))
     run_single(references, setup.work, "single")
     return setup
 
@@ -242,10 +256,10 @@ def test_sep2_mechanism(tmp_path, embedded_corpus):
     to heads, the output back) and in backward (the same four, reversed); before the optimizer's
     sep reduction each rank's gradient covers only its own tokens (they differ). A mixture of experts
     routes each rank's tokens and sums the router statistics over the sep group."""
-    layers = 8
+    layers = LAYERS
     # The key in the argument file itself, as a PaddleNLP file gives it (no override).
     args = write_json(tmp_path / "llama.json", base_arguments(embedded_corpus, tmp_path, max_steps=1, save_steps=0,
-                                                              sep_parallel_degree=2))
+                                                              num_hidden_layers=layers, sep_parallel_degree=2))
     # sep2 and cp2 train 2 steps: the references of the same runs with fleet's master gradients (below).
     spec = write_json(tmp_path / "runs.json", [{"name": "sep2", "argv": argv(args, tmp_path / "sep2", max_steps=2)},
                                                {"name": "cp2", "argv": argv(args, tmp_path / "cp2", sep_parallel_degree=1,
@@ -335,15 +349,15 @@ def test_pipeline_with_cp2_and_sep2(runs):
     first layer's being what the p2p brought); the ring (cp) and the all-to-all (sep) run in
     forward and backward on every stage."""
     pp2 = {"pipeline_parallel_degree": 2}
-    spec = [{"name": "llama-cp2pp2", "argv": runs.run("llama-cp2pp2", **CP2, **pp2, **EVALUATION)},
-            {"name": "bloom-cp2pp2", "argv": runs.run("bloom-cp2pp2", "bloom", **CP2, **pp2)},
-            {"name": "gpt3-cp2pp2-recompute", "argv": runs.run("gpt3-cp2pp2-recompute", "gpt3", **CP2, **pp2,
+    spec = [{"name": "llama-cp2pp2", "argv": runs.run("llama-cp2pp2", "llama-pp", **CP2, **pp2, **EVALUATION)},
+            {"name": "bloom-cp2pp2", "argv": runs.run("bloom-cp2pp2", "bloom-pp", **CP2, **pp2)},
+            {"name": "gpt3-cp2pp2-recompute", "argv": runs.run("gpt3-cp2pp2-recompute", "gpt3-pp", **CP2, **pp2,
                                                                   recompute=True, pp_recompute_interval=2)},
-            {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", **SEP2, **pp2)}]
+            {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", "llama-pp", **SEP2, **pp2)}]
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 4,
                     [str(write_json(runs.work / "pp2.runs.json", spec))], log_dir=runs.work / "pp2.log",
                     timeout=1800).check()
-    steps, micro_batches, layers_per_stage = 5, 4, 4
+    steps, micro_batches, layers_per_stage = 5, 4, PIPELINE_LAYERS // 2
     calls = steps * micro_batches * layers_per_stage
     ranks = result.results()
     for rank, observed in ranks.items():
@@ -366,8 +380,8 @@ def test_pipeline_with_cp2_and_sep2(runs):
         assert not observed["llama-sep2pp2"]["ring"] and not observed["llama-cp2pp2"]["all_to_all"]
         to_heads = observed["llama-sep2pp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
-    runs.check([("llama-cp2pp2", "llama"), ("bloom-cp2pp2", "bloom"), ("gpt3-cp2pp2-recompute", "gpt3"),
-                ("llama-sep2pp2", "llama")])
+    runs.check([("llama-cp2pp2", "llama-pp"), ("bloom-cp2pp2", "bloom-pp"), ("gpt3-cp2pp2-recompute", "gpt3-pp"),
+                ("llama-sep2pp2", "llama-pp")])
     ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
     assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
     assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
@@ -385,12 +399,12 @@ def test_interleaved_pipeline_with_cp2_and_sep2(runs):
     receiving 16 of the 32 tokens from the previous stage."""
     interleaved = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "per_device_train_batch_size": 1,
                    "gradient_accumulation_steps": 8}
-    spec = [{"name": "llama-cp2pp4vpp2", "argv": runs.run("llama-cp2pp4vpp2", **CP2, **interleaved)},
-            {"name": "bloom-sep2pp4vpp2", "argv": runs.run("bloom-sep2pp4vpp2", "bloom", **SEP2, **interleaved)}]
+    spec = [{"name": "llama-cp2pp4vpp2", "argv": runs.run("llama-cp2pp4vpp2", "llama-pp", **CP2, **interleaved)},
+            {"name": "bloom-sep2pp4vpp2", "argv": runs.run("bloom-sep2pp4vpp2", "bloom-pp", **SEP2, **interleaved)}]
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 8,
                     [str(write_json(runs.work / "pp4vpp2.runs.json", spec))], log_dir=runs.work / "pp4vpp2.log",
                     timeout=1800).check()
-    calls = 5 * 8 * 2  # steps x micro-batches x layers (chunks of one layer) per rank
+    calls = 5 * 8 * (PIPELINE_LAYERS // 4)  # steps x micro-batches x layers (chunks of one layer) per rank
     for rank, observed in result.results().items():
         for name, seen in observed.items():
             shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
@@ -400,6 +414,6 @@ def test_interleaved_pipeline_with_cp2_and_sep2(runs):
         assert len(ring.get("forward", [])) == calls and len(ring.get("backward", [])) == 2 * calls
         to_heads = observed["bloom-sep2pp4vpp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
-    runs.check([("llama-cp2pp4vpp2", "llama"), ("bloom-sep2pp4vpp2", "bloom")])
+    runs.check([("llama-cp2pp4vpp2", "llama-pp"), ("bloom-sep2pp4vpp2", "bloom-pp")])
     assert run_record(runs.out("llama-cp2pp4vpp2"))["strategy"] == "pp4vpp2cp2"
     assert run_record(runs.out("bloom-sep2pp4vpp2"))["strategy"] == "pp4vpp2sep2"

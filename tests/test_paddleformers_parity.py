@@ -1,4 +1,5 @@
-"""Qwen3 and Qwen3-MoE compute PaddleFormers' function: what the suite checks of the verification report.
+"""Qwen3, Qwen3-MoE, ERNIE 4.5 and DeepSeek-V3 compute PaddleFormers' function: what the suite checks of the
+verification report.
 
 PaddleFormers 0.4.1 cannot share an environment with PaddleNLP 2.8.1 (the test requirements' reference), so
 `python scripts/verify_paddleformers.py` runs it in its own venv and writes benchmarks/paddleformers_parity.md:
@@ -31,5 +32,8 @@ def test_every_case_matches_paddleformers_both_ways():
         assert r["version"] == "0.4.1" and r["ok"] == "yes", r
         assert float(r["logits"]) <= TOLERANCE and float(r["loss_diff"]) <= TOLERANCE, r
         assert float(r["std"]) > 0.3, r  # logits far from constant: the comparison means something
-        expected = "Qwen3MoeForCausalLM" if r["case"].startswith("qwen3_moe") else "Qwen3ForCausalLM"
-        assert r["cls"] == expected, r
+        assert r["cls"] == CLASSES[r["case"].split("-")[0]], r
+
+
+CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}

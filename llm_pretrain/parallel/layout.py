@@ -484,7 +484,8 @@ def with_moe_options(args: Arguments, config: ModelConfig) -> ModelConfig:
         return config
     changes = dict(router_z_loss_coef=args.router_z_loss_coef, moe_capacity_factor=args.moe_capacity_factor,
                    expert_parallel_degree=_degree(args.expert_parallel_degree),
-                   moe_global_batch_balance=args.moe_global_batch_balance)
+                   moe_global_batch_balance=args.moe_global_batch_balance,
+                   moe_bias_update_rate=getattr(args, "moe_bias_update_rate", 0.0))
     if args.router_aux_loss_coef is not None:
         changes["router_aux_loss_coef"] = args.router_aux_loss_coef
     return config.replace(**changes)
@@ -586,6 +587,27 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 
 
 # ----------------------------------------------------------------------------- the model a layout trains
+# Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
+# against one process by a shared launch (ERNIE 4.5: tp2 and tp2 + SP, tests/test_parallel_parity.py TP_ONLY).
+# Every other layout of these families is refused until a test trains it.
+PROVEN_DEGREES = {"ernie4_5": ("tensor_parallel_degree",)}
+
+
+def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
+    allowed = PROVEN_DEGREES.get(config.family)
+    if allowed is None:
+        return
+    degrees = {"tensor_parallel_degree": layout.tensor_parallel_degree,
+               "pipeline_parallel_degree": layout.pipeline_parallel_degree,
+               "sharding_parallel_degree": layout.sharding_degree, "data_parallel_degree": layout.data_parallel_degree,
+               "sep_parallel_degree": layout.sep_parallel_degree,
+               "context_parallel_degree": layout.context_parallel_degree}
+    for key, value in degrees.items():
+        if value > 1 and key not in allowed:
+            raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
+                             f"process); allowed above 1: {', '.join(allowed)}")
+
+
 def check_layout_and_model(args: Arguments, world_size: int, device: str
                            ) -> tuple[Layout, ModelConfig, str | None, list[str]]:
     """The layout on world_size processes and the model it trains, both checked (the planner runs this too)."""
@@ -593,10 +615,38 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     config, weights_file, notes = build_model_config(args, layout, device)
     config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
+    check_proven_layout(config, layout)
     check_mixture_of_experts(args, config, layout)
+    check_deepseek_v3(args, config, layout)
     check_strategy(args, config, layout)
     check_document_keys(args, config, layout, device)
     return layout, config, weights_file, notes
+
+
+def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+    """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process only
+    (tests/test_deepseek_v3.py): every parallel degree above 1 is refused, as are the switches they ignore."""
+    rate = getattr(args, "moe_bias_update_rate", 0.0)
+    if rate and config.router_score != "sigmoid":
+        raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3; "
+                         f"{config.family} has none; allowed: 0)")
+    if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
+        return
+    degrees = {"data_parallel_degree": layout.data_parallel_degree, "tensor_parallel_degree": layout.tensor_parallel_degree,
+               "pipeline_parallel_degree": layout.pipeline_parallel_degree, "sharding_degree": layout.sharding_degree,
+               "sep_parallel_degree": layout.sep_parallel_degree,
+               "context_parallel_degree": layout.context_parallel_degree,
+               "expert_parallel_degree": _degree(args.expert_parallel_degree)}
+    for name, degree in degrees.items():
+        if degree > 1:
+            raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
+                             f"bias and MTP are proven in one process only; allowed: 1)")
+    if args.use_flash_attention:
+        raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
+                         "plain path only; allowed: false)")
+    if args.recompute and args.recompute_granularity == "core_attn":
+        raise UsageError(f"recompute_granularity: core_attn is not supported for {config.family} (allowed: full, "
+                         "full_attn)")
 
 
 def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:

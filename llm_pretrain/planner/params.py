@@ -20,7 +20,8 @@ class Param:
     full_numel: int  # elements of the whole tensor
     numel: int  # elements on one tensor-parallel rank
     layer: int | None  # decoder layer index; None for the embedding, final norm and head
-    part: str  # "embedding" | "layer" | "norm" | "head"
+    part: str  # "embedding" | "layer" | "norm" | "head" | "mtp" (DeepSeek-V3's module, after the head)
+    trainable: bool = True  # False: DeepSeek-V3's router correction bias (moved by its rule, not the optimizer)
 
 
 def _linear(prefix: str, n_in: int, n_out: int, bias: bool, tp: int, split: str | None, layer: int) -> list[Param]:
@@ -41,19 +42,52 @@ def _norm(prefix: str, config: ModelConfig, layer: int | None, part: str) -> lis
 
 
 def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
-    h, d, f, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+    h, v = config.hidden_size, config.vocab_size
     params = [Param("embeddings.word_embeddings.weight", v * h, v * h // tp, None, "embedding")]
     if config.position_embedding == "learned":
         n = config.max_position_embeddings * h
         params.append(Param("embeddings.position_embeddings.weight", n, n, None, "embedding"))
     if config.embedding_layernorm:
         params += _norm("embeddings.word_embeddings_layernorm", config, None, "embedding")
+    for i in range(config.num_hidden_layers):
+        params += layer_parameters(f"layers.{i}.", config, tp, i)
+    params += _norm("norm", config, None, "norm")
+    if not config.tie_word_embeddings:
+        params.append(Param("lm_head.weight", h * v, h * v // tp, None, "head"))
+    if config.num_nextn_predict_layers:  # DeepSeek-V3's MTP module (models/decoder.py MTPLayer), after the head
+        n = config.num_hidden_layers
+        mtp = [Param(f"mtp.{name}.weight", h, h, n, "mtp") for name in ("enorm", "hnorm")]
+        mtp += _linear("mtp.eh_proj", 2 * h, h, False, tp, None, n)
+        mtp += layer_parameters("mtp.block.", config, tp, n)
+        mtp += _norm("mtp.norm", config, n, "layer")
+        params += [Param(x.name, x.full_numel, x.numel, n, "mtp", x.trainable) for x in mtp]
+    return params
+
+
+def latent_attention_parameters(p: str, config: ModelConfig, layer: int) -> list[Param]:
+    """models/mla.py LatentAttention (one process: every projection whole)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    q_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    out = _linear(p + "q_a_proj", h, config.q_lora_rank, False, 1, None, layer)
+    out.append(Param(p + "q_a_layernorm.weight", config.q_lora_rank, config.q_lora_rank, layer, "layer"))
+    out += _linear(p + "q_b_proj", config.q_lora_rank, heads * q_head, False, 1, None, layer)
+    out += _linear(p + "kv_a_proj_with_mqa", h, config.kv_lora_rank + config.qk_rope_head_dim, False, 1, None, layer)
+    out.append(Param(p + "kv_a_layernorm.weight", config.kv_lora_rank, config.kv_lora_rank, layer, "layer"))
+    out += _linear(p + "kv_b_proj", config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                   False, 1, None, layer)
+    return out + _linear(p + "o_proj", heads * config.v_head_dim, h, False, 1, None, layer)
+
+
+def layer_parameters(p: str, config: ModelConfig, tp: int, i: int) -> list[Param]:
+    """One decoder layer (models/decoder.py DecoderLayer), `p` its name prefix."""
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
     qkv_bias = config.qkv_bias or config.linear_bias
     replicated_kv = config.num_key_value_heads < tp  # decoder.Attention: k/v projections replicated
-    for i in range(config.num_hidden_layers):
-        p = f"layers.{i}."
-        params += _norm(p + "input_layernorm", config, i, "layer")
+    params = _norm(p + "input_layernorm", config, i, "layer")
+    if config.uses_mla:
+        params += latent_attention_parameters(p + "self_attn.", config, i)
+    else:
         if config.fuse_attention_qkv:
             params += _linear(p + "self_attn.qkv_proj", h, q_size + 2 * kv_size, qkv_bias, tp, "column", i)
         else:
@@ -64,30 +98,29 @@ def parameter_list(config: ModelConfig, tp: int) -> list[Param]:
         params += _linear(p + "self_attn.o_proj", q_size, h, config.linear_bias, tp, "row", i)
         if config.qk_norm:  # Qwen3: one [head_dim] RMSNorm weight each for q and k, replicated (pl.head_norm)
             params += [Param(p + f"self_attn.{n}_norm.weight", d, d, i, "layer") for n in "qk"]
-        params += _norm(p + "post_attention_layernorm", config, i, "layer")
-        if config.is_moe:
-            params += moe_parameters(p + "mlp.", config, tp, i)
-            continue
-        if config.uses_swiglu:
-            if config.fuse_attention_ffn:
-                params += _linear(p + "mlp.gate_up_proj", h, 2 * f, config.linear_bias, tp, "column", i)
-            else:
-                params += _linear(p + "mlp.gate_proj", h, f, config.linear_bias, tp, "column", i)
-                params += _linear(p + "mlp.up_proj", h, f, config.linear_bias, tp, "column", i)
+    params += _norm(p + "post_attention_layernorm", config, i, "layer")
+    if config.is_moe_layer(i):
+        return params + moe_parameters(p + "mlp.", config, tp, i)
+    if config.uses_swiglu:
+        if config.fuse_attention_ffn:
+            params += _linear(p + "mlp.gate_up_proj", h, 2 * f, config.linear_bias, tp, "column", i)
         else:
+            params += _linear(p + "mlp.gate_proj", h, f, config.linear_bias, tp, "column", i)
             params += _linear(p + "mlp.up_proj", h, f, config.linear_bias, tp, "column", i)
-        params += _linear(p + "mlp.down_proj", f, h, config.linear_bias, tp, "row", i)
-    params += _norm("norm", config, None, "norm")
-    if not config.tie_word_embeddings:
-        params.append(Param("lm_head.weight", h * v, h * v // tp, None, "head"))
-    return params
+    else:
+        params += _linear(p + "mlp.up_proj", h, f, config.linear_bias, tp, "column", i)
+    return params + _linear(p + "mlp.down_proj", f, h, config.linear_bias, tp, "row", i)
 
 
 def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> list[Param]:
     """models/moe.py MoE on expert-parallel rank 0: the router, this rank's E/ep experts (SwiGLU, split like
     the dense MLP under tensor parallelism), the shared expert and its gate."""
     h, f = config.hidden_size, config.expert_intermediate_size
-    out = _linear(prefix + "gate", h, config.num_experts, False, tp, None, layer)
+    out = []
+    if config.router_score == "sigmoid":  # models/deepseek_moe.py: the correction bias, registered first
+        out.append(Param(prefix + "e_score_correction_bias", config.num_experts, config.num_experts, layer, "layer",
+                         trainable=False))
+    out += _linear(prefix + "gate", h, config.num_experts, False, tp, None, layer)
 
     def swiglu(name, width):
         return (_linear(f"{name}.gate_proj", h, width, False, tp, "column", layer)
@@ -98,7 +131,8 @@ def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> lis
         out += swiglu(f"{prefix}experts.{e}", f)
     if config.shared_expert_intermediate_size:
         out += swiglu(f"{prefix}shared_expert", config.shared_expert_intermediate_size)
-        out += _linear(prefix + "shared_expert_gate", h, 1, False, tp, None, layer)
+        if config.shared_expert_gate:
+            out += _linear(prefix + "shared_expert_gate", h, 1, False, tp, None, layer)
     return out
 
 

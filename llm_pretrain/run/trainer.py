@@ -341,6 +341,10 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     optimizer.clear_grad()
     if stepped:
         schedule.step()
+        # DeepSeek-V3's auxiliary-loss-free balancing: the routers' biases move after the update (models/deepseek_moe.py)
+        update_biases = getattr(getattr(model, "_layers", model), "update_router_biases", None)
+        if update_biases is not None:
+            update_biases()
     return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss, pending)
 
 

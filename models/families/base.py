@@ -100,6 +100,23 @@ def unsupported(source: str, what: str):
     raise UsageError(f"model_name_or_path: {source}: {what} is not supported by this toolkit's decoder")
 
 
+# transformers 5.24.0's MixtralConfig and Qwen3MoeConfig: attribute_map {"num_experts": "num_local_experts"}
+# (models/mixtral, models/qwen3_moe configuration_*.py), so either spelling sets the count and 5.x's
+# save_pretrained writes num_local_experts, also for Qwen3-MoE, whose 4.x files say num_experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def read_expert_count(raw: dict, source: str) -> Optional[int]:
+    """The number of experts a Mixtral / Qwen3-MoE config.json gives in either spelling (None: neither)."""
+    given = {key: raw[key] for key in EXPERT_COUNT_KEYS if raw.get(key) is not None}
+    if len(set(given.values())) > 1:
+        from models.errors import UsageError
+
+        raise UsageError(f"model_name_or_path: {source}: num_experts {given['num_experts']} and num_local_experts "
+                         f"{given['num_local_experts']} disagree (allowed: one of them, or both equal)")
+    return next(iter(given.values()), None)
+
+
 def no_grouped_query(c: ModelConfig) -> Optional[str]:
     """A PaddleNLPClass.check for classes without grouped-query attention (QWen, GPT, Bloom)."""
     if c.num_key_value_heads != c.num_attention_heads:

@@ -15,8 +15,10 @@ does, and on a Refused key whose bad value is not refused.
 
 Sources of CLASS_KEYS (transcribed, not imported: transformers is not installed here):
   transformers 5.x  huggingface/transformers@008e574 (dataclass configs): models/llama, qwen2, mixtral,
-                    qwen2_moe, qwen3, qwen3_moe configuration_*.py; configuration_utils.py PreTrainedConfig's fields;
-                    modeling_rope_utils.py RopeParameters (the keys inside rope_parameters: models/rope.py)
+                    qwen2_moe, qwen3, qwen3_moe, ernie4_5 configuration_*.py; configuration_utils.py PreTrainedConfig's fields;
+                    modeling_rope_utils.py RopeParameters (the keys inside rope_parameters: models/rope.py);
+                    transformers 5.24.0 (pip): Mixtral's and Qwen3-MoE's attribute_map num_experts ->
+                    num_local_experts (5.24's save_pretrained writes num_local_experts for Qwen3-MoE too)
   transformers 4.x  the same classes' __init__ arguments rope_theta and rope_scaling (moved into
                     rope_parameters by 5.x's convert_rope_params_to_dict), torch_dtype (5.x: dtype);
                     GPT2Config at huggingface/transformers@01ae98a and BloomConfig at @04efa88 (their
@@ -159,6 +161,7 @@ KEYS_BY_MODEL_TYPE = {
                                   lambda v, raw: v is None or v >= raw.get("max_position_embeddings", 131072), 16),
         "num_experts_per_tok": Used("num_experts_per_tok", 1),
         "num_local_experts": Used("num_experts", 4),
+        "num_experts": Used("num_experts", 6),  # 5.24.0's attribute_map alias (models/families/base.py)
         "output_router_logits": NoEffect("whether transformers adds the load-balancing loss to its loss; here "
                                          "router_aux_loss_coef decides (0: none)"),
         "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
@@ -184,6 +187,12 @@ KEYS_BY_MODEL_TYPE = {
         "attention_bias": Refused("false (no biases in the attention projections, as every published Qwen3)",
                                   _falsy, True),
     },
+    "ernie4_5": {
+        **_ROTARY_KEYS,
+        "tie_word_embeddings": Used("tie_word_embeddings", False),  # Ernie4_5Config's default true, as 0.3B
+        "head_dim": Used("attention_head_dim", 64),  # 128 at 0.3B, apart from hidden / heads (64)
+        "use_bias": Refused("false (no biases, as the published ERNIE 4.5)", _falsy, True),
+    },
     "qwen3_moe": {
         **_ROTARY_KEYS, **_SLIDING_WINDOW_KEYS,
         # not a Qwen3MoeConfig field at 008e574, but in every published file (Qwen3-30B-A3B: 128 with
@@ -195,6 +204,7 @@ KEYS_BY_MODEL_TYPE = {
         "moe_intermediate_size": Used("moe_intermediate_size", 48),
         "num_experts_per_tok": Used("num_experts_per_tok", 1),
         "num_experts": Used("num_experts", 6),
+        "num_local_experts": Used("num_experts", 6),  # what 5.24.0 writes (models/families/base.py)
         "norm_topk_prob": Used("norm_topk_prob", False),
         "output_router_logits": NoEffect("whether transformers adds the load-balancing loss to its loss; here "
                                          "router_aux_loss_coef decides (0: none)"),
@@ -288,7 +298,8 @@ CLASS_KEYS = {
                 "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
                 "sliding_window", "attention_dropout", "num_experts_per_tok", "num_local_experts",
                 "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "rope_parameters",
-                "rope_theta", "rope_scaling"),
+                "rope_theta", "rope_scaling",
+                "num_experts"),  # 5.24.0: attribute_map num_experts -> num_local_experts
     "qwen2_moe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range",
                   "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "use_sliding_window",
@@ -308,7 +319,15 @@ CLASS_KEYS = {
                   "moe_intermediate_size", "num_experts_per_tok", "num_experts", "norm_topk_prob",
                   "output_router_logits", "router_aux_loss_coef", "mlp_only_layers", "pad_token_id",
                   "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling",
-                  "head_dim", "max_window_layers"),  # the last two: in the published files (4.x wrote both)
+                  "head_dim", "max_window_layers",  # these two: in the published files (4.x wrote both)
+                  "num_local_experts"),  # 5.24.0: attribute_map num_experts -> num_local_experts, written so
+    # transformers' Ernie4_5Config (models/ernie4_5/configuration_ernie4_5.py at 008e574, dataclass fields) and
+    # its 4.x rope_theta / rope_scaling; PaddleFormers 0.4.1's Ernie4_5Config writes the same keys of the model
+    # plus use_cache and the token ids (its training switches are register_unsavable_keys, never written)
+    "ernie4_5": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                 "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+                 "rope_parameters", "use_bias", "head_dim", "rope_theta", "rope_scaling"),
     "gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range", "summary_type",
              "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",

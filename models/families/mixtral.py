@@ -27,8 +27,8 @@ shorter than max_position_embeddings (which transformers applies) is refused in 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, reference_sizes, tiny_sizes, \
-    unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase, read_expert_count, \
+    reference_sizes, tiny_sizes, unsupported
 from models.families.llama import HF_LLAMA_REQUIRES, hf_llama_config, is_hugging_face, read_rope
 from models.weight_names import INPUT_NORM, POST_ATTENTION_NORM, R, _attn, _mlp
 
@@ -62,7 +62,8 @@ ARCHITECTURES = {
 
 
 def read_config(raw: dict, sizes: dict, source: str) -> dict:
-    sizes["num_experts"] = raw.get("num_local_experts", 8)
+    count = read_expert_count(raw, source)
+    sizes["num_experts"] = 8 if count is None else count  # MixtralConfig's default
     read_rope(raw, sizes, source)
     sizes.setdefault("tie_word_embeddings", False)
     sizes.setdefault("num_key_value_heads", 8)  # MixtralConfig's default

@@ -33,7 +33,7 @@ before the load-balancing loss, Qiu et al. 2025) is the run's `moe_global_batch_
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, tiny_sizes, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, read_expert_count, tiny_sizes, unsupported
 from models.families.qwen3 import HEAD_DIM, QWEN3_REQUIRES, hf_qwen3_config, qk_norm_rules
 from models.families.qwen3 import read_config as read_qwen3_config
 from models.families.qwen2_moe import qwen2_moe_table
@@ -74,6 +74,9 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
         unsupported(source, f"shared_expert_intermediate_size {raw['shared_expert_intermediate_size']} "
                             f"(Qwen3-MoE has no shared expert; allowed: 0 or absent)")
     sizes = read_qwen3_config(raw, sizes, source)
+    count = read_expert_count(raw, source)  # transformers 5 writes num_local_experts (models/families/base.py)
+    if count is not None:
+        sizes["num_experts"] = count
     sizes.setdefault("num_experts", 128)  # Qwen3MoeConfig's defaults
     sizes.setdefault("num_experts_per_tok", 8)
     sizes.setdefault("moe_intermediate_size", 768)

@@ -1,0 +1,111 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2/V3), the decoder's attention when config.kv_lora_rank > 0.
+
+    q        = q_b(RMSNorm(q_a(x)))                        [heads, nope + rope] per token
+    c, k_pe  = kv_a_proj_with_mqa(x)                        c: [kv_lora_rank], k_pe: [rope] (one for every head)
+    k_nope,v = kv_b(RMSNorm(c))                             [heads, nope], [heads, v]
+    k        = [k_nope, rotate(k_pe)], q = [q_nope, rotate(q_pe)]
+    out      = o_proj(softmax(q k^T x scale + causal mask) v),  scale = (nope + rope)^-0.5 x mscale^2
+
+mscale = 0.1 x mscale_all_dim x ln(factor) + 1 with YaRN's rope scaling (1 without). The rotated parts come
+in DeepSeek's interleaved pairs (x0, x1), (x2, x3), ...: pair j turns by position x inv_freq[j]. PaddleFormers
+reorders them to halves [x0, x2, ..; x1, x3, ..] before its rotate-half rotation, q and k alike, so q.k is the
+same. The tables are YaRN's frequencies (models/rope.py) times its cos/sin factor, built here (not with the
+decoder's, which rotate halves) so that this module needs nothing of models/decoder.py.
+Source of every line: PaddleFormers 0.4.1 paddleformers/transformers/deepseek_v2/modeling.py
+(DeepseekV2Attention, apply_rotary_pos_emb, yarn_get_mscale), which DeepseekV3ForCausalLM uses.
+
+One process only for now (llm_pretrain/parallel/layout.py refuses tensor, sequence, segment and context
+parallelism for latent attention), so the projections are plain replicated linears.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from models import parallel_layers as pl
+from models.config import ModelConfig
+from models.rope import scaled_inv_freq, yarn_cos_sin_factor, yarn_mscale
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """(nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (PaddleFormers' DeepseekV2Attention)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return scale
+
+
+_TABLES: dict = {}
+
+
+def pair_tables(config: ModelConfig, seq: int):
+    """cos, sin [seq, rope / 2] float32 of the interleaved pairs' angles (built once per size and scaling)."""
+    scaling = config.rope_scaling
+    key = (seq, config.qk_rope_head_dim, config.rope_theta, tuple(sorted(scaling.items())) if scaling else None)
+    if key not in _TABLES:
+        dim = config.qk_rope_head_dim
+        inv_freq = (1.0 / config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(np.float32)
+        inv_freq = scaled_inv_freq(inv_freq, scaling, config.rope_theta)
+        angles = np.outer(np.arange(seq, dtype=np.float32), inv_freq)
+        factor = yarn_cos_sin_factor(scaling)
+        _TABLES[key] = tuple(paddle.to_tensor((f(angles) * factor).astype(np.float32)) for f in (np.cos, np.sin))
+    return _TABLES[key]
+
+
+def rotate_pairs(x, cos, sin):
+    """x [batch, seq, heads, d] in interleaved pairs, each turned by its angle; cos/sin [batch or 1, seq, d / 2]."""
+    pairs = x.astype("float32").reshape(x.shape[:-1] + [x.shape[-1] // 2, 2])
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads
+    return paddle.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+class LatentAttention(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.q_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+        rms = c.replace(norm_type="rmsnorm")
+        self.q_a_proj = pl.replicated_linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = pl.norm(rms, c.q_lora_rank)
+        self.q_b_proj = pl.replicated_linear(c.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = pl.replicated_linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = pl.norm(rms, c.kv_lora_rank)
+        self.kv_b_proj = pl.replicated_linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                              bias=False)
+        self.o_proj = pl.replicated_linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.softmax_scale = softmax_scale(config)
+
+    def forward(self, hidden, documents=None):
+        c = self.config
+        batch, seq = hidden.shape[0], hidden.shape[1]
+        nope, rope, heads = c.qk_nope_head_dim, c.qk_rope_head_dim, self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))).reshape([batch, seq, heads, self.q_head_dim])
+        q_nope, q_pe = paddle.split(q, [nope, rope], axis=-1)
+        compressed, k_pe = paddle.split(self.kv_a_proj_with_mqa(hidden), [c.kv_lora_rank, rope], axis=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).reshape([batch, seq, heads, nope + c.v_head_dim])
+        k_nope, v = paddle.split(kv, [nope, c.v_head_dim], axis=-1)
+        cos, sin = pair_tables(c, seq)
+        if documents is not None and documents.positions is not None:  # positions restart at each document
+            cos, sin = (paddle.gather(t, documents.positions.flatten(), axis=0).reshape([-1, seq, rope // 2])
+                        for t in (cos, sin))
+        else:
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        q_pe = rotate_pairs(q_pe, cos, sin)
+        k_pe = rotate_pairs(k_pe.reshape([batch, seq, 1, rope]), cos, sin)
+        q = paddle.concat([q_nope, q_pe], axis=-1).transpose([0, 2, 1, 3])  # [batch, heads, seq, nope + rope]
+        k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1).transpose([0, 2, 1, 3])
+        scores = paddle.matmul(q.astype("float32") * self.softmax_scale, k.astype("float32"), transpose_y=True)
+        scores = scores + paddle.triu(paddle.full([seq, seq], float("-inf"), dtype="float32"), diagonal=1)
+        if documents is not None:
+            scores = scores + documents.mask
+        probs = F.softmax(scores, axis=-1).astype(v.dtype)
+        probs = F.dropout(probs, c.attention_probs_dropout_prob, training=self.training)
+        out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [batch, heads, seq, v]
+        return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * c.v_head_dim]))

@@ -1,0 +1,337 @@
+"""DeepSeek-V3 (models/families/deepseek_v3.py): published sizes, latent attention, its router and balancing, MTP.
+
+Each piece is checked against a numpy implementation written here from the DeepSeek-V3 report (arXiv
+2412.19437) and PaddleFormers 0.4.1's deepseek_v2/modeling.py, on the tiny preset (every switch on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+from llm_pretrain.planner.params import parameter_list
+from models.decoder import CausalLM, mtp_labels
+from models.errors import UsageError
+from models.registry import ARCHITECTURES, config_from_dict, parameter_count
+from models.weights import init_weights
+
+TINY = ARCHITECTURES["deepseek-v3-tiny"]
+
+# deepseek-ai/DeepSeek-V3's config.json (the values that make the model; models/families/deepseek_v3.py)
+PUBLISHED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "tie_word_embeddings": False,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0,
+}
+
+
+def tiny_model(seed=3, **changes):
+    config = TINY.replace(**changes)
+    paddle.seed(seed)
+    model = CausalLM(config)
+    init_weights(model, config, seed)
+    with paddle.no_grad():  # norms away from 1 so that each one matters
+        rng = np.random.default_rng(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.set_value((1 + 0.1 * rng.standard_normal(p.shape)).astype("float32"))
+    return model
+
+
+# ----------------------------------------------------------------------------- sizes
+def test_published_count_without_mtp_is_671b():
+    config = ARCHITECTURES["deepseek-ai/DeepSeek-V3"]
+    params = parameter_list(config, 1)
+    assert sum(p.full_numel for p in params if p.part != "mtp") == 671_026_419_200
+    assert parameter_count(config.replace(num_nextn_predict_layers=0)) == 671_026_419_200
+    assert sum(p.full_numel for p in params) == parameter_count(config)
+    assert ARCHITECTURES["deepseek-ai/DeepSeek-V3-Base"] == config
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-tiny", "deepseek-v3-real"])
+def test_presets_hold_the_counted_parameters(name):
+    config = ARCHITECTURES[name]
+    with paddle.LazyGuard():
+        model = CausalLM(config)
+    built = [(n, int(np.prod(p.shape))) for n, p in model.named_parameters()]
+    assert built == [(p.name, p.numel) for p in parameter_list(config, 1)]
+    assert sum(n for _, n in built) == parameter_count(config)
+    if name.endswith("real"):
+        assert max(n for _, n in built) > 2 ** 23
+    # every switch on
+    assert config.uses_mla and config.first_k_dense_replace and config.n_group > config.topk_group > 1
+    assert config.num_nextn_predict_layers == 1 and config.rope_scaling["rope_type"] == "yarn"
+    assert config.shared_expert_intermediate_size and not config.shared_expert_gate
+
+
+def test_published_config_json_is_the_built_in_architecture():
+    config = config_from_dict(PUBLISHED, "config.json")
+    assert config == ARCHITECTURES["deepseek-ai/DeepSeek-V3"]
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"q_lora_rank": None}, "q_lora_rank"),
+    ({"max_position_embeddings": 8192}, "rope_scaling.factor"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+])
+def test_switches_it_cannot_compute_are_refused_in_one_line(change, key):
+    with pytest.raises(UsageError) as raised:
+        config_from_dict({**PUBLISHED, **change}, "config.json")
+    message = str(raised.value)
+    assert "\n" not in message and key in message
+
+
+# ----------------------------------------------------------------------------- latent attention
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _yarn_inv_freq(dim, base, s):
+    """YaRN's frequencies (Peng et al. 2023) as DeepSeek's inference code computes them."""
+    def corr(rot):
+        return dim * math.log(s["original_max_position_embeddings"] / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(corr(s["beta_fast"])), 0), min(math.ceil(corr(s["beta_slow"])), dim - 1)
+    freqs = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    smooth = 1 - np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    return freqs / s["factor"] * (1 - smooth) + freqs * smooth
+
+
+def _rotate_pairs(x, positions, inv_freq):
+    """Rotation of each interleaved pair (x[2j], x[2j+1]) by angle position x inv_freq[j] (in place)."""
+    angle = positions[:, None] * inv_freq[None]  # [seq, d/2]
+    cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]  # broadcast over heads
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = even * cos - odd * sin, even * sin + odd * cos
+    return out
+
+
+def numpy_mla(attn, config, x):
+    """The report's eq. 1-11 (one sequence, x [seq, hidden]) with YaRN's softmax scale."""
+    w = {n: p.numpy().astype("float64") for n, p in attn.named_parameters()}
+    c, heads = config, config.num_attention_heads
+    nope, rope, vd = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    seq = x.shape[0]
+    q = (_rms(x @ w["q_a_proj.weight"], w["q_a_layernorm.weight"], c.norm_eps) @ w["q_b_proj.weight"]).reshape(seq, heads, -1)
+    ckv = x @ w["kv_a_proj_with_mqa.weight"]
+    kv = (_rms(ckv[:, :c.kv_lora_rank], w["kv_a_layernorm.weight"], c.norm_eps) @ w["kv_b_proj.weight"]).reshape(seq, heads, -1)
+    inv_freq = _yarn_inv_freq(rope, c.rope_theta, c.rope_scaling)
+    positions = np.arange(seq, dtype="float64")
+    q_pe = _rotate_pairs(q[..., nope:], positions, inv_freq)
+    k_pe = _rotate_pairs(ckv[:, None, c.kv_lora_rank:], positions, inv_freq)
+    qh = np.concatenate([q[..., :nope], q_pe], -1)
+    kh = np.concatenate([kv[..., :nope], np.repeat(k_pe, heads, axis=1)], -1)
+    mscale = 0.1 * c.rope_scaling["mscale_all_dim"] * math.log(c.rope_scaling["factor"]) + 1
+    scale = (nope + rope) ** -0.5 * mscale ** 2
+    scores = np.einsum("qhd,khd->hqk", qh, kh) * scale + np.triu(np.full((seq, seq), -np.inf), 1)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", probs, kv[..., nope:]).reshape(seq, heads * vd)
+    return out @ w["o_proj.weight"]
+
+
+def test_latent_attention_is_the_reports_with_yarn_mscale():
+    model = tiny_model()
+    attn = model.layers[0].self_attn
+    assert TINY.rope_scaling["factor"] == 4 and TINY.rope_scaling["mscale_all_dim"] == 1.0  # mscale 1.139
+    x = np.random.default_rng(0).standard_normal([2, 12, TINY.hidden_size]).astype("float32")
+    got = attn(paddle.to_tensor(x)).numpy()
+    for b in range(2):
+        np.testing.assert_allclose(got[b], numpy_mla(attn, TINY, x[b].astype("float64")), atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- router
+def numpy_route(scores, bias, config):
+    """Group-limited top-k of scores + bias (report eq. 12-16, PaddleFormers' get_topk_indices), weights from the
+    scores without the bias."""
+    tokens, experts = scores.shape
+    choice = scores + bias
+    groups = choice.reshape(tokens, config.n_group, -1)
+    group_score = np.sort(groups, -1)[..., -2:].sum(-1)
+    selected, weights = [], []
+    for t in range(tokens):
+        keep = np.argsort(-group_score[t], kind="stable")[:config.topk_group]
+        masked = np.zeros(experts)
+        for g in keep:
+            span = slice(g * experts // config.n_group, (g + 1) * experts // config.n_group)
+            masked[span] = choice[t, span]
+        top = np.argsort(-masked, kind="stable")[:config.num_experts_per_tok]
+        w = scores[t, top] / scores[t, top].sum() * config.routed_scaling_factor
+        selected.append(top)
+        weights.append(w)
+    return np.array(selected), np.array(weights)
+
+
+def test_router_bias_chooses_and_weights_come_from_the_scores():
+    model = tiny_model()
+    moe = model.layers[1].mlp
+    bias = np.array([0.5, -0.5, 0.0, 0.3, -0.2, 0.4, -0.1, 0.2], dtype="float32")
+    moe.e_score_correction_bias.set_value(bias)
+    x = np.random.default_rng(1).standard_normal([40, TINY.hidden_size]).astype("float32")
+    selected, weights, stats = moe.route(paddle.to_tensor(x))
+    scores = 1 / (1 + np.exp(-(x.astype("float64") @ moe.gate.weight.numpy())))
+    want_sel, want_w = numpy_route(scores, bias, TINY)
+    np.testing.assert_array_equal(np.sort(selected.numpy(), -1), np.sort(want_sel, -1))
+    order = np.argsort(selected.numpy(), -1), np.argsort(want_sel, -1)
+    np.testing.assert_allclose(np.take_along_axis(weights.numpy(), order[0], -1),
+                               np.take_along_axis(want_w, order[1], -1), rtol=1e-5)
+    # the bias changed the choice somewhere (otherwise this test would not see it used for weights)
+    assert (np.sort(numpy_route(scores, 0 * bias, TINY)[0], -1) != np.sort(want_sel, -1)).any()
+    # only topk_group groups are used by each token
+    groups = selected.numpy() // (TINY.num_experts // TINY.n_group)
+    assert max(len(set(row)) for row in groups) <= TINY.topk_group
+
+
+def test_sequence_wise_balance_loss_is_the_reports_and_enters_the_loss():
+    model = tiny_model()
+    moe = model.layers[1].mlp
+    x = np.random.default_rng(2).standard_normal([2, 10, TINY.hidden_size]).astype("float32")
+    moe(paddle.to_tensor(x))
+    stats = moe.last_stats
+    scores = 1 / (1 + np.exp(-(x.reshape(-1, TINY.hidden_size).astype("float64") @ moe.gate.weight.numpy())))
+    picked, _ = numpy_route(scores, 0 * scores[0], TINY)
+    E, k, T = TINY.num_experts, TINY.num_experts_per_tok, 10
+    losses = []
+    for b in range(2):
+        f = np.bincount(picked[b * T:(b + 1) * T].ravel(), minlength=E) * E / (k * T)
+        s = scores[b * T:(b + 1) * T]
+        p = (s / s.sum(-1, keepdims=True)).mean(0)
+        losses.append((f * p).sum())
+    np.testing.assert_allclose(float(stats.seq_balance), np.mean(losses), rtol=1e-5)
+    # its coefficient scales it into the loss
+    ids = paddle.to_tensor(np.random.default_rng(3).integers(0, 256, [2, 10]))
+    labels = paddle.to_tensor(np.random.default_rng(4).integers(0, 256, [2, 10]))
+    with paddle.no_grad():
+        on = float(model(ids, labels))
+        model.config.seq_aux_loss_coef = 0.0
+        off = float(model(ids, labels))
+    seq_terms = sum(float(layer.mlp.last_stats.seq_balance) for layer in model.layers[1:]) \
+        + float(model.mtp.block.mlp.last_stats.seq_balance)
+    np.testing.assert_allclose(on - off, TINY.seq_aux_loss_coef * seq_terms, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- auxiliary-loss-free balancing
+def test_bias_moves_by_rate_times_sign_of_mean_minus_load_and_only_when_on():
+    model = tiny_model(moe_bias_update_rate=0.01)
+    model.train()
+    ids = paddle.to_tensor(np.random.default_rng(5).integers(0, 256, [2, 16]))
+    model(ids, ids)
+    model(ids, ids)  # two micro-batches: the load of the step is their sum
+    layer = model.layers[1].mlp
+    load = layer.step_load.numpy()
+    assert load.sum() == 2 * 2 * 16 * TINY.num_experts_per_tok and len(set(load)) > 1
+    before = layer.e_score_correction_bias.numpy().copy()
+    model.update_router_biases()
+    np.testing.assert_allclose(layer.e_score_correction_bias.numpy(), before + 0.01 * np.sign(load.mean() - load))
+    assert not layer.step_load.numpy().any()  # counted again from the next step
+    # carried by checkpoints: a parameter that takes no gradient
+    names = dict(model.named_parameters())
+    assert names["layers.1.mlp.e_score_correction_bias"].stop_gradient
+    off = tiny_model(moe_bias_update_rate=0.0)
+    off.train()
+    off(ids, ids)
+    off.update_router_biases()
+    assert not off.layers[1].mlp.e_score_correction_bias.numpy().any()
+
+
+# ----------------------------------------------------------------------------- multi-token prediction
+def test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head():
+    model = tiny_model()
+    model.eval()
+    rng = np.random.default_rng(6)
+    ids = paddle.to_tensor(rng.integers(0, 256, [2, 12]))
+    labels = paddle.to_tensor(rng.integers(0, 256, [2, 12]))
+    with paddle.no_grad():
+        total = float(model(ids, labels))
+        hidden = model.embeddings(ids)
+        for layer in model.layers:
+            hidden = layer(hidden)
+        logits = model.lm_head(model.norm(hidden))
+        # by hand: [enorm(Emb(labels)); hnorm(h)] -> eh_proj -> block -> own norm -> the shared head
+        emb = model.embeddings.word_embeddings(labels)
+        mtp = model.mtp
+        h2 = mtp.norm(mtp.block(mtp.eh_proj(paddle.concat([mtp.enorm(emb), mtp.hnorm(hidden)], axis=-1))))
+        mtp_logits = paddle.matmul(h2, model.lm_head.weight)
+
+    def ce(lg, lb):
+        lg, lb = lg.numpy().astype("float64"), lb.numpy()
+        keep = lb != -100
+        logp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+        return -np.take_along_axis(logp, np.where(keep, lb, 0)[..., None], -1)[..., 0][keep].mean()
+
+    main, extra = ce(logits, labels), ce(mtp_logits, mtp_labels(labels))
+    assert mtp_labels(labels).numpy()[0, 0] == labels.numpy()[0, 1] and (mtp_labels(labels).numpy()[:, -1] == -100).all()
+    router = total - main - TINY.mtp_loss_weight * extra
+    assert 0 <= router < 0.01  # only the (small) sequence-wise balance terms remain
+    with paddle.no_grad():
+        model.config.seq_aux_loss_coef = 0.0
+        np.testing.assert_allclose(float(model(ids, labels)), main + TINY.mtp_loss_weight * extra, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- layouts, arguments, training
+def _arguments(corpus, tmp_path, **overrides):
+    from llm_pretrain.arguments import parse_arguments
+    from parity_utils import base_arguments
+    from llm_pretrain.selfcheck.parity import write_json
+
+    data = base_arguments(corpus, tmp_path, **{"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2,
+                                               "output_dir": str(tmp_path / "out"), **overrides})
+    args, _ = parse_arguments([str(write_json(tmp_path / "args.json", data))])
+    return args
+
+
+@pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
+                                        ("sep_parallel_degree", 2), ("context_parallel_degree", 2),
+                                        ("expert_parallel_degree", 2), ("sharding", "stage3"),
+                                        (None, None)])  # data parallelism: the world size alone
+def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    args = _arguments(embedded_corpus, tmp_path, **({key: value} if key else {}))
+    with pytest.raises(UsageError) as raised:
+        check_layout_and_model(args, 2, "cpu")
+    message = str(raised.value)
+    assert "\n" not in message and "allowed: 1" in message and "deepseek_v3" in message
+
+
+def test_bias_rate_needs_a_router_bias(embedded_corpus, tmp_path):
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    args = _arguments(embedded_corpus, tmp_path, model_name_or_path="qwen3-moe-tiny", moe_bias_update_rate=0.001)
+    with pytest.raises(UsageError, match="moe_bias_update_rate: 0.001 needs a router with a correction bias"):
+        check_layout_and_model(args, 1, "cpu")
+
+
+def test_tiny_preset_trains_with_the_bias_rule_and_mtp_logged(embedded_corpus, tmp_path):
+    """run_pretrain in this process: the loss goes down, mtp_loss is logged, the biases moved and the checkpoint
+    carries them."""
+    from llm_pretrain.run_pretrain import run as train
+    from parity_utils import train_records
+    from llm_pretrain.selfcheck.parity import final_weights
+
+    args = _arguments(embedded_corpus, tmp_path, max_steps=12, save_steps=12, gradient_accumulation_steps=1,
+                      per_device_train_batch_size=4, logging_steps=1, learning_rate=0.01, moe_bias_update_rate=0.001)
+    train(args, [])
+    records = train_records(tmp_path / "out")
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
+    assert all(r["mtp_loss"] > 0 for r in records)
+    bias = final_weights(tmp_path / "out", step=12)["layers.1.mlp.e_score_correction_bias"]
+    # whole steps of 0.001, at most one per optimizer step (neither the optimizer nor weight decay touched it)
+    assert 0 < np.abs(bias).max() <= 0.012 + 1e-6 and np.allclose(bias * 1000, np.round(bias * 1000), atol=1e-3)
