@@ -21,6 +21,7 @@ import paddle.nn.functional as F
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
+from models.constants import shared_constant
 from models.moe import MoE, RouterMetrics, router_losses
 from models.rope import scaled_inv_freq
 
@@ -220,6 +221,19 @@ class Attention(nn.Layer):
             first = tp_rank * self.num_heads + sep_rank * self.attention_heads  # slopes are per head
             local = slopes[first:first + self.attention_heads]
             self.register_buffer("alibi_slopes", paddle.to_tensor(local, dtype="float32"), persistable=False)
+            # The same slopes as Python floats: the ring and the shared masks' keys take them without a
+            # device read per layer (issue 33, finding 4).
+            self.alibi_slope_list = tuple(local)
+
+    def shared_masks(self, seq: int):
+        """(ALiBi bias [heads, 1, seq] or None, causal mask [seq, seq]), float32: one each per process for this
+        rank's heads and this length (models/constants.py), shared by every layer and forward."""
+        causal = shared_constant("causal_mask", (seq,), lambda: causal_mask(seq))
+        if self.config.position_embedding != "alibi":
+            return None, causal
+        slopes = self.alibi_slope_list
+        return shared_constant("alibi_bias", (slopes, seq), lambda: alibi_bias(
+            paddle.to_tensor(slopes, dtype="float32"), seq)), causal
 
     def project_qkv(self, hidden, positions=None):
         # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens;
@@ -295,9 +309,10 @@ class Attention(nn.Layer):
         # gradients cost more than these products (benchmarks/cpu_speed.md).
         scores = paddle.matmul(q.astype("float32") / math.sqrt(d), k.astype("float32"), transpose_y=True)
         scores = scores.reshape([batch, self.attention_heads, seq, seq])
-        if self.config.position_embedding == "alibi":
-            scores = scores + alibi_bias(self.alibi_slopes, seq)[None]
-        scores = scores + causal_mask(seq)
+        alibi, causal = self.shared_masks(seq)
+        if alibi is not None:
+            scores = scores + alibi[None]
+        scores = scores + causal
         if document_mask is not None:  # [batch, 1, seq, seq]: no attention across a document boundary
             scores = scores + document_mask
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
@@ -316,8 +331,13 @@ class Attention(nn.Layer):
         batch, seq = q.shape[0], q.shape[1]
         mask = None
         if self.config.position_embedding == "alibi":
-            mask = (alibi_bias(self.alibi_slopes, seq) + causal_mask(seq))[None].astype(q.dtype)
-            mask = mask.expand([batch, self.attention_heads, seq, seq])
+            # One per process for these shapes (models/constants.py): the kernel keeps it for the backward,
+            # so every layer keeps the same tensor rather than its own copy.
+            def build():
+                alibi, causal = self.shared_masks(seq)
+                return (alibi + causal)[None].astype(q.dtype).expand([batch, self.attention_heads, seq, seq])
+
+            mask = shared_constant("flash_alibi_mask", (self.alibi_slope_list, batch, seq, str(q.dtype)), build)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.config.attention_probs_dropout_prob,
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
@@ -327,7 +347,7 @@ class Attention(nn.Layer):
         (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU)."""
         from models.ring_attention import ring_attention
 
-        slopes = self.alibi_slopes.tolist() if self.config.position_embedding == "alibi" else None
+        slopes = list(self.alibi_slope_list) if self.config.position_embedding == "alibi" else None
         return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group(),
                               self.config.use_flash_attention)
 

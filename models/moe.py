@@ -17,7 +17,9 @@ its own chunk of the (already summed) output.
 Dispatch: the (token, slot) pairs are sorted by expert (stable: token order within an expert),
 so each expert's tokens are one contiguous block. With a capacity factor each expert keeps its
 first ceil(factor x tokens x k / E) pairs and the others are dropped (contribute 0; the default,
-factor 0, is dropless like the reference implementations). Under expert parallelism
+factor 0, is dropless like the reference implementations). The dropless blocks' lengths are the
+data's: read from the device once per layer; with a capacity factor every block has capacity rows
+and the dispatch stays on the device (no host read; `_fixed_capacity_experts`). Under expert parallelism
 (expert_parallel_degree ep) each rank holds the E/ep experts [rank x E/ep, (rank+1) x E/ep):
 the blocks go to their expert's rank by an all-to-all over fleet's expert group and come back by
 a second one (and the reverse pair in backward).
@@ -336,17 +338,13 @@ class MoE(nn.Layer):
         selected, weights, stats = self.route(x)
         k = self.config.num_experts_per_tok
         flat = selected.flatten()  # pair p = token p // k, slot p % k
-        order = paddle.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
-        flat_ids = flat.numpy()
-        counts = np.bincount(flat_ids, minlength=self.config.num_experts)
-        keep = self._capacity_keep(flat_ids.reshape([shape[0], -1, k]))
-        if keep is not None:
-            stats.dropped = paddle.to_tensor(int((~keep).sum()), dtype="int64")
-            order = paddle.masked_select(order, paddle.to_tensor(keep[order.numpy()]))
-            counts = np.bincount(flat_ids[keep], minlength=self.config.num_experts)
-        expert_in = paddle.gather(x, order // k)
-        expert_out, idle_zero = self.run_experts(expert_in, counts)
-        pair_out = paddle.scatter(paddle.zeros([flat.shape[0], shape[-1]], dtype=x.dtype), order, expert_out)
+        kept = self._capacity_keep(selected.reshape([shape[0], -1, k]))
+        if kept is not None:
+            stats.dropped = (~kept[0]).astype("int64").sum()
+        if kept is not None and self.ep_degree == 1:
+            pair_out, idle_zero = self._fixed_capacity_experts(x, flat, *kept), None
+        else:
+            pair_out, idle_zero = self._counted_experts(x, flat, kept[0] if kept is not None else None)
         out = (pair_out.reshape([-1, k, shape[-1]]) * weights.unsqueeze(-1)).sum(axis=1)
         if self.config.shared_expert_intermediate_size:
             shared = self.shared_expert(x)
@@ -362,22 +360,64 @@ class MoE(nn.Layer):
         # (PaddleNLP 2.8.1 paddlenlp/transformers/mixtral/modeling.py:544, index_add_ of .astype(hidden_states.dtype)).
         return pl.split_sequence(self.config, out.reshape(shape).astype(hidden.dtype))
 
-    def _capacity_keep(self, expert_ids: np.ndarray):
-        """Which of this rank's pairs (expert_ids [batch, tokens, k] -> [pairs] bool) the capacity factor keeps
-        (None: dropless): each expert keeps its first ceil(factor x pairs / E) pairs of the micro-batch, in the
-        order of its tokens. Under sep/cp the ranks' parts of the sequences are gathered first, so that
-        every rank drops what one process drops."""
+    def _counted_experts(self, x, flat, keep):
+        """Dropless (or under expert parallelism): the pairs sorted by expert, each expert on exactly its own
+        rows. The blocks' lengths are data: one host read per layer (the routed experts and kept pairs
+        together), as every dropless reference reads them (PaddleNLP 2.8.1's Mixtral: paddle.where and a
+        shape test per expert, mixtral/modeling.py:531-535; Megatron-LM's and PaddleFormers' token dispatchers
+        once per layer for their grouped GEMM and all-to-all split sizes). -> (pair outputs, idle zero)"""
+        k = self.config.num_experts_per_tok
+        ids = (flat if keep is None else paddle.stack([flat, keep.astype("int64")])).numpy()
+        flat_ids, keep = (ids, None) if keep is None else (ids[0], ids[1].astype(bool))
+        order = np.argsort(flat_ids, kind="stable")  # pairs grouped by expert, tokens in order within one
+        if keep is not None:
+            order, flat_ids = order[keep[order]], flat_ids[keep]
+        counts = np.bincount(flat_ids, minlength=self.config.num_experts)
+        order = paddle.to_tensor(order.astype("int64"))
+        expert_out, idle_zero = self.run_experts(paddle.gather(x, order // k), counts)
+        return paddle.scatter(paddle.zeros([flat.shape[0], x.shape[-1]], dtype=x.dtype), order,
+                              expert_out), idle_zero
+
+    def _fixed_capacity_experts(self, x, flat, keep, capacity):
+        """With a capacity factor every expert's block has a length known without the data (capacity rows):
+        the dispatch is gathers and a scatter on the device and no host read, as GShard's fixed-capacity
+        dispatch (Lepikhin et al. 2020, its dispatch/combine tensors), which PaddleNLP 3.0's moe_layer.py
+        follows. A kept pair goes to the row of its expert's block given by its place among this rank's kept
+        pairs of that expert; rows no pair fills are zeros whose outputs nobody takes (so an idle expert gets
+        a zero gradient, as `_local_experts` gives it). A block has min(capacity, this rank's tokens) rows: an
+        expert keeps at most capacity pairs and gets at most one pair per token. -> pair outputs
+        [pairs, hidden] (0 for dropped pairs), the same values as `_counted_experts`."""
+        c = self.config
+        k, experts, pairs, hidden = c.num_experts_per_tok, c.num_experts, flat.shape[0], x.shape[-1]
+        block = min(capacity, pairs // k)
+        kept = F.one_hot(flat, experts).astype("int64") * keep.astype("int64").unsqueeze(-1)  # [pairs, E]
+        place = (paddle.cumsum(kept, axis=0) * kept).sum(axis=1) - 1  # a running count of each expert's kept pairs
+        spare = experts * block  # every dropped pair's slot: a zero output row
+        slot = paddle.where(keep, flat * block + place, paddle.full_like(flat, spare))
+        filler = paddle.scatter(paddle.full([spare + 1], pairs, dtype="int64"), slot,
+                                paddle.arange(pairs, dtype="int64"))[:spare]  # the pair filling each row (pairs: none)
+        rows = paddle.gather(paddle.concat([x, paddle.zeros([1, hidden], dtype=x.dtype)]), filler // k)
+        outputs = [self.experts[str(e)](rows[e * block:(e + 1) * block]) for e in range(experts)]
+        outputs.append(paddle.zeros([1, hidden], dtype=outputs[0].dtype))
+        return paddle.gather(paddle.concat(outputs), slot)
+
+    def _capacity_keep(self, expert_ids):
+        """With a capacity factor (None: dropless): which of this rank's pairs (expert_ids [batch, tokens, k]
+        -> [pairs] bool) it keeps, and the capacity. Each expert keeps its first ceil(factor x pairs / E)
+        pairs of the micro-batch, in the order of its tokens. Under sep/cp the ranks' parts of the sequences
+        are gathered first, so that every rank drops what one process drops. On the device: no host read
+        (the place is a running count of each expert's pairs)."""
         factor = self.config.moe_capacity_factor
         if not factor:
             return None
         whole, mine = pl.whole_sequences(self.config, expert_ids)
-        flat = whole.reshape(-1)
-        capacity = math.ceil(factor * flat.size / self.config.num_experts)
-        order = np.argsort(flat, kind="stable")
-        first_of_expert = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=self.config.num_experts))])
-        place = np.empty(flat.size, dtype="int64")  # each pair's place among its expert's pairs
-        place[order] = np.arange(flat.size) - first_of_expert[flat[order]]
-        return (place < capacity).reshape(whole.shape)[:, mine].reshape(-1)
+        flat = whole.reshape([-1])
+        capacity = math.ceil(factor * flat.shape[0] / self.config.num_experts)
+        picked = F.one_hot(flat, self.config.num_experts).astype("int64")  # [pairs, E]
+        place = ((paddle.cumsum(picked, axis=0) * picked).sum(axis=1) - 1).reshape(whole.shape)
+        if mine is not None:
+            place = paddle.index_select(place, mine, axis=1)
+        return place.reshape([-1]) < capacity, capacity
 
     def run_experts(self, expert_in, counts):
         """Each expert on its block of rows (rows sorted by expert; counts[e] rows for expert e) ->

@@ -482,17 +482,17 @@ def sum_over_data_replicas(x):
 
 
 def whole_sequences(config: ModelConfig, local):
-    """This rank's part of every sequence (numpy [batch, seq / degree, ...]) -> (every rank's parts in
-    sequence order [batch, seq, ...], the positions of this rank's part); without sep or cp (local, all)."""
-    import numpy as np
-
+    """This rank's part of every sequence (a tensor [batch, seq / degree, ...]) -> (every rank's parts in
+    sequence order [batch, seq, ...], the positions of this rank's part, int64); without sep or cp
+    (local, None). On the device: no host read."""
     if not _splits_sequence(config):
-        return local, np.arange(local.shape[1])
+        return local, None
     import paddle.distributed as dist
 
     group = sequence_group()
     parts, positions = [], []
-    dist.all_gather(parts, paddle.to_tensor(local), group=group)
-    dist.all_gather(positions, token_positions(config, local.shape[1]), group=group)
-    order = np.argsort(np.concatenate([p.numpy() for p in positions]))
-    return np.concatenate([p.numpy() for p in parts], axis=1)[:, order], token_positions(config, local.shape[1]).numpy()
+    mine = token_positions(config, local.shape[1])
+    dist.all_gather(parts, local, group=group)
+    dist.all_gather(positions, mine, group=group)
+    order = paddle.argsort(paddle.concat(positions))
+    return paddle.index_select(paddle.concat(parts, axis=1), order, axis=1), mine

@@ -30,6 +30,8 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle import _C_ops
 
+from models.constants import shared_constant
+
 MASKED = -1e30  # the causal mask: finite in float32 (and bf16), exp(-1e30 - lse) = 0
 
 
@@ -46,11 +48,14 @@ def balanced_split(x, rank: int, degree: int, axis: int = 1):
 
 
 def balanced_positions(seq_length: int, rank: int, degree: int):
-    """Global positions (int64) of the tokens `balanced_split` gives rank."""
-    chunk = seq_length // (2 * degree)
-    first, second = chunk_ids(rank, degree)
-    return paddle.concat([paddle.arange(first * chunk, (first + 1) * chunk, dtype="int64"),
-                          paddle.arange(second * chunk, (second + 1) * chunk, dtype="int64")])
+    """Global positions (int64) of the tokens `balanced_split` gives rank (one tensor per process,
+    models/constants.py: every layer's ring steps, forward and backward, take the same)."""
+    def build():
+        chunk = seq_length // (2 * degree)
+        first, second = chunk_ids(rank, degree)
+        return paddle.concat([paddle.arange(first * chunk, (first + 1) * chunk, dtype="int64"),
+                              paddle.arange(second * chunk, (second + 1) * chunk, dtype="int64")])
+    return shared_constant("ring_positions", (seq_length, rank, degree), build)
 
 
 def ring_pass(tensors: list, group) -> list:
@@ -189,13 +194,18 @@ def _alibi(slopes, q_positions, k_positions):
     if not slopes:
         return None
     distance = k_positions.astype("float32")[None, :] - q_positions.astype("float32")[:, None]
-    return paddle.to_tensor(slopes, dtype="float32")[None, :, None, None] * distance[None, None]
+    # The block's distances differ per step; the slopes are one device tensor per process, not a copy
+    # from the host in every block of every layer.
+    slopes = shared_constant("ring_slopes", (tuple(slopes),), lambda: paddle.to_tensor(slopes, dtype="float32"))
+    return slopes[None, :, None, None] * distance[None, None]
 
 
 def _causal_mask(queries, keys):
     """Query i sees keys 0..i + keys - queries: flash attention 2's alignment (bottom right), which
-    on the ring's only causal block, the square diagonal one, is the plain causal mask."""
-    return paddle.triu(paddle.full([queries, keys], MASKED, "float32"), diagonal=1 + keys - queries)
+    on the ring's only causal block, the square diagonal one, is the plain causal mask. One per process
+    for these sizes (models/constants.py), shared by every layer's diagonal block, forward and backward."""
+    return shared_constant("ring_causal_mask", (queries, keys), lambda: paddle.triu(
+        paddle.full([queries, keys], MASKED, "float32"), diagonal=1 + keys - queries))
 
 
 def _scores(q, k, causal, bias):

@@ -300,6 +300,29 @@ MUTATIONS = [
              "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
              "    if True:\n        return stats\n",
              ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
+    Mutation("selfcheck_reference_options_differ", "the self-check's one-process references built with their "
+             "precision's options, not the row's (dp2 and sd2 stage 3 bf16 rows without master_grad, references with it)",
+             "llm_pretrain/selfcheck/rows.py",
+             "    return {key: value for key, value in row.options.items() if key not in layout}\n",
+             "    return dict(PRECISIONS[row.precision])\n",
+             ("tests/test_gpu_selfcheck.py::test_each_row_reference_runs_with_the_row_options",)),
+    Mutation("moe_capacity_host_read_per_layer", "MoE with a capacity factor dispatched through the host-counted "
+             "blocks (one device read per layer) instead of the fixed-capacity device dispatch", "models/moe.py",
+             "        if kept is not None and self.ep_degree == 1:\n", "        if False:\n",
+             ("tests/test_per_layer_work.py::test_a_training_step_reads_the_host_no_more_with_more_layers",)),
+    Mutation("ring_slopes_host_read_per_layer", "each layer reads its ALiBi slopes from the device for the ring",
+             "models/decoder.py", "slopes = list(self.alibi_slope_list) if", "slopes = self.alibi_slopes.tolist() if",
+             ("tests/test_per_layer_work.py::test_the_ring_takes_the_alibi_slopes_without_a_device_read",)),
+    Mutation("mask_built_per_layer", "the causal / ALiBi masks and the ring's positions built at every call (every "
+             "layer) instead of once", "models/constants.py", "        if full_key not in _CONSTANTS:\n",
+             "        if True:\n",
+             ("tests/test_per_layer_work.py::test_one_attention_mask_per_forward_whatever_the_layers",
+              "tests/test_per_layer_work.py::test_the_flash_alibi_mask_is_one_tensor_for_every_layer",
+              "tests/test_per_layer_work.py::test_the_ring_builds_its_positions_slopes_and_diagonal_mask_once")),
+    Mutation("alibi_mask_reads_free", "the planner's reads of the flash kernel's ALiBi mask cost nothing",
+             "llm_pretrain/planner/speed.py", "    return layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
+             "    return 0.0 * layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
+             ("tests/test_planner.py::test_paddlenlp_published_speeds_and_the_alibi_mask_reads",)),
     # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
     # interleaved pairs; the layouts other than tp accepted for it.
     Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",

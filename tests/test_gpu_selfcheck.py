@@ -180,3 +180,43 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
     assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4]
     (sequence_group,) = [runs for nproc, _, runs in launched if nproc == 2 and "sep2" in " ".join(runs[0])]
     assert {run[run.index("--output_dir") + 1].split("/")[-1] for run in sequence_group} == {"sep2", "cp2"}
+
+
+def _options_of(command: list[str], layout: str) -> dict:
+    """A run_pretrain.py command's `--key value` options, without the output directory, the stop for the
+    resume and the layout's own degrees."""
+    pairs = dict(zip(command[1::2], command[2::2]))
+    skip = {"--output_dir", "--exit_interval", *(f"--{key}" for key in selfcheck.layout_options(layout))}
+    return {key: value for key, value in pairs.items() if key not in skip}
+
+
+def test_each_row_reference_runs_with_the_row_options(tmp_path, monkeypatch):
+    """Issue 33 finding 10: a parity row is judged against a one-process run with its own options. The
+    dp2 and sd2_stage3 bf16 rows run without amp_master_grad (the trainer refuses it there): their
+    reference must too. Checked on the command lines run_rows would start (launches recorded, nothing runs)."""
+    launched, single = [], []
+    monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.extend(runs))
+    monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.extend(runs))
+    monkeypatch.setattr(selfcheck, "kernel_table", lambda device: {"passed": True, "bound": "-"})
+    rows = selfcheck.plan_rows("gpu")
+    selfcheck.run_rows(rows, tmp_path / "args.json", tmp_path, "gpu", gpus=4, say=lambda line: None)
+    commands = [run for run in launched + single if isinstance(run, list)]
+
+    def command_for(output):
+        return next(c for c in commands if c[c.index("--output_dir") + 1] == str(output))
+
+    checked = set()
+    for row in rows:
+        if row.kind != "parity":
+            continue
+        own = _options_of(command_for(selfcheck.row_output(tmp_path, row.name)), row.layout)
+        reference = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(row)))
+        assert _options_of(reference, "single") == own, row.name
+        checked.add(row.name)
+    assert {"bf16-o2:dp2", "bf16-o2:sd2_stage3", "bf16-o2:sep2", "bf16-o2:cp2", "fp32:dp2"} <= checked
+    # the rows without master gradients have a reference without them, the others keep theirs
+    off = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(
+        next(r for r in rows if r.name == "bf16-o2:dp2"))))
+    on = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(
+        next(r for r in rows if r.name == "bf16-o2:sep2"))))
+    assert "--amp_master_grad false" in " ".join(off) and "--amp_master_grad true" in " ".join(on)

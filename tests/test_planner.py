@@ -473,6 +473,42 @@ def test_paddlenlp_published_runs_fit_and_allocated_agrees():
         assert result["fits"] and result["peak_mem_reserved_mb"] < 80 * 1024 * (1 - DEFAULT_HEADROOM), row["model"]
 
 
+# Predicted speed over PaddleNLP's published tokens/card/s (issue 33 finding 5). The causal rows: flash attention
+# with is_causal. Baichuan2-13B (ALiBi): flash attention reading an additive mask, whose reads are a term of their
+# own (speed.additive_mask_time). What is left of its gap (~10 points over the causal rows' band) is, by the
+# planner's own numbers, mostly the attention FLOPs: the planner counts the full s x s square for every model (its
+# Megatron calibration computes it), a causal flash kernel skips the masked half, a masked one cannot; counting
+# the causal rows' attention as half moves them to +9.5..+13.4 % and leaves the ALiBi row 3.3 points above
+# them (docs/performance-and-planner.md). That accounting changes every causal prediction, so it is not taken.
+PADDLENLP_SPEED_BAND = (0.0, 0.10)   # causal rows: +2.5..+7.0 %
+PADDLENLP_ALIBI_SPEED_BOUND = 0.18   # Baichuan2-13B: +16.7 % with the mask reads (+20.4 % without)
+
+
+def test_paddlenlp_published_speeds_and_the_alibi_mask_reads():
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner.estimate import estimate
+
+    errors = {}
+    for row in paddlenlp_rows():
+        overrides = [f"--{key}={value}" for key, value in
+                     (item.split("=") for item in row["table_overrides"].split() if item)]
+        args = parse_arguments([str(REPO_ROOT / "configs" / row["our_config"]), "--max_seq_length",
+                                row["seq_length"], *overrides])[0]
+        result = estimate(args, 8, "A100-80G")
+        errors[row["model"]] = result["tokens_per_card_per_sec"] / float(row["tokens_per_card_per_sec"]) - 1
+        mask = next(t["s"] for t in result["breakdown"] if t["term"].startswith("flash attention's additive mask"))
+        if row["model"] == "baichuan-inc/Baichuan2-13B-Base":
+            # 40 layers x 3 reads (forward, recomputed forward, backward) of [1, 40, 4096, 4096] bf16 at 2,039 GB/s,
+            # for each of the 8 micro-batches
+            assert mask == pytest.approx(8 * 40 * 3 * 40 * 4096 * 4096 * 2 / 2039e9, rel=1e-9)
+        else:
+            assert mask == 0.0, row["model"]
+    alibi = errors.pop("baichuan-inc/Baichuan2-13B-Base")
+    low, high = PADDLENLP_SPEED_BAND
+    assert all(low < error < high for error in errors.values()), errors
+    assert low < alibi < PADDLENLP_ALIBI_SPEED_BOUND, alibi
+
+
 def test_search_explains_why_nothing_fits(capsys):
     """With nothing kept, search prints the trainer's reasons with counts and the closest misses (issue 24)."""
     from llm_pretrain.cli.plan import main

@@ -32,6 +32,7 @@ Constants and where they come from:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from llm_pretrain.planner.params import Param, stage_chunks, stage_parameters
@@ -244,8 +245,13 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         pairs = tokens * c.num_experts_per_tok
         f_expert = c.expert_intermediate_size // tp
         router = tokens * 4 * 2 * c.num_experts
-        rows = pairs * a * h * (3 if c.expert_parallel_degree > 1 else 2)
-        mlp = router + rows + pairs * a * 4 * f_expert + pairs * 4 * 2
+        computed = pairs  # rows the experts run on
+        if c.moe_capacity_factor and c.expert_parallel_degree <= 1:
+            # _fixed_capacity_experts: each expert on a block of min(capacity, tokens) rows (zeros where no pair)
+            whole_pairs = pairs * setup.sep * setup.cp
+            computed = c.num_experts * min(math.ceil(c.moe_capacity_factor * whole_pairs / c.num_experts), tokens)
+        rows = (pairs + computed + (pairs if c.expert_parallel_degree > 1 else 0)) * a * h
+        mlp = router + rows + computed * a * 4 * f_expert + pairs * 4 * 2
         if c.shared_expert_intermediate_size:
             mlp += tokens * a * (4 * c.shared_expert_intermediate_size // tp + 2 * h)
     elif c.uses_swiglu:
@@ -259,6 +265,25 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     if granularity == "core_attn":
         return attention_block - core - gqa_saved + core_inputs + mlp_block
     return attention_block + mlp_block
+
+
+def shared_mask_bytes(config: ModelConfig, setup: Setup) -> float:
+    """The masks models/constants.py keeps once per process for every layer: the plain path's causal mask
+    [s, s] and ALiBi bias [heads, 1, s] (float32); under flash attention with ALiBi also the kernel's mask
+    [b, heads, s, s] in the compute dtype (a causal flash call takes none); the ring's diagonal block's
+    causal mask [s / cp, s / cp] float32 (its flash blocks without ALiBi take none)."""
+    c = config
+    s, heads = c.seq_length, c.num_attention_heads // (setup.tp * setup.sep)
+    alibi = c.position_embedding == "alibi"
+    if setup.cp > 1:
+        local = s / setup.cp
+        return local * local * 4 if (alibi or not c.use_flash_attention) else 0.0
+    if c.use_flash_attention and not alibi:
+        return 0.0
+    masks = s * s * 4 + (heads * s * 4 if alibi else 0.0)
+    if c.use_flash_attention:
+        masks += setup.micro_batch * heads * s * s * setup.precision.activation_bytes
+    return masks
 
 
 def attention_backward_bytes(config: ModelConfig, setup: Setup) -> float:
@@ -436,6 +461,8 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
 
     # Activations of the in-flight micro-batches at the start of backward.
     layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else list(range(c.num_hidden_layers))
+    if layers:
+        persistent["attention masks shared by the layers"] = shared_mask_bytes(c, setup)
     last = stage == setup.pp - 1 or (setup.dualpipev and stage == 0)  # DualPipeV's V ends on stage 0
     first = stage == 0
     if setup.vpp > 1:

@@ -15,6 +15,8 @@ data-parallel / sharding gradient traffic.
                       step's transfer overlapping the attention of the block in hand (exposed: only
                       what a step's transfer takes beyond that block's compute). Each rank computes
                       1/(sep x cp) of the tokens.
+    additive mask     ALiBi under flash attention: the kernel reads its [b, heads, s, s] mask from device
+                      memory in forward, backward and a recomputed forward (`additive_mask_time`).
     optimizer step    neglected (AdamW reads/writes ~16 bytes per parameter: ~1 % of a step at the
                       Megatron table's sizes)
 
@@ -62,6 +64,11 @@ DEFAULT_LINKS = {
 }
 FALLBACK_LINKS = (100.0, 12.5)
 DEFAULT_GPUS_PER_NODE = 8
+# Device memory (HBM) bandwidth per GPU, GB/s, NVIDIA datasheets: A100 80GB SXM 2,039 (40GB: 1,555),
+# A800 as A100, H100 SXM and H800 SXM 3,350, H200 4,800, V100 SXM2 900.
+HBM_GBPS = {"A100": 2039.0, "A800": 2039.0, "H100 SXM": 3350.0, "H800": 3350.0, "H200": 4800.0, "V100": 900.0}
+HBM_GBPS_A100_40G = 1555.0
+FALLBACK_HBM_GBPS = 1555.0
 
 
 @dataclass
@@ -70,6 +77,14 @@ class Cluster:
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     intra_node_gbps: float | None = None  # GB/s per GPU; None: DEFAULT_LINKS for the device
     inter_node_gbps: float | None = None
+
+    def hbm_gbps(self) -> float:
+        from llm_pretrain.observe.flops import match_device
+
+        key = match_device(self.device) or ""
+        if key == "A100" and "40G" in self.device.upper():
+            return HBM_GBPS_A100_40G
+        return HBM_GBPS.get(key, FALLBACK_HBM_GBPS)
 
     def links(self) -> tuple[float, float]:
         from llm_pretrain.observe.flops import match_device
@@ -114,6 +129,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     imbalance = layers_per_stage * pp / c.num_hidden_layers
     compute_mb = hardware_flops * tokens_mb / (tp * pp) * imbalance / flops_rate
     sequence_mb = sequence_split_time(setup, cluster, tokens_mb, flops_rate)
+    mask_mb = additive_mask_time(setup, cluster, layers_per_stage)
 
     # Tensor parallelism: per layer 2 all-reduces forward (attention, MLP outputs) and 2 backward (their
     # inputs' gradients), 2 more for a recomputed forward; sequence parallelism replaces each all-reduce by
@@ -140,7 +156,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     a2a_bytes = tokens_mb * c.num_experts_per_tok * c.hidden_size * act_bytes * (ep - 1) / ep
     ep_mb = layers_per_stage * 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
 
-    micro = compute_mb + tp_mb + pp_mb + ep_mb + sequence_mb
+    micro = compute_mb + tp_mb + pp_mb + ep_mb + sequence_mb + mask_mb
     pipeline = m * micro
     # Bubble: 1F1B fills and drains the pipeline in (p - 1) micro-batch times; the interleaved schedules
     # (PipelineParallelWithInterleave, its FthenB and VPPFhenBInBalancedMemory variants) in (p - 1) chunk
@@ -177,6 +193,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "pipeline send/recv": m * pp_mb,
         "expert-parallel all-to-all": m * ep_mb,
         "sep all-to-all / cp ring (exposed)": m * sequence_mb,
+        "flash attention's additive mask (ALiBi) reads": m * mask_mb,
         "pipeline bubble": bubble,
         "data-parallel/sharding communication (exposed)": exposed,
     }
@@ -191,6 +208,31 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "bottleneck": bottleneck(terms),
         "slowest_stage": slowest_stage,
     }
+
+
+def additive_mask_time(setup: Setup, cluster: Cluster, layers: int) -> float:
+    """Seconds per micro-batch the flash kernel spends reading an additive mask (ALiBi), beyond its FLOPs.
+
+    A causal model calls flash attention with is_causal and no mask; ALiBi goes in as an additive mask,
+    [batch, heads / tp (/ sep), queries, keys] in the compute dtype (models/decoder.py flash_attention, as
+    PaddleNLP 2.8.1's llama/modeling.py scaled_dot_product_attention), which the kernel reads from device
+    memory in the forward and again in the backward (flash_attn_grad takes it too), and once more in a
+    recomputed forward: 2-3 reads of b x h x s x s elements per layer, at HBM bandwidth. That mask is one
+    tensor shared by every layer (models/constants.py), so building it costs nothing per layer. Under cp the
+    ring reads its blocks' masks over this rank's rectangle (queries s / cp x keys s); the per-block builds are
+    not counted. Baichuan2-13B at 4,096 tokens: 40 heads x 4096^2 x 2 bytes = 1.3 GB per read, 3 reads per
+    layer, ~2 ms per layer on an A100 (~3 % of its step).
+
+    Without flash attention no term: the plain path materialises the scores of every model alike (ALiBi only
+    adds its bias to them), and that traffic is in the calibration, whose Megatron runs materialise theirs."""
+    c, p = setup.config, setup.precision
+    if c.position_embedding != "alibi" or not c.use_flash_attention:
+        return 0.0
+    heads = c.num_attention_heads / (setup.tp * setup.sep)
+    mask_bytes = setup.micro_batch * heads * (c.seq_length / setup.cp) * c.seq_length * p.activation_bytes
+    recomputed = c.recompute and c.recompute_granularity in ("full", "full_attn", "core_attn")
+    reads = 3 if recomputed else 2
+    return layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)
 
 
 def sequence_split_time(setup: Setup, cluster: Cluster, tokens: int, flops_rate: float) -> float:

@@ -417,6 +417,9 @@ def fed(value):
 
 
 def build_model(config: ModelConfig, layout: Layout):
+    from models import constants
+
+    constants.release()  # a run's masks are its own: another run in this process (the test workers) builds anew
     config = config.replace(sep_parallel_degree=layout.sep_parallel_degree,
                             context_parallel_degree=layout.context_parallel_degree)
     if layout.pipeline_parallel_degree > 1:

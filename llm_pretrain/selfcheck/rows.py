@@ -168,8 +168,22 @@ def layout_output(work_dir: Path, layout: str, dtype: str) -> Path:
     return row_output(work_dir, f"{precision}:{layout}")
 
 
-def reference_output(work_dir: Path, precision: str) -> Path:
-    return work_dir / "runs" / "single" / precision
+def reference_options(row: Row) -> dict:
+    """The options of a row's one-process reference: the row's own, without its layout's degrees (an option
+    the layout switched off, e.g. amp_master_grad under dp2 or sharding stage 3, is off there too)."""
+    layout = layout_options(row.layout)
+    return {key: value for key, value in row.options.items() if key not in layout}
+
+
+def reference_name(row: Row) -> str:
+    """The reference's directory name: the precision, plus each option that differs from the precision's."""
+    options, usual = reference_options(row), PRECISIONS[row.precision]
+    changed = sorted(key for key in set(options) | set(usual) if options.get(key) != usual.get(key))
+    return row.precision + "".join(f"+{key}={options.get(key)}" for key in changed)
+
+
+def reference_output(work_dir: Path, name: str) -> Path:
+    return work_dir / "runs" / "single" / name
 
 
 def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus: int | None,
@@ -190,11 +204,14 @@ def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus
             skipped[row.name] = f"the memory and speed rows run one layout ({perf_layout})"
             say(f"skip {row.name}: {skipped[row.name]}")
 
-    # One process: the uninterrupted reference of every precision in use, the checkpoint round trip.
-    singles = []
-    for precision in sorted({r.precision for r in runnable if r.kind in ("parity", "checkpoint")}):
-        options = production_row("parity", precision, "single", device).options
-        singles.append(argv(args_file, reference_output(work_dir, precision), **options))
+    # One process: the uninterrupted reference of every set of row options in use (built with the row's own
+    # options: reference_options), the checkpoint round trip.
+    singles, references = [], {}
+    for row in runnable:
+        if row.kind in ("parity", "checkpoint"):
+            references.setdefault(reference_name(row), reference_options(row))
+    for name, options in sorted(references.items()):
+        singles.append(argv(args_file, reference_output(work_dir, name), **options))
     for row in runnable:
         if row.kind == "checkpoint":
             out = row_output(work_dir, row.name)
@@ -254,7 +271,7 @@ def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus
             elif row.kind in ("memory", "speed"):
                 measured = judge_perf(row.kind, row_output(work_dir, f"perf:{row.layout}"))
             else:
-                reference = reference_output(work_dir, row.precision)
+                reference = reference_output(work_dir, reference_name(row))
                 measured = judge_parity(reference, row_output(work_dir, row.name), row.dtype)
             results.append({**result, **measured, "status": "pass" if measured["passed"] else "FAIL"})
         except Exception as error:  # noqa: BLE001 -- one row's failure is that row's FAIL, after hours of runs
