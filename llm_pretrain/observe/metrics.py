@@ -44,11 +44,7 @@ def reset_peak_memory(device: str) -> None:
     the tensors of an earlier run are collected first."""
     import gc
 
-    gc.collect()
-    if not gc.get_freeze_count():
-        # What is alive now (the modules: ~140k objects after Paddle's import) stays for the process: frozen,
-        # later collections skip it (a full one took ~0.5 s on two CPU cores, at every run of a multi-run process).
-        gc.freeze()
+    gc.collect()  # (a process training several runs freezes what survives between them: parity_worker.py)
     if device == "gpu":
         paddle.device.cuda.reset_max_memory_allocated()
         paddle.device.cuda.reset_max_memory_reserved()
