@@ -23,19 +23,21 @@ from models import parallel_layers as pl
 from models.config import ModelConfig
 from models.constants import shared_constant
 from models.moe import MoE, RouterMetrics, router_losses
-from models.rope import scaled_inv_freq
+from models.rope import scaled_inv_freq, yarn_cos_sin_factor
 
 
 # ----------------------------------------------------------------------------- positions
 def rotary_cos_sin(seq_length: int, head_dim: int, theta: float, scaling: dict | None = None):
-    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: linear or Llama 3.1's, models/rope.py)."""
+    """cos/sin tables of rotary embeddings, [1, seq, 1, head_dim], float32 (scaling: linear, Llama 3.1's or YaRN,
+    models/rope.py; YaRN also scales both tables by its attention factor, as transformers' rotary embedding does)."""
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
     if scaling:
-        inv_freq = paddle.to_tensor(scaled_inv_freq(inv_freq.numpy(), scaling))
+        inv_freq = paddle.to_tensor(scaled_inv_freq(inv_freq.numpy(), scaling, theta))
     positions = paddle.arange(seq_length, dtype="float32")
     freqs = paddle.outer(positions, inv_freq)
     angles = paddle.concat([freqs, freqs], axis=-1)
-    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    factor = yarn_cos_sin_factor(scaling)
+    return (angles.cos() * factor)[None, :, None, :], (angles.sin() * factor)[None, :, None, :]
 
 
 _ROTARY_TABLES: dict = {}

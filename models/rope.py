@@ -15,14 +15,17 @@ computed here, as transformers' ROPE_INIT_FUNCTIONS compute them (modeling_rope_
               high_freq_factor stay, those longer than original / low_freq_factor are divided by `factor`,
               the band between is interpolated smoothly (_compute_llama3_parameters; Meta's apply_scaling)
 
-    yarn      DeepSeek-V3's (read only for families whose attention scales its logits by YaRN's mscale:
-              `read_rope_config(..., yarn=True)`, models/mla.py): frequencies interpolated by `factor` below
-              the band beta_slow..beta_fast rotations over original_max_position_embeddings, kept above it,
-              ramped between; cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)
-              (PaddleFormers 0.4.1 paddleformers/transformers/deepseek_v2/modeling.py _compute_yarn_parameters)
+    yarn      frequencies interpolated by `factor` below the band beta_slow..beta_fast rotations over
+              original_max_position_embeddings, kept above it, ramped between (truncated to whole dimensions);
+              cos/sin times attention_factor, or mscale(factor, mscale) / mscale(factor, mscale_all_dim), or
+              mscale(factor) = 0.1 ln(factor) + 1 (transformers' _compute_yarn_parameters, the same as
+              PaddleFormers 0.4.1 deepseek_v2/modeling.py). Read for the families that publish it, when the
+              family's reader asks (`read_rope_config(..., yarn=True)`): Qwen2.5's and Qwen3's long-context
+              setting (their model cards), DeepSeek-V3's config.json (whose latent attention also scales its
+              logits by mscale(factor, mscale_all_dim)^2, models/mla.py).
 
-"dynamic" and "longrope" (and any other type, yarn for other families) are refused in one line naming the key:
-their frequencies depend on the sequence length or scale the attention logits, which `Attention` does not compute.
+"dynamic" and "longrope" (and any other type) are refused in one line naming the key: their frequencies depend
+on the sequence length or on per-dimension factor lists, which the decoder does not compute.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ ROPE_TYPE_KEYS = {"default": (), "linear": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                   "yarn": ("factor", "original_max_position_embeddings")}
 YARN_OPTIONAL = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0}  # PaddleFormers' defaults
+# transformers' further yarn keys: attention_factor (given, it is the cos/sin factor itself), truncate (true only)
+YARN_IF_GIVEN = ("attention_factor", "truncate")
 
 
 def _refuse(source: str, key: str, value, allowed: str) -> None:
@@ -83,7 +88,9 @@ def read_rope_config(raw: dict, source: str, yarn: bool = False) -> tuple[float 
     if missing:
         raise UsageError(f"model_name_or_path: {source}: {key} has no {missing[0]!r} "
                          f"(rope_type {kind!r} needs {', '.join(needed)})")
-    optional = set(YARN_OPTIONAL) if kind == "yarn" else set()
+    optional = set(YARN_OPTIONAL) | set(YARN_IF_GIVEN) if kind == "yarn" else set()
+    if kind == "yarn" and scaling.get("truncate", True) is not True:  # transformers 5's switch (default true)
+        _refuse(source, f"{key}.truncate", scaling["truncate"], "true (the correction range in whole dimensions)")
     unread = sorted(set(scaling) - set(needed) - optional - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if unread:
         _refuse(source, f"{key}.{unread[0]}", scaling[unread[0]],
@@ -92,7 +99,8 @@ def read_rope_config(raw: dict, source: str, yarn: bool = False) -> tuple[float 
         return theta, None
     if kind == "yarn":
         return theta, {"rope_type": kind, **{k: scaling[k] for k in needed},
-                       **{k: scaling.get(k) or default for k, default in YARN_OPTIONAL.items()}}
+                       **{k: scaling.get(k) or default for k, default in YARN_OPTIONAL.items()},
+                       **({"attention_factor": scaling["attention_factor"]} if scaling.get("attention_factor") else {})}
     return theta, {"rope_type": kind, **{k: scaling[k] for k in needed}}
 
 
@@ -132,6 +140,8 @@ def yarn_cos_sin_factor(scaling: dict | None) -> float:
     (1.0 for DeepSeek-V3, whose two are equal; their product enters the softmax scale instead, models/mla.py)."""
     if not scaling or scaling["rope_type"] != "yarn":
         return 1.0
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
     if scaling["mscale"] and scaling["mscale_all_dim"]:
         return yarn_mscale(scaling["factor"], scaling["mscale"]) / yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
     return yarn_mscale(scaling["factor"])

@@ -212,6 +212,14 @@ MUTATIONS = [
              "num_local_experts not read (Qwen3MoeConfig's default 128 experts instead)", "models/families/qwen3_moe.py",
              "    if count is not None:\n        sizes[\"num_experts\"] = count\n", "",
              ("tests/test_hf_config_keys.py::test_qwen3_moe_expert_count_as_transformers5_writes_it",)),
+    Mutation("yarn_attention_factor_dropped", "YaRN's frequencies without its attention factor on cos and sin "
+             "(Qwen2.5's and Qwen3's long-context setting)", "models/decoder.py",
+             "    factor = yarn_cos_sin_factor(scaling)\n", "    factor = 1.0\n",
+             ("tests/test_hf_config_keys.py::test_yarn_is_transformers_yarn",)),
+    Mutation("yarn_base_ignored", "YaRN's ramp computed with the default base 10000 instead of the model's rope_theta",
+             "models/decoder.py", "scaled_inv_freq(inv_freq.numpy(), scaling, theta)",
+             "scaled_inv_freq(inv_freq.numpy(), scaling)",
+             ("tests/test_hf_config_keys.py::test_yarn_is_transformers_yarn",)),
     # Training from a Hugging Face directory (models/hf_directory.py) and the export round trip.
     Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
              "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",

@@ -70,6 +70,14 @@ CASES = [
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen2_moe"),
     ("qwen3", "qwen3", {**COMMON, "head_dim": 32, "tie_word_embeddings": True},
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen3"),
+    # YaRN as Qwen2.5's and Qwen3's model cards set it for long contexts (factor 4 over the original length; 32 of
+    # these 128 positions): the ramp of frequencies and the attention factor 0.1 ln 4 + 1 on cos and sin
+    ("qwen2-yarn", "qwen2", {**COMMON, "tie_word_embeddings": True},
+     {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     "qwen2"),
+    ("qwen3-yarn", "qwen3", {**COMMON, "head_dim": 32, "tie_word_embeddings": True},
+     {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     "qwen3"),
     ("qwen3_moe", "qwen3_moe", {**COMMON, **QWEN_MOE, "head_dim": 32, "norm_topk_prob": True},
      {"rope_theta": 1e6, "rope_scaling": None}, "qwen3_moe"),
     # ERNIE 4.5 (baidu/ERNIE-4.5-0.3B-Base-PT's switches: head_dim apart, tied head, no biases, base 500000): its

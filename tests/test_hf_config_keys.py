@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -166,6 +167,59 @@ def test_linear_scaling_divides_every_frequency():
     assert read_rope_config({"rope_scaling": {"type": "linear", "factor": 1.0}}, "x")[1] is None
 
 
+def _transformers_yarn(head_dim: int, base: float, seq: int, scaling: dict) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [seq, head_dim] as transformers computes them for rope_type yarn (modeling_rope_utils.py
+    _compute_yarn_parameters, truncate true, and the rotary embedding's cos/sin times attention_scaling),
+    transcribed in NumPy (float64 here: the comparison is at float32's precision)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(correction_dim(scaling.get("beta_slow") or 1)), head_dim - 1)
+    pos_freqs = base ** (np.arange(0, head_dim, 2) / head_dim)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    angles = np.outer(np.arange(seq), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles) * attention, np.sin(angles) * attention
+
+
+@pytest.mark.parametrize("form", ["4.x", "5.x"])
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.25, "beta_fast": 16}])
+def test_yarn_is_transformers_yarn(form, extra):
+    """YaRN as Qwen2.5's and Qwen3's model cards set it (rope_type yarn, factor 4 over 32768 positions), read in
+    both forms: the decoder's rotary tables equal transformers' (frequencies ramped between beta_slow and
+    beta_fast rotations, cos and sin times the attention factor: 0.1 ln 4 + 1 = 1.139 unless given)."""
+    from models.decoder import rotary_cos_sin
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, **extra}
+    raw = {**hf_config("qwen2"), "rope_theta": 1e6, "max_position_embeddings": 131072, "rope_scaling": scaling}
+    if form == "5.x":
+        raw = to_transformers5(raw)
+    config = config_from_dict(raw, "q/config.json")
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_theta == 1e6
+    head_dim = config.hidden_size // config.num_attention_heads
+    # 256 positions: float32 angles (position x frequency) stay within 1e-5 of the float64 transcription
+    cos, sin = (t.numpy()[0, :, 0, :] for t in rotary_cos_sin(256, head_dim, config.rope_theta, config.rope_scaling))
+    want_cos, want_sin = _transformers_yarn(head_dim, 1e6, 256, scaling)
+    np.testing.assert_allclose(cos, want_cos, atol=1e-5)
+    np.testing.assert_allclose(sin, want_sin, atol=1e-5)
+    plain = rotary_cos_sin(256, head_dim, config.rope_theta)[0].numpy()[0, :, 0, :]
+    assert np.abs(cos - plain).max() > 0.1  # the scaling changes the model
+    assert abs(cos[0, 0] - (extra.get("attention_factor") or 0.1 * math.log(4.0) + 1)) < 1e-6
+
+
+def test_yarn_without_truncation_is_refused():
+    raw = {**hf_config("qwen2"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32768, "truncate": False}}
+    with pytest.raises(UsageError, match=r"rope_scaling.truncate False .*allowed: true"):
+        config_from_dict(raw, "q/config.json")
+
+
 def test_linear_scaling_changes_the_model():
     """The decoder computes the scaled frequencies (the rotary tables differ from unscaled ones)."""
     from models.decoder import rotary_cos_sin
@@ -176,7 +230,7 @@ def test_linear_scaling_changes_the_model():
     assert not np.allclose(plain, linear)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope", "su", "nonsense"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su", "nonsense"])
 @pytest.mark.parametrize("form", ["4.x", "5.x"])
 def test_unsupported_rope_types_are_refused_naming_the_key(rope_type, form):
     scaling = {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 32768}

@@ -65,6 +65,8 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
         unsupported(source, "use_bias true (allowed: false, ERNIE 4.5's published value)")
     sizes["attention_head_dim"] = int(raw.get("head_dim") or HEAD_DIM)  # both classes' default 128
     read_rope(raw, sizes, source)  # rope_theta (500000 as published) and no scaling, either transformers form
+    if (sizes["rope_scaling"] or {}).get("rope_type") == "yarn":  # not published for ERNIE 4.5, and not judged
+        unsupported(source, "rope_scaling 'yarn' (allowed: none as published, linear or llama3)")
     sizes.setdefault("tie_word_embeddings", True)  # Ernie4_5Config's default; the 0.3B file says it
     return sizes
 

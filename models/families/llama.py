@@ -113,7 +113,7 @@ def read_rope(raw: dict, sizes: dict, source: str) -> dict:
     read_rope_config: 4.x top-level rope_theta / rope_scaling, 5.x rope_parameters) into `sizes`."""
     if raw.get("rope_scaling_type"):  # PaddleNLP 2.8's own switch: linear / ntk / dynamic_ntk
         unsupported(source, f"rope_scaling_type {raw['rope_scaling_type']!r}")
-    theta, scaling = read_rope_config(raw, source)
+    theta, scaling = read_rope_config(raw, source, yarn=True)
     if theta is not None:
         sizes["rope_theta"] = theta
     sizes["rope_scaling"] = scaling
