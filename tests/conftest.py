@@ -8,6 +8,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+# Under pytest-xdist two launches run at once. Paddle's launcher takes its store's and ranks' ports from a random
+# point of PORT_RANGE (default 35100:64000, paddle/distributed/launch/context/node.py), which overlaps the
+# kernel's ephemeral ports (32768-60999) that every gloo connection takes: two jobs met on one port (SIGABRT in
+# the store's LibUVMasterDaemon, SIGSEGV in a rank). Each worker gets its own range below the ephemeral ones.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and "PORT_RANGE" not in os.environ:
+    _first = 20000 + 4000 * (int(_WORKER[2:]) % 3)
+    os.environ["PORT_RANGE"] = f"{_first}:{_first + 3999}"
 
 import pytest
 
