@@ -16,9 +16,7 @@ those runs import the trainer before run_pretrain does: the others keep run_pret
 (its CPU defaults are set before Paddle loads, llm_pretrain/cpu/threads.py).
 """
 
-import atexit
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -67,18 +65,6 @@ def observe_steps(inject: dict | None, observed: dict):
     return lambda: setattr(trainer, "train_step", original)
 
 
-def freeze_survivors() -> None:
-    """Between the runs of one process: collect what the last run left, then take what survives (the modules,
-    fleet's groups: ~140k objects after Paddle's import) out of the collector's view, so that the next run's full
-    collections (metrics.reset_peak_memory, the tests' probes) skip it: each took ~0.5 s on two CPU cores. Given
-    back at exit, so that interpreter shutdown collects as usual (a training process that kept fleet's groups
-    frozen until exit died there with SIGSEGV once)."""
-    gc.collect()
-    if not gc.get_freeze_count():
-        atexit.register(gc.unfreeze)
-    gc.freeze()
-
-
 def main(runs_file: str) -> int:
     from llm_pretrain.run_pretrain import main as run_pretrain
 
@@ -105,7 +91,6 @@ def main(runs_file: str) -> int:
         # allocator peak (metrics.peak_memory_mb) is its own.
         if "paddle.distributed.fleet" in sys.modules:
             sys.modules["paddle.distributed.fleet"].fleet.user_defined_optimizer = None
-        freeze_survivors()
     if os.environ.get("LAUNCH_RESULT_DIR"):  # under llm_pretrain.selfcheck.parity.launch: report what was observed
         from llm_pretrain.selfcheck.parity import write_result
 

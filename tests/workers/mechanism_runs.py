@@ -78,7 +78,7 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
 from llm_pretrain.cpu import kernel_standins  # noqa: E402
 from llm_pretrain.observe import run_record  # noqa: E402
 from llm_pretrain.run_pretrain import main  # noqa: E402
-from llm_pretrain.selfcheck.parity_worker import freeze_survivors, run_environment  # noqa: E402
+from llm_pretrain.selfcheck.parity_worker import run_environment  # noqa: E402
 from models import parallel_layers, ring_attention  # noqa: E402
 from models.decoder import Attention, CausalLM, DecoderLayer  # noqa: E402
 from models.registry import parameter_count  # noqa: E402
@@ -419,7 +419,7 @@ if __name__ == "__main__":
         if master_grads is not None:
             results[run["name"]]["master_grads"] = master_grads.seen()
         probe.clear()
-        freeze_survivors()  # (the next run's collections skip what survives: llm_pretrain/selfcheck/parity_worker.py)
+        gc.collect()
     from launch_utils import write_result
 
     write_result(results)
