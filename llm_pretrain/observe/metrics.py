@@ -44,7 +44,7 @@ def reset_peak_memory(device: str) -> None:
     the tensors of an earlier run are collected first."""
     import gc
 
-    gc.collect()  # (a process training several runs freezes what survives between them: parity_worker.py)
+    gc.collect()
     if device == "gpu":
         paddle.device.cuda.reset_max_memory_allocated()
         paddle.device.cuda.reset_max_memory_reserved()
