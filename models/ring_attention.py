@@ -59,10 +59,11 @@ def balanced_positions(seq_length: int, rank: int, degree: int):
 
 
 def ring_pass(tensors: list, group) -> list:
-    """Send each tensor to the next rank of the ring and receive the previous rank's (same shapes).
+    """Send each tensor to the next rank of the ring and receive the previous rank's (same shapes), now.
 
-    Even ranks send first, odd ranks receive first: point-to-point over gloo blocks, and this order
-    pairs every send with a receive for any even ring size (the planner checks cp is even or 2)."""
+    Even ranks send first, odd ranks receive first: point-to-point over gloo blocks (measured: with every
+    rank sending first, gloo/transport/tcp/unbound_buffer.cc:133 times out), and this order pairs every
+    send with a receive for any even ring size (the planner checks cp is even or 2)."""
     rank, size = group.rank, group.nranks
     following, previous = group.ranks[(rank + 1) % size], group.ranks[(rank - 1) % size]
     received = [paddle.empty_like(t) for t in tensors]
@@ -73,6 +74,45 @@ def ring_pass(tensors: list, group) -> list:
             else:
                 dist.recv(r, src=previous, group=group)
     return received
+
+
+def transfers_overlap(group) -> bool:
+    """Whether the group's backend sends and receives while the ranks compute (NCCL and the other device
+    backends); gloo's send blocks until the peer receives. (The CPU stand-ins open the overlapped path to
+    gloo: llm_pretrain/cpu/kernel_standins.py.)"""
+    return getattr(group, "backend", "GLOO").upper() != "GLOO"
+
+
+class PendingPass:
+    """A ring pass on its way: `wait()` returns the tensors received from the previous rank."""
+
+    def __init__(self, received: list, in_flight: list | None = None):
+        self.received, self.in_flight = received, in_flight  # in_flight: the P2POps, kept alive until wait
+
+    def wait(self) -> list:
+        if self.in_flight and not self.received[0].place.is_cpu_place():
+            # As Paddle's own ring (paddle/distributed/auto_parallel/ring_attention.py:97 RingCommunicator.wait)
+            # and PaddleFormers' (transformers/ring_flash_attention.py:40): the tasks of a coalesced
+            # batch_isend_irecv cannot be waited on one by one, so the device is synchronised.
+            paddle.device.synchronize()
+        self.in_flight = None
+        return self.received
+
+
+def start_ring_pass(tensors: list, group) -> PendingPass:
+    """Start sending each tensor to the next rank and receiving the previous rank's; the caller computes,
+    then waits. Where the backend overlaps transfers, one `batch_isend_irecv` of every send and receive,
+    as Paddle's own ring (auto_parallel/ring_attention.py:118-148 RingCommunicator.send_recv, sends before
+    receives) and PaddleFormers'; on gloo the pass is done now (`ring_pass`)."""
+    if not transfers_overlap(group):
+        return PendingPass(ring_pass(tensors, group))
+    rank, size = group.rank, group.nranks
+    following, previous = group.ranks[(rank + 1) % size], group.ranks[(rank - 1) % size]
+    received = [paddle.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), following, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, previous, group) for r in received]
+    dist.batch_isend_irecv(ops)
+    return PendingPass(received, ops)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -244,7 +284,7 @@ def _without_autocast(method):
     """Run `method` with the run's autocast off: the merge, the plain blocks and the gradient sums are
     float32 by design, and under O2 autocast would round them to bf16 (Paddle's update_out_and_lse
     turns it off the same way, ring_attention.py:168; the flash kernel gets q, k, v as they come).
-    The method keeps its own frame (tests/workers/mechanism_runs.py names ring_pass's caller)."""
+    The method keeps its own frame (tests/workers/mechanism_runs.py names start_ring_pass's caller)."""
     @functools.wraps(method)
     def run(*args, **kwargs):
         with paddle.amp.auto_cast(enable=False):
@@ -263,8 +303,8 @@ class RingAttention(paddle.autograd.PyLayer):
         q_positions = balanced_positions(seq_length, rank, size)
         block_k, block_v = k, v
         for step in range(size):
-            if step < size - 1:  # the next block, while (on GPU, overlapping) this one is computed
-                following = ring_pass([block_k, block_v], group)
+            if step < size - 1:  # the next block travels while this one is computed
+                next_block = start_ring_pass([block_k, block_v], group)
             owner = (rank - step) % size
             k_positions = balanced_positions(seq_length, owner, size)
             if step == 0:
@@ -279,7 +319,7 @@ class RingAttention(paddle.autograd.PyLayer):
                 out = paddle.concat([out[:, :half], second_out], axis=1)
                 lse = paddle.concat([lse[:, :, :half], second_lse], axis=2)
             if step < size - 1:
-                block_k, block_v = following
+                block_k, block_v = next_block.wait()
         out = out.astype(q.dtype)  # the flash kernel's backward takes out in q's dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seq_length, ctx.slopes, ctx.group, ctx.blocks = seq_length, slopes, group, blocks
@@ -296,33 +336,41 @@ class RingAttention(paddle.autograd.PyLayer):
         grad_out = grad_out.astype(q.dtype)
         grad_q = paddle.zeros(q.shape, "float32")
         block_k, block_v = k, v
-        grad_k, grad_v = paddle.zeros(k.shape, "float32"), paddle.zeros(v.shape, "float32")  # travel with the block
+        # The gradient of the block held travels with it, one step behind: sent after this step's
+        # computation, it arrives while the next block is computed. After the last step each rank
+        # sends its successor that rank's own block's gradient.
+        grad_k, grad_v = paddle.zeros(k.shape, "float32"), paddle.zeros(v.shape, "float32")
+        pending_grad = None
         for step in range(size):
+            if step < size - 1:
+                next_block = start_ring_pass([block_k, block_v], group)
             owner = (rank - step) % size
             k_positions = balanced_positions(seq_length, owner, size)
             if step == 0:
                 dq, dk, dv = blocks.backward(q, block_k, block_v, out, lse, grad_out, True,
                                              _alibi(slopes, q_positions, k_positions))
                 grad_q += dq.astype("float32")
-                grad_k += dk.astype("float32")
-                grad_v += dv.astype("float32")
             elif owner < rank:
                 dq, dk, dv = blocks.backward(q, block_k[:, :half], block_v[:, :half], out, lse, grad_out, False,
                                              _alibi(slopes, q_positions, k_positions[:half]))
                 grad_q += dq.astype("float32")
-                grad_k[:, :half] = grad_k[:, :half] + dk.astype("float32")
-                grad_v[:, :half] = grad_v[:, :half] + dv.astype("float32")
             else:
                 dq, dk, dv = blocks.backward(q[:, half:], block_k, block_v, out[:, half:], lse[:, :, half:],
                                              grad_out[:, half:], False, _alibi(slopes, q_positions[half:], k_positions))
                 grad_q[:, half:] = grad_q[:, half:] + dq.astype("float32")
+            if pending_grad is not None:
+                grad_k, grad_v = pending_grad.wait()
+            if step > 0 and owner < rank:  # only the owner's first chunk was seen
+                grad_k[:, :half] = grad_k[:, :half] + dk.astype("float32")
+                grad_v[:, :half] = grad_v[:, :half] + dv.astype("float32")
+            else:
                 grad_k += dk.astype("float32")
                 grad_v += dv.astype("float32")
             del dq, dk, dv
-            if step < size - 1:  # the block and its gradient so far go on to the next rank
-                block_k, block_v, grad_k, grad_v = ring_pass([block_k, block_v, grad_k, grad_v], group)
-            else:  # the last holder is the owner's predecessor: one more hop home
-                grad_k, grad_v = ring_pass([grad_k, grad_v], group)
+            pending_grad = start_ring_pass([grad_k, grad_v], group)
+            if step < size - 1:
+                block_k, block_v = next_block.wait()
+        grad_k, grad_v = pending_grad.wait()
         return grad_q.astype(q.dtype), grad_k.astype(k.dtype), grad_v.astype(v.dtype)
 
 

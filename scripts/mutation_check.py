@@ -275,6 +275,17 @@ MUTATIONS = [
     Mutation("standin_lse_transposed", "the flash stand-in's softmax_lse as [batch, seqlen_q, heads]",
              "llm_pretrain/cpu/kernel_standins.py", "return out, paddle.concat([lse, padded], axis=-1)",
              "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, STANDIN_RING)),
+    Mutation("ring_transfer_waited_before_block", "the ring waits for the next (k, v) before computing the block "
+             "it should overlap (a synchronous pass)", "models/ring_attention.py",
+             "# the next block travels while this one is computed\n                next_block = start_ring_pass("
+             "[block_k, block_v], group)",
+             "# the next block travels while this one is computed\n                next_block = PendingPass("
+             "start_ring_pass([block_k, block_v], group).wait())",
+             ("tests/test_ring_blocks.py::test_ring_transfers_are_in_flight_while_each_block_is_computed",)),
+    Mutation("ring_standin_blocking", "the stand-ins leave the ring's transfers blocking on gloo (the overlapped "
+             "NCCL path never runs on CPU)", "llm_pretrain/cpu/kernel_standins.py",
+             'return True if str(getattr(group, "backend", "GLOO")).upper() == "GLOO" else original(group)',
+             "return original(group)", ("tests/test_long_context.py::test_sep2_every_family_and_resume",)),
     Mutation("ring_lse_unsliced", "the ring keeps flash_attn's padded softmax_lse (seqlen_q rounded up to 128)",
              "models/ring_attention.py", "return out, lse[:, :, :q.shape[1]]", "return out, lse", (RING_FLASH,)),
     Mutation("wsd_not_held", "wsd: the stable phase dropped (the decay formula from the end of the warmup on)",

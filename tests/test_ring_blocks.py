@@ -15,7 +15,8 @@ checks every part of the flash wiring that needs no kernel:
     attention 2 for a non-square block) in plain math written apart from PlainBlocks. So the
     flash-layout conversions, the lse slicing and the causal flag of every block are proven; the
     kernel's own numbers are the GPU self-check's (scripts/gpu_selfcheck.py, bf16-o2:cp2).
-The ranks of a ring run as threads here: ring_pass goes through queues instead of gloo.
+The ranks of a ring run as threads here: the ring's passes (gloo's blocking ring_pass, NCCL's
+batch_isend_irecv) go through queues.
 """
 
 from __future__ import annotations
@@ -183,24 +184,53 @@ class _Context:
         return self.saved
 
 
-def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
-    """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv."""
+def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", events=None):
+    """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv.
+
+    backend "GLOO": the blocking ring_pass; "NCCL": the overlapped path, one batch_isend_irecv per pass.
+    Both go through queues here. events: {rank: []} to record each rank's "issue" (a pass started),
+    "compute" (a block's forward or backward) and "wait" (a pass's tensors taken) in order."""
     inboxes = [queue.Queue() for _ in range(degree)]
 
     def ring_pass(tensors, group):
         inboxes[(group.rank + 1) % group.nranks].put([t.clone() for t in tensors])
         return inboxes[group.rank].get(timeout=120)
 
+    def batch_isend_irecv(ops):  # every isend to the next rank, every irecv from the previous one
+        sends = [op for op in ops if op.op is paddle.distributed.isend]
+        receives = [op for op in ops if op.op is paddle.distributed.irecv]
+        assert len(sends) == len(receives) and all(op.group is ops[0].group for op in ops)
+        rank = ops[0].group.rank
+        inboxes[sends[0].peer].put([op.tensor.clone() for op in sends])
+        if events is not None:
+            events[rank].append("issue")
+        for op, got in zip(receives, inboxes[rank].get(timeout=120)):
+            paddle.assign(got, output=op.tensor)
+        return []
+
     monkeypatch.setattr(ring_attention, "ring_pass", ring_pass)
+    monkeypatch.setattr(paddle.distributed, "batch_isend_irecv", batch_isend_irecv)
+    if events is not None:
+        blocks = _recorded_blocks(blocks, events)
+        wait = ring_attention.PendingPass.wait
+
+        def recorded_wait(self):
+            events[threading.current_thread().rank].append("wait")
+            return wait(self)
+
+        monkeypatch.setattr(ring_attention.PendingPass, "wait", recorded_wait)
     results, errors = {}, []
 
     def rank_main(rank):
+        threading.current_thread().rank = rank
         try:
-            group = SimpleNamespace(rank=rank, nranks=degree, ranks=list(range(degree)))
+            group = SimpleNamespace(rank=rank, nranks=degree, ranks=list(range(degree)), backend=backend)
             local = [balanced_split(t, rank, degree) for t in (q, k, v, grad_out)]
             ctx = _Context()
             with paddle.no_grad():
                 out = RingAttention.forward(ctx, *local[:3], SEQ, slopes, group, blocks)
+                if events is not None:
+                    events[rank].append("backward")
                 results[rank] = (out, *RingAttention.backward(ctx, local[3]))
         except Exception as error:  # noqa: BLE001 -- re-raised in the test's thread
             errors.append(error)
@@ -223,6 +253,21 @@ def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
     return whole
 
 
+def _recorded_blocks(blocks, events):
+    class Recorded:
+        @staticmethod
+        def forward(*args):
+            events[threading.current_thread().rank].append("compute")
+            return blocks.forward(*args)
+
+        @staticmethod
+        def backward(*args):
+            events[threading.current_thread().rank].append("compute")
+            return blocks.backward(*args)
+
+    return Recorded
+
+
 def _whole_attention(q, k, v, grad_out, slopes):
     """One causal attention over the whole sequence (paddle autograd): out, dq, dk, dv."""
     q, k, v = (paddle.to_tensor(t.numpy(), stop_gradient=False) for t in (q, k, v))
@@ -242,14 +287,41 @@ def _whole_attention(q, k, v, grad_out, slopes):
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("kind", ["plain", "flash"])
 @pytest.mark.parametrize("slopes", [None, SLOPES], ids=["rope", "alibi"])
-def test_ring_of_blocks_is_attention_over_the_whole_sequence(degree, kind, slopes, monkeypatch):
+@pytest.mark.parametrize("backend", ["GLOO", "NCCL"])
+def test_ring_of_blocks_is_attention_over_the_whole_sequence(degree, kind, slopes, backend, monkeypatch):
     if kind == "flash":
         monkeypatch.setattr(ring_attention, "_C_ops", PlainMathFlashKernels)
     q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
     k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
     grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
     blocks = FlashBlocks if kind == "flash" else PlainBlocks
-    got = _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks)
+    got = _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks, backend)
     expected = _whole_attention(q, k, v, grad_out, slopes)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_ring_transfers_are_in_flight_while_each_block_is_computed(degree, monkeypatch):
+    """Issue 33, finding 6. On NCCL each pass is one batch_isend_irecv issued before the block it overlaps
+    and waited on after it (as Paddle's own ring and PaddleFormers'): in forward the next (k, v) travels
+    during every block but the last; in backward every block is computed while a pass is in flight, the
+    next (k, v) or the previous block's (dk, dv)."""
+    q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
+    k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
+    events = {rank: [] for rank in range(degree)}
+    _ring_in_threads(monkeypatch, degree, q, k, v, _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4), None,
+                     PlainBlocks, "NCCL", events)
+    for rank, seen in events.items():
+        split = seen.index("backward")
+        for phase, phase_events in (("forward", seen[:split]), ("backward", seen[split + 1:])):
+            in_flight, at_compute = 0, []
+            for event in phase_events:
+                in_flight += {"issue": 1, "wait": -1}.get(event, 0)
+                if event == "compute":
+                    at_compute.append(in_flight)
+            assert in_flight == 0, (rank, phase, phase_events)  # every pass was waited on
+            # backward: the first block has the next (k, v) in flight, the middle ones also the previous
+            # block's gradient, the last only that gradient
+            expected = [1] * (degree - 1) + [0] if phase == "forward" else [1] + [2] * (degree - 2) + [1]
+            assert at_compute == expected, (rank, phase, phase_events)

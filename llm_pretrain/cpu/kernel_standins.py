@@ -21,11 +21,14 @@ in `paddle._C_ops`, the module those wrappers and models/ring_attention.py call 
                                         (models/parallel_layers.py FastLayerNorm)           a `fast_ln` module
     swiglu                              F.swiglu (models/decoder.py MLP)                   none: Paddle's CPU
                                                                                            build has the kernel
+    paddle.distributed.batch_isend_irecv   models/ring_attention.py start_ring_pass        the ops in ring
+                                        (NCCL: transfers overlapping the blocks)           order on gloo
 
-Two choices that only a GPU makes are opened to CPU float32 while the stand-ins are installed: sdpa's
-backend choice (`select_sdp_for_sdpa`, which needs a CUDA place, fp16/bf16 and SM 8.0+ for flash) and the
-ring's (`ring_attention.attention_blocks`, the same conditions). Each still applies its other rules (head
-size, causal with equal lengths, no explicit scale) as on a GPU.
+Three choices that only a GPU makes are opened to CPU while the stand-ins are installed: sdpa's backend
+choice (`select_sdp_for_sdpa`, which needs a CUDA place, fp16/bf16 and SM 8.0+ for flash) and the ring's
+(`ring_attention.attention_blocks`, the same conditions), each still applying its other rules (head size,
+causal with equal lengths, no explicit scale) as on a GPU; and the ring's overlapped transfers
+(`ring_attention.transfers_overlap`, which a gloo group does not have).
 
 `CALLS` counts each stand-in's calls (tests/test_kernel_standins.py reads it per layer).
 """
@@ -348,6 +351,41 @@ def fast_ln(x, scale, bias, epsilon):
         invvar.reshape([-1]).astype("float32")
 
 
+# ----------------------------------------------------------------------------- the ring's overlapped transfers
+# paddle.distributed.batch_isend_irecv(p2p_op_list) -> tasks (python/paddle/distributed/communication/
+# batch_isend_irecv.py): its checks (_check_p2p_op_list: a list of P2POps, one backend), then every isend and
+# irecv issued inside one coalescing group; on NCCL they run while the ranks compute. Gloo's send blocks until
+# the peer receives, so on a gloo group the ops run here in an order that pairs each send with a receive in a
+# ring (even ranks send first, odd ranks receive first: models/ring_attention.py ring_pass's rule), and return
+# no tasks (nothing is left in flight, as after Paddle's coalesced call whose tasks the ring never waits on).
+
+def batch_isend_irecv(p2p_op_list):
+    from paddle import distributed as dist
+    from paddle.distributed.communication.batch_isend_irecv import _check_p2p_op_list
+
+    group = p2p_op_list[0].group if p2p_op_list else None
+    if group is None or str(group.backend).upper() != "GLOO":
+        return _ORIGINALS["batch_isend_irecv"](p2p_op_list)
+    CALLS["batch_isend_irecv"] += 1
+    _check_p2p_op_list(p2p_op_list)
+    sends = [op for op in p2p_op_list if op.op is dist.isend]
+    receives = [op for op in p2p_op_list if op.op is dist.irecv]
+    for phase in ((sends, receives) if group.rank % 2 == 0 else (receives, sends)):
+        for op in phase:
+            (dist.send if op.op is dist.isend else dist.recv)(op.tensor, op.peer, group=op.group)
+    return []
+
+
+def _ring_transfers_on_cpu(original):
+    """The ring's choice of overlapped transfers (models/ring_attention.py transfers_overlap), as on a GPU
+    for a gloo group: its batch_isend_irecv reaches the stand-in above."""
+    def overlap(group):
+        return True if str(getattr(group, "backend", "GLOO")).upper() == "GLOO" else original(group)
+
+    overlap.standin_of = original
+    return overlap
+
+
 # ----------------------------------------------------------------------------- install
 STANDIN_BINDINGS = {"flash_attn": flash_attn, "flash_attn_grad": flash_attn_grad,
                     "fused_rotary_position_embedding": fused_rotary_position_embedding,
@@ -403,6 +441,10 @@ def install_kernel_standins() -> list[str]:
         sdpa.select_sdp_for_sdpa = _select_sdp_on_cpu(sdpa.select_sdp_for_sdpa)
         _ORIGINALS["attention_blocks"] = ring_attention.attention_blocks
         ring_attention.attention_blocks = _ring_blocks_on_cpu(ring_attention.attention_blocks)
+        _ORIGINALS["transfers_overlap"] = ring_attention.transfers_overlap
+        ring_attention.transfers_overlap = _ring_transfers_on_cpu(ring_attention.transfers_overlap)
+        _ORIGINALS["batch_isend_irecv"] = paddle.distributed.batch_isend_irecv
+        paddle.distributed.batch_isend_irecv = batch_isend_irecv
         _ORIGINALS["fast_ln"] = sys.modules.get("fast_ln")
         sys.modules["fast_ln"] = types.ModuleType("fast_ln", "llm_pretrain.cpu.kernel_standins: the CPU stand-in of "
                                                              "PaddleNLP's fast_ln op")
@@ -412,7 +454,7 @@ def install_kernel_standins() -> list[str]:
 
 def installed_kernel_standins() -> list[str]:
     """The kernels served by a stand-in in this process (empty: none installed). For the run record."""
-    return sorted(list(STANDIN_BINDINGS) + ["fast_ln"]) if _ORIGINALS else []
+    return sorted(list(STANDIN_BINDINGS) + ["fast_ln", "batch_isend_irecv"]) if _ORIGINALS else []
 
 
 def uninstall_kernel_standins() -> None:
@@ -427,6 +469,8 @@ def uninstall_kernel_standins() -> None:
         setattr(_C_ops, name, _ORIGINALS[name])
     sdpa.select_sdp_for_sdpa = _ORIGINALS["select_sdp_for_sdpa"]
     ring_attention.attention_blocks = _ORIGINALS["attention_blocks"]
+    ring_attention.transfers_overlap = _ORIGINALS["transfers_overlap"]
+    paddle.distributed.batch_isend_irecv = _ORIGINALS["batch_isend_irecv"]
     if _ORIGINALS["fast_ln"] is None:
         sys.modules.pop("fast_ln", None)
     else:

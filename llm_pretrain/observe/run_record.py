@@ -190,8 +190,8 @@ def describe_segment_parallel(model) -> dict | None:
 
 def describe_context_parallel(model) -> dict | None:
     """Ring attention as the model's attention layers were built (None: every rank all tokens)."""
+    from models import ring_attention
     from models.decoder import Attention
-    from models.ring_attention import chunk_ids
 
     attention = [m for m in unwrap_model(model).sublayers() if isinstance(m, Attention)]
     if not attention or attention[0].config.context_parallel_degree <= 1:
@@ -199,8 +199,11 @@ def describe_context_parallel(model) -> dict | None:
     config = attention[0].config
     from models.parallel_layers import sequence_group
 
+    group = sequence_group()
     return {"degree": config.context_parallel_degree, "tokens_per_rank": config.tokens_per_rank,
-            "chunks_of_2cp": list(chunk_ids(sequence_group().rank, config.context_parallel_degree)),
+            "chunks_of_2cp": list(ring_attention.chunk_ids(group.rank, config.context_parallel_degree)),
+            # overlapped: batch_isend_irecv issued before the block it overlaps (NCCL; gloo through the stand-in)
+            "transfers": "overlapped" if ring_attention.transfers_overlap(group) else "blocking",
             "model_wrappers": _class_names(model_chain(model)[:-1])}
 
 

@@ -26,7 +26,7 @@ Before the runs, this worker wraps (counting, then calling the original):
                        mixture of experts under sep/cp: the tokens each rank routes, and the tokens and
                        picks of the statistics its router losses are computed from (summed over the sep
                        group), and the backward calls of that sum (the aux loss's gradient flowing back)
-    models.ring_attention.ring_pass
+    models.ring_attention.start_ring_pass
                        context parallelism's ring steps: calls from the ring attention's forward and
                        backward, with the shapes of the tensors passed
     fleet's PipelineParallel._forward_step / _backward_step (every pipeline schedule class runs each
@@ -163,14 +163,14 @@ def watch_all_to_all():
 
 
 def watch_ring():
-    original = ring_attention.ring_pass
+    original = ring_attention.start_ring_pass
 
     def counted(tensors, group):
         caller = sys._getframe(1).f_code.co_name  # "forward" or "backward" of RingAttention
         probe["ring"][caller].append([list(t.shape) for t in tensors])
         return original(tensors, group)
 
-    ring_attention.ring_pass = counted
+    ring_attention.start_ring_pass = counted
 
 
 def watch_router():
