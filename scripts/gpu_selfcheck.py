@@ -8,7 +8,8 @@
 Rows (llm_pretrain/selfcheck/rows.py): every layout in fp32 against one process within 1e-5; bf16 O2
 with amp_master_grad, flash attention and the fused rope, RMSNorm and swiglu kernels under dp2,
 tp2 + SP, pp2, sd2 stages 1-3, tp2 x sd2 stage 2, sep2 and cp2 (flash attention in every block of
-the ring) against one process with the same options;
+the ring), tp2 x cp2, the interleaved (pp4 x 2) and uneven (pp3) pipelines, async_save, and a MoE
+(mixtral-real) with its experts over dp2 and over sharding, against one process with the same options;
 bf16 O1; fp16 O2 with loss scaling and an overflow injected on one rank; an O2 checkpoint round
 trip; a kernel table (each fused kernel against the plain path, forward and gradients); memory and
 speed beside the planner's prediction. Every layout run stops with a checkpoint after step 2 and

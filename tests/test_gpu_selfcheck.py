@@ -53,7 +53,8 @@ def test_the_plan_runs_production_options_on_gpus(plan):
         assert options["bf16"] and options["fp16_opt_level"] == "O2" and row["dtype"] == "bf16"
         assert all(options[key] for key in ("use_flash_attention", "use_fused_rope", "use_fused_rms_norm")), name
         # amp_master_grad is on unless the trainer refuses it there, and then the row says why.
-        assert options["amp_master_grad"] == (name not in ("dp2", "sd2_stage3")), name  # sep2, cp2: allowed (issue 33)
+        # sep2, cp2: allowed (issue 33); the experts over sharding keep it (finding 1's case)
+        assert options["amp_master_grad"] == (name not in ("dp2", "sd2_stage3", "dp2_async_save", "ep2")), name
         assert bool(row["notes"]) == (not options["amp_master_grad"]), name
     assert plan["bf16-o2:tp2_sp"]["options"]["sequence_parallel"] and plan["bf16-o2:tp2sd2_stage2"]["processes"] == 4
     assert plan["bf16-o1:tp2"]["options"]["fp16_opt_level"] == "O1"
@@ -80,6 +81,16 @@ def test_the_plan_runs_production_options_on_gpus(plan):
             assert attention_blocks(config.use_flash_attention, gpu, "bfloat16", config.head_dim) is FlashBlocks, name
     assert plan["bf16-o2:cp2"]["options"]["context_parallel_degree"] == 2
     assert plan["bf16-o2:sep2"]["options"]["sep_parallel_degree"] == 2
+    # Finding 10's rows: MoE with experts over the data replicas and over sharding with master gradients,
+    # the interleaved and the uneven pipeline, async_save, tp x cp.
+    assert plan["bf16-o2:ep2sd2_stage1"]["options"]["model_name_or_path"] == "mixtral-real"
+    assert plan["bf16-o2:ep2sd2_stage1"]["options"]["amp_master_grad"]
+    assert plan["bf16-o2:ep2"]["options"]["expert_parallel_degree"] == 2
+    assert plan["bf16-o2:pp4vpp2"]["options"]["virtual_pp_degree"] == 2
+    assert plan["bf16-o2:pp3_uneven"]["options"]["pipeline_layers_per_stage"] == [1, 2, 1]
+    assert plan["bf16-o2:dp2_async_save"]["options"]["async_save"]
+    tp_cp = plan["bf16-o2:tp2cp2"]["options"]
+    assert tp_cp["amp_master_grad"] and tp_cp["tensor_parallel_degree"] == tp_cp["context_parallel_degree"] == 2
 
 
 def test_cpu_plan_is_the_fp32_layout_rows():
@@ -175,9 +186,10 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
         assert "--bf16 true" in text and "--use_flash_attention true" in text and degree in text, layout
     (overflow,) = [r for r in runs if isinstance(r, dict)]
     assert overflow["inject_overflow"] == {"rank": 1, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
-    # One launch per set of fleet degrees (dp2; tp2 and tp2_sp; pp2; the sharding stages; sep2 and cp2; 5 of 4
-    # processes, sep2 and cp2 with sharding stages 2 and 3 in one), and the overflow row alone.
-    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4]
+    # One launch per set of fleet degrees (dp2 and dp2_async_save; tp2 and tp2_sp; pp2; the sharding stages;
+    # sep2 and cp2; ep2; ep2 over sharding; pp3; 7 of 4 processes, sep2 and cp2 with sharding stages 2 and 3 in
+    # one, tp2cp2, pp4vpp2), and the overflow row alone.
+    assert sorted(nproc for nproc, _, _ in launched) == [2, 2, 2, 2, 2, 2, 2, 2, 3, 4, 4, 4, 4, 4, 4, 4]
     (sequence_group,) = [runs for nproc, _, runs in launched if nproc == 2 and "sep2" in " ".join(runs[0])]
     assert {run[run.index("--output_dir") + 1].split("/")[-1] for run in sequence_group} == {"sep2", "cp2"}
 
@@ -213,7 +225,13 @@ def test_each_row_reference_runs_with_the_row_options(tmp_path, monkeypatch):
         reference = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(row)))
         assert _options_of(reference, "single") == own, row.name
         checked.add(row.name)
-    assert {"bf16-o2:dp2", "bf16-o2:sd2_stage3", "bf16-o2:sep2", "bf16-o2:cp2", "fp32:dp2"} <= checked
+    assert {"bf16-o2:dp2", "bf16-o2:sd2_stage3", "bf16-o2:sep2", "bf16-o2:cp2", "fp32:dp2", "bf16-o2:ep2sd2_stage1",
+            "bf16-o2:pp4vpp2"} <= checked
+    # the model and batch a layout changes are the reference's too (mixtral-real, 8 layers and 8 micro-batches)
+    for name, keys in (("bf16-o2:ep2sd2_stage1", ("--model_name_or_path", "mixtral-real")),
+                       ("bf16-o2:pp4vpp2", ("--num_hidden_layers", "8"))):
+        row = next(r for r in rows if r.name == name)
+        assert " ".join(keys) in " ".join(command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(row))))
     # the rows without master gradients have a reference without them, the others keep theirs
     off = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(
         next(r for r in rows if r.name == "bf16-o2:dp2"))))

@@ -356,6 +356,7 @@ class LayoutCheck:
     name: str        # the strategy name the run record reports
     nproc: int
     overrides: dict  # run_pretrain keys; the global batch stays the same (4 accumulation steps / data replicas)
+    shared: dict = field(default_factory=dict)  # keys the one-process reference trains with too (the model)
 
     def launch_key(self) -> tuple:
         degrees = {k: v for k, v in self.overrides.items() if k in LAUNCH_DEGREE_KEYS}
@@ -368,9 +369,11 @@ class LayoutCheck:
 
 
 LAUNCH_DEGREE_KEYS = ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree",
-                      "sharding_parallel_degree", "sep_parallel_degree", "context_parallel_degree")
+                      "sharding_parallel_degree", "sep_parallel_degree", "context_parallel_degree",
+                      "expert_parallel_degree")
 _TP2, _PP2 = {"tensor_parallel_degree": 2}, {"pipeline_parallel_degree": 2}
 _HALF, _QUARTER = {"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 1}
+_MOE = {"model_name_or_path": "mixtral-real"}  # 4 experts of 1024 x 2816, top 2, 2 layers
 LAYOUTS = {layout.name: layout for layout in [
     LayoutCheck("dp2", 2, _HALF),
     LayoutCheck("tp2", 2, _TP2),
@@ -385,6 +388,17 @@ LAYOUTS = {layout.name: layout for layout in [
     LayoutCheck("cp2", 2, {"context_parallel_degree": 2}),
     *[LayoutCheck(f"{name}2sd2_stage{stage}", 4, {key: 2, "sharding": f"stage{stage}", **_HALF})
       for stage in (2, 3) for name, key in (("sep", "sep_parallel_degree"), ("cp", "context_parallel_degree"))],
+    # Production shapes the rows above do not reach (issue 33, finding 10):
+    LayoutCheck("tp2cp2", 4, {**_TP2, "sequence_parallel": True, "context_parallel_degree": 2}),
+    LayoutCheck("pp4vpp2", 4, {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2},
+                # 8 layers for 2 chunks a stage; 8 micro-batches of 1 (2 x pp: fleet's interleaved 1F1B, not FthenB)
+                {"num_hidden_layers": 8, "gradient_accumulation_steps": 8}),
+    LayoutCheck("pp3_uneven", 3, {"pipeline_parallel_degree": 3, "pipeline_layers_per_stage": [1, 2, 1]},
+                {"num_hidden_layers": 4}),
+    LayoutCheck("dp2_async_save", 2, {**_HALF, "async_save": True}),  # the resume reads the async-written files
+    LayoutCheck("ep2", 2, {"expert_parallel_degree": 2, **_HALF}, _MOE),  # experts over the data replicas
+    # experts over sharding: the moe_sharding group has one rank (finding 1's case under amp_master_grad)
+    LayoutCheck("ep2sd2_stage1", 2, {"expert_parallel_degree": 2, "sharding": "stage1", **_HALF}, _MOE),
 ]}
 SAVE_STEP = 2
 

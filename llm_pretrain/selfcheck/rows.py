@@ -52,7 +52,11 @@ PRECISIONS = {
 DTYPE_OF = {"fp32": "fp32", "bf16-o2": "bf16", "bf16-o1": "bf16", "fp16-o2": "fp16"}
 # sep2 and cp2: the local attention of Ulysses and each block of the ring run the flash kernel
 # (models/ring_attention.py FlashBlocks), checked nowhere else against one process.
-PRODUCTION_LAYOUTS = ("dp2", "tp2_sp", "pp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage2", "sep2", "cp2")
+# The later ones (issue 33, finding 10): tp x cp, the interleaved and the uneven pipeline, async_save (the resume
+# reads what the writer thread wrote), and a MoE (mixtral-real) with its experts over the data replicas and over
+# sharding (amp_master_grad on: the experts' optimizer reads main_grad).
+PRODUCTION_LAYOUTS = ("dp2", "tp2_sp", "pp2", "sd2_stage1", "sd2_stage2", "sd2_stage3", "tp2sd2_stage2", "sep2", "cp2",
+                      "tp2cp2", "pp4vpp2", "pp3_uneven", "dp2_async_save", "ep2", "ep2sd2_stage1")
 O1_LAYOUT = "tp2"
 OVERFLOW = {"layout": "sd2_stage1", "rank": 1, "step": 2}
 PERF_LAYOUTS = ("tp2sd2_stage2", "sd2_stage2")  # the first one the node has GPUs for
@@ -93,7 +97,13 @@ class Row:
 
 
 def layout_options(layout: str) -> dict:
+    """The keys that make the layout (the one-process reference leaves them out)."""
     return dict(LAYOUTS[layout].overrides) if layout != "single" else {}
+
+
+def shared_options(layout: str) -> dict:
+    """The keys the layout's runs and their one-process reference both train with (the model, the batch)."""
+    return dict(LAYOUTS[layout].shared) if layout != "single" else {}
 
 
 def master_grad_refusal(layout: str) -> str | None:
@@ -104,7 +114,7 @@ def master_grad_refusal(layout: str) -> str | None:
     from llm_pretrain.parallel.layout import plan_layout
     from llm_pretrain.parallel.precision import check_master_grad
 
-    options = layout_options(layout)
+    options = {**shared_options(layout), **layout_options(layout)}
     args = SimpleNamespace(amp_master_grad=True, bf16=True, fp16=False, fp16_opt_level="O2")
     try:
         check_master_grad(args, plan_layout(_layout_arguments(options), LAYOUTS[layout].nproc if layout != "single"
@@ -119,12 +129,12 @@ def _layout_arguments(options: dict):
 
     keys = ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "sharding",
             "sequence_parallel", "gradient_accumulation_steps", "virtual_pp_degree", "sep_parallel_degree",
-            "context_parallel_degree")
+            "context_parallel_degree", "expert_parallel_degree", "pipeline_layers_per_stage")
     return Arguments(**{k: v for k, v in options.items() if k in keys})
 
 
 def production_row(kind: str, precision: str, layout: str, device: str, name: str | None = None) -> Row:
-    options, notes = {**PRECISIONS[precision], **layout_options(layout)}, []
+    options, notes = {**PRECISIONS[precision], **shared_options(layout), **layout_options(layout)}, []
     if options.get("amp_master_grad") and layout != "single":
         refusal = master_grad_refusal(layout)
         if refusal:
