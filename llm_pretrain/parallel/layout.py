@@ -488,6 +488,8 @@ def with_moe_options(args: Arguments, config: ModelConfig) -> ModelConfig:
                    moe_bias_update_rate=getattr(args, "moe_bias_update_rate", 0.0))
     if args.router_aux_loss_coef is not None:
         changes["router_aux_loss_coef"] = args.router_aux_loss_coef
+    if getattr(args, "seq_aux_loss_coef", None) is not None:
+        changes["seq_aux_loss_coef"] = args.seq_aux_loss_coef
     return config.replace(**changes)
 
 
@@ -699,7 +701,12 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
     config = config.replace(**overrides)
     if weights_file and weights_file.endswith((".safetensors", ".safetensors.index.json")):
         # every tensor there (and used), from the file headers alone
-        check_hf_weights(config, read_config_json(os.path.join(args.model_name_or_path, "config.json")), weights_file)
+        raw = read_config_json(os.path.join(args.model_name_or_path, "config.json"))
+        check_hf_weights(config, raw, weights_file)
+        if raw.get("num_nextn_predict_layers") and not config.num_nextn_predict_layers:
+            notes.append(f"num_nextn_predict_layers: {raw['num_nextn_predict_layers']} in {args.model_name_or_path}"
+                         f"/config.json, but its weights hold no MTP layer (transformers' DeepseekV3ForCausalLM has "
+                         "none): trained without multi-token prediction")
     if not continue_training:
         # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
         config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)
