@@ -68,6 +68,9 @@ class Arguments:
     moe_global_batch_balance: bool = _key(
         False, "Mixture of experts: the load-balancing loss takes the experts' pick frequencies of the global "
         "batch (summed over the data-parallel and sharding ranks), Qwen3's global-batch balancing.")
+    seq_aux_loss_coef: Optional[float] = _key(
+        None, "DeepSeek-V3: weight of the sequence-wise balance loss (the report's alpha, 0.0001); default: the "
+        "architecture's.", minimum=0)
     moe_bias_update_rate: float = _key(
         0.0, "DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every MoE layer's router bias "
         "moves by this x sign(mean load - load) (the report's 0.001); 0: off.", minimum=0)

@@ -126,6 +126,19 @@ def plan_hf_tensors(config, raw: dict, files: SafetensorsFiles, source: str) -> 
     return rules
 
 
+def hf_config_for_weights(config, names):
+    """DeepSeek-V3's MTP module only when the files hold its layer (model.layers.<num_hidden_layers>, as the
+    published files do): transformers' DeepseekV3ForCausalLM has none, and the directories it writes hold none
+    though 5.x writes num_nextn_predict_layers 1. The run says so (llm_pretrain/parallel/layout.py
+    build_model_config's note)."""
+    if not config.num_nextn_predict_layers:
+        return config
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    if any(name.startswith(prefix) for name in names):  # the weights' tensor names
+        return config
+    return config.replace(num_nextn_predict_layers=0)
+
+
 def check_hf_weights(config, raw: dict, weights_file: str) -> None:
     """Before Paddle is imported (the run's preflight): the safetensors headers hold every tensor the model
     (of config.json `raw`) needs and none it has no place for (else one UsageError naming the tensor).

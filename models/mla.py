@@ -14,8 +14,8 @@ decoder's, which rotate halves) so that this module needs nothing of models/deco
 Source of every line: PaddleFormers 0.4.1 paddleformers/transformers/deepseek_v2/modeling.py
 (DeepseekV2Attention, apply_rotary_pos_emb, yarn_get_mscale), which DeepseekV3ForCausalLM uses.
 
-One process only for now (llm_pretrain/parallel/layout.py refuses tensor, sequence, segment and context
-parallelism for latent attention), so the projections are plain replicated linears.
+One process or data parallelism only for now (llm_pretrain/parallel/layout.py refuses tensor, sequence, segment
+and context parallelism for latent attention), so the projections are plain replicated linears.
 """
 
 from __future__ import annotations

@@ -112,11 +112,11 @@ def resolve_model(name_or_path: str) -> tuple[ModelConfig, str | None]:
         config = config_from_dict(raw, source=config_file)
         weights_file = find_weights_file(name_or_path)
         if "family" not in raw:
-            from models.hf_directory import hf_weights_file
+            from models.hf_directory import SafetensorsFiles, hf_config_for_weights, hf_weights_file
 
             hf_weights = hf_weights_file(name_or_path)
             if hf_weights:  # a Hugging Face directory: trained from directly (models/hf_directory.py)
-                return config, hf_weights
+                return hf_config_for_weights(config, SafetensorsFiles(hf_weights).names()), hf_weights
             if weights_file or _has_foreign_weights(name_or_path):
                 raise UsageError(
                     f"model_name_or_path: {name_or_path} holds weights in PaddleNLP names (or PyTorch's "

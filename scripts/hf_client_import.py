@@ -48,6 +48,11 @@ def randomize(model, seed: int) -> None:
                 param.copy_((1.0 if "norm" in name or "ln_" in name else 0.0) + 0.1 * noise)
             else:
                 param.copy_(noise / math.sqrt(param.shape[-1]))
+        # DeepSeek-V3's router correction bias is a buffer (saved, never trained by transformers): drawn after the
+        # parameters (the other classes' draws unchanged), so that it changes which experts are chosen
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator, dtype=torch.float32))
 
 
 def dtype_key() -> str:

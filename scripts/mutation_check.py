@@ -371,6 +371,16 @@ MUTATIONS = [
              "models/decoder.py", "loss = loss + self.config.mtp_loss_weight * mtp_loss",
              "loss = loss + mtp_loss",
              ("tests/test_deepseek_v3.py::test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head",)),
+    Mutation("deepseek_bias_load_not_summed", "the bias update from this rank's own load (not summed over the data "
+             "replicas): every rank moves its bias by its half of the batch", "models/deepseek_moe.py",
+             "        load, _ = pl.sum_over_data_replicas(self.step_load)\n", "        load = self.step_load\n",
+             ("tests/test_deepseek_v3.py::test_bias_update_counts_the_load_of_every_data_replica",
+              "tests/test_parallel_parity.py::test_dp2")),
+    Mutation("deepseek_hf_mtp_assumed", "a Hugging Face directory without DeepSeek-V3's MTP layer (transformers' own) "
+             "still read as a model with MTP", "models/hf_directory.py",
+             "    if any(name.startswith(prefix) for name in names):  # the weights' tensor names\n",
+             "    if True:  # the weights' tensor names\n",
+             ("tests/test_hf_export.py::test_deepseek_v3_directory_without_its_mtp_layer_trains_without_mtp",)),
 ]
 
 

@@ -86,8 +86,20 @@ CASES = [
      {"rope_theta": 500000.0, "rope_scaling": None}, "ernie4_5"),
     ("gpt3", "gpt2", dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128), None, "gpt3"),
     ("bloom", "bloom", dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), None, "bloom"),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3's switches at tiny sizes): latent attention with q_lora_rank, YaRN factor
+    # 4 over 32 of these 128 positions with mscale_all_dim 1 (the softmax scale x mscale^2), the sigmoid router with
+    # its correction bias (drawn too), 8 experts in 4 groups (top 2 of 2 groups), renormalized x 2.5, a shared
+    # expert, one dense layer first. transformers has no MTP module: its directories hold none (trained without).
+    ("deepseek_v3", "deepseek_v3", {**COMMON, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                                    "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                                    "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                    "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+     {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+     "deepseek_v3"),
 ]
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # transformers computes its loss in eval mode; GPT-2's files keep dropout 0.1 (resid_pdrop, embd_pdrop, attn_pdrop),
 # which the trainer would apply at step 1 (3.9e-2 apart, measured): our run's dropout is set to 0 for every case
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -161,7 +173,7 @@ def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
         python = ensure_venv(venvs[form], requirement, major)
         jobs = [{"name": case, "model_type": model_type, "config": config, "rope": rope, "seed": seed,
                  "out_dir": os.path.join(work, form, case), "tokens": os.path.join(work, "tokens.npy")}
-                for seed, (case, model_type, config, rope, _) in enumerate(cases, start=31)]
+                for seed, (case, model_type, config, rope, _) in ((31 + CASES.index(c), c) for c in cases)]
         with open(os.path.join(work, f"jobs-{form}.json"), "w") as f:
             json.dump(jobs, f)
         done = subprocess.run([python, os.path.join(REPO, "scripts", "hf_client_import.py"),
@@ -175,7 +187,8 @@ def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
                 written = json.load(f)
             output = os.path.join(work, "runs", f"{case}-{form}")
             runs.append(parity.argv(args_file, output, model_name_or_path=directory, **NO_DROPOUT,
-                                    **({"router_aux_loss_coef": 0.0} if family in MOE_FAMILIES else {})))
+                                    **({"router_aux_loss_coef": 0.0} if family in MOE_FAMILIES else {}),
+                                    **({"seq_aux_loss_coef": 0.0} if family == "deepseek_v3" else {})))
             # every key transformers wrote is one the import classifies (used, no effect or refused)
             unclassified = sorted(key for key in written if classify(model_type, key) is None)
             rows.append({"case": case, "form": form, "family": family, "theirs": theirs[case], "_dir": directory,
@@ -206,6 +219,17 @@ def rope_keys(config: dict) -> str:
     return "none (no rotary positions)"
 
 
+def previous_rows(text: str) -> dict:
+    """(case, form) -> its row of the report's table as written last, for the cases still in CASES."""
+    names = {case[0] for case in CASES}
+    table = {}
+    for line in text.split(IMPORT_SECTION)[1].splitlines() if IMPORT_SECTION in text else []:
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) >= 10 and cells[0] in names and cells[1] in FORMS:
+            table[(cells[0], cells[1])] = line
+    return table
+
+
 def write_section(rows: list[dict], out_file: str) -> None:
     """Replace (or add) this script's section of the report; the export's part above it stays."""
     import paddle
@@ -230,11 +254,14 @@ def write_section(rows: list[dict], out_file: str) -> None:
         "| transformers' loss | abs diff | lost rope | within 1e-5 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    table = previous_rows(text)  # a run of some cases (--cases) replaces their rows and keeps the others'
     for r in rows:
         lost = "n/a" if r["lost_rope"] is None else f"{r['lost_rope']:.6f}"
-        lines.append(f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['unclassified']} | {r['client']} | "
-                     f"{r['ours']:.7f} | "
-                     f"{r['transformers']:.7f} | {r['diff']:.2e} | {lost} | {'yes' if r['ok'] else 'NO'} |")
+        table[(r["case"], r["form"])] = (
+            f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['unclassified']} | {r['client']} | "
+            f"{r['ours']:.7f} | {r['transformers']:.7f} | {r['diff']:.2e} | {lost} | {'yes' if r['ok'] else 'NO'} |")
+    names = [case[0] for case in CASES]
+    lines += [table[key] for key in sorted(table, key=lambda k: (list(FORMS).index(k[1]), names.index(k[0])))]
     lines += [
         "",
         "Notes:",
@@ -252,6 +279,11 @@ def write_section(rows: list[dict], out_file: str) -> None:
         "  would hide a mapping error); routers too, so the experts chosen differ per token.",
         "- Mixture of experts: router_aux_loss_coef 0 on our side; transformers adds no router loss by default",
         "  (output_router_logits false). The language-model loss alone is compared.",
+        "- DeepSeek-V3: transformers' DeepseekV3ForCausalLM has no multi-token-prediction module, so its directories",
+        "  hold no MTP layer (5.24 still writes num_nextn_predict_layers 1): the import then builds none and the run",
+        "  says so in a note (models/hf_directory.py hf_config_for_weights). The router's correction bias is a buffer",
+        "  there, drawn too (scripts/hf_client_import.py). seq_aux_loss_coef 0 on our side (transformers adds no",
+        "  balance loss): the language-model loss alone is compared.",
         "- Baichuan's class is remote code (not in transformers): transformers cannot create it, so it has no row",
         "  here (its export is checked above through its W_pack split).",
     ]
@@ -265,7 +297,8 @@ def main(argv=None) -> int:
                         help="transformers 5 (the venv of scripts/verify_hf_export.py)")
     parser.add_argument("--venv4", default=os.path.join(REPO, ".cache", "hf-client-venv-4"), help="transformers 4")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "hf_export_verification.md"))
-    parser.add_argument("--cases", nargs="*", default=(), choices=[case[0] for case in CASES])
+    parser.add_argument("--cases", nargs="*", default=(), choices=[case[0] for case in CASES],
+                        help="only these cases; the report keeps the other cases' rows as written last")
     args = parser.parse_args(argv)
     rows = run({"4.x": args.venv4, "5.x": args.venv}, args.out, tuple(args.cases))
     for r in rows:

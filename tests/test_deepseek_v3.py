@@ -250,6 +250,40 @@ def test_bias_moves_by_rate_times_sign_of_mean_minus_load_and_only_when_on():
     assert not off.layers[1].mlp.e_score_correction_bias.numpy().any()
 
 
+def test_bias_update_counts_the_load_of_every_data_replica(monkeypatch):
+    """Two data-parallel ranks, each forwarding its half of the step's batch (rank 1's tokens all one id, so the
+    loads differ): the load summed over the replicas before the update (pl.sum_over_data_replicas, the all-reduce,
+    here given the other rank's load) -> every rank's bias is the one process's over the whole batch. Launched for
+    real in tests/test_parallel_parity.py test_dp2 (deepseek-v3-short-dp2)."""
+    import models.parallel_layers as pl
+
+    rng = np.random.default_rng(8)
+    halves = [paddle.to_tensor(rng.integers(0, 256, [2, 16])), paddle.full([2, 16], 7, dtype="int64")]
+    single = tiny_model(moe_bias_update_rate=0.01)
+    single.train()
+    for ids in halves:  # one process: both halves are micro-batches of its step
+        single(ids, ids)
+    single.update_router_biases()
+    loads, ranks = [], [tiny_model(moe_bias_update_rate=0.01) for _ in halves]
+    for model, ids in zip(ranks, halves):
+        model.train()
+        model(ids, ids)
+        loads.append([layer.step_load for layer in (model.layers[1].mlp, model.mtp.block.mlp)])
+    own = [np.sign(load[0].numpy().mean() - load[0].numpy()) * 0.01 for load in loads]  # each rank's own step
+    for rank, model in enumerate(ranks):
+        other = iter(loads[1 - rank])
+        monkeypatch.setattr(pl, "sum_over_data_replicas", lambda load: (load + next(other), 2))
+        model.update_router_biases()
+    for name in ("layers.1.mlp.e_score_correction_bias", "mtp.block.mlp.e_score_correction_bias"):
+        expected = dict(single.named_parameters())[name].numpy()
+        assert np.abs(expected).max() > 0
+        for model in ranks:
+            np.testing.assert_array_equal(dict(model.named_parameters())[name].numpy(), expected, err_msg=name)
+    # a rank counting its own half alone would have moved the main layer's bias otherwise
+    main = dict(single.named_parameters())["layers.1.mlp.e_score_correction_bias"].numpy()
+    assert any((bias != main).any() for bias in own), (own, main)
+
+
 # ----------------------------------------------------------------------------- multi-token prediction
 def test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head():
     model = tiny_model()
@@ -298,16 +332,24 @@ def _arguments(corpus, tmp_path, **overrides):
 
 @pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
                                         ("sep_parallel_degree", 2), ("context_parallel_degree", 2),
-                                        ("expert_parallel_degree", 2), ("sharding", "stage3"),
-                                        (None, None)])  # data parallelism: the world size alone
+                                        ("expert_parallel_degree", 2), ("sharding", "stage3")])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
 
-    args = _arguments(embedded_corpus, tmp_path, **({key: value} if key else {}))
+    args = _arguments(embedded_corpus, tmp_path, **{key: value})
     with pytest.raises(UsageError) as raised:
         check_layout_and_model(args, 2, "cpu")
     message = str(raised.value)
     assert "\n" not in message and "allowed: 1" in message and "deepseek_v3" in message
+
+
+def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
+    """dp2 (the world size alone) is proven: tests/test_parallel_parity.py test_dp2 trains deepseek-v3-short."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    layout, config, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, moe_bias_update_rate=0.01),
+                                                  2, "cpu")
+    assert layout.data_parallel_degree == 2 and config.moe_bias_update_rate == 0.01
 
 
 def test_bias_rate_needs_a_router_bias(embedded_corpus, tmp_path):

@@ -87,6 +87,10 @@ def test_used_keys_change_the_config_and_no_effect_keys_do_not(family):
                    if not (key == "rope_parameters" and k in ("rope_scaling", "rope_theta"))
                    and not (key in EXPERT_COUNT_KEYS and k in EXPERT_COUNT_KEYS)}
             other = (not base[entry.field]) if isinstance(entry.other, bool) else copy.deepcopy(entry.other)
+            scaling = raw.get("rope_scaling") or {}
+            if key == "max_position_embeddings" and scaling.get("rope_type", scaling.get("type")) == "yarn":
+                # DeepSeek-V3's YaRN factor must be max_position_embeddings / original (else refused): both move
+                raw["rope_scaling"] = {**scaling, "original_max_position_embeddings": other // scaling["factor"]}
             config = config_from_dict({**raw, key: other}, key).architecture_dict()
             assert config[entry.field] != base[entry.field], (key, entry.field, config[entry.field])
         elif isinstance(entry, NoEffect):

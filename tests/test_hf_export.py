@@ -335,3 +335,39 @@ def test_last_save_in_hf_is_refused_before_any_work(embedded_corpus, tmp_path):
     layout, config, _, _ = check_layout_and_model(args, 1, "cpu")
     with pytest.raises(UsageError, match="family 'qwen' has no Hugging Face class"):
         check_startup(args, config, layout, "cpu")
+
+
+def test_deepseek_v3_directory_without_its_mtp_layer_trains_without_mtp(embedded_corpus, tmp_path):
+    """transformers' DeepseekV3ForCausalLM has no MTP module: a directory it writes holds no layer
+    num_hidden_layers though 5.x writes num_nextn_predict_layers 1. Such a directory (our export without that
+    layer) imports as the model without MTP, its weights the main model's, and the run says so in a note; with the
+    layer (our export, as the published files) the MTP module is built."""
+    from safetensors.numpy import load_file, save_file
+
+    from llm_pretrain.parallel.layout import build_model_config
+    from parity_utils import base_arguments, write_json
+    from llm_pretrain.arguments import parse_arguments
+
+    config = ARCHITECTURES["deepseek-v3-tiny"]
+    path, _ = random_checkpoint(tmp_path, config)
+    export_hf(path, str(tmp_path / "hf"))
+    assert resolve_model(str(tmp_path / "hf"))[0].num_nextn_predict_layers == 1
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    mtp = f"model.layers.{config.num_hidden_layers}."
+    main_only = {name: value for name, value in tensors.items() if not name.startswith(mtp)}
+    assert len(main_only) < len(tensors)
+    save_file(main_only, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    imported, _ = resolve_model(str(tmp_path / "hf"))
+    assert imported.architecture_dict() == config.replace(num_nextn_predict_layers=0).architecture_dict()
+    import_from_paddlenlp(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = paddle.load(resolve_model(str(tmp_path / "back"))[1], return_numpy=True)
+    ours = ckpt.merge_checkpoint(path)
+    assert sorted(back) == sorted(name for name in ours if not name.startswith("mtp."))
+    assert all(np.array_equal(back[name], ours[name]) for name in back)
+    args, _ = parse_arguments([str(write_json(tmp_path / "run.json", base_arguments(
+        embedded_corpus, tmp_path, model_name_or_path=str(tmp_path / "hf"), num_hidden_layers=None)))])
+    from llm_pretrain.parallel.layout import plan_layout
+
+    built, _, notes = build_model_config(args, plan_layout(args, 1), "cpu")
+    assert built.num_nextn_predict_layers == 0
+    assert any(note.startswith("num_nextn_predict_layers: 1 in ") and "no MTP layer" in note for note in notes), notes

@@ -3,14 +3,14 @@
 References run once in one plain process (the tiny preset of every family record: LLaMA with 8 layers,
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
-uneven pp2 split and sd2). Each
+uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2). Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
 train in the session's launch of their degrees, beside other files' runs (tests/shared_launches.py).
 The pp2 and pp4vpp2 LLaMA runs also evaluate (eval batch 4 over training micro-batches of 2) and match the single
 process's eval losses:
 
-    2 processes: dp2 (every family, Llama 3.1 and both mixtures of experts; resume)
+    2 processes: dp2 (every family, Llama 3.1, both mixtures of experts and DeepSeek-V3's router biases; resume)
                  tp2 (+ SP, recompute granularities, resume; every family with and without SP;
                       Qwen2 with one kv head: replicated)
                  pp2 (1F1B, recompute, resume, every family: tied embeddings for GPT-3, Bloom, Qwen2;
@@ -43,6 +43,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launch_utils import REPO_ROOT, free_port, launcher_process_args, process_env
@@ -75,8 +76,14 @@ SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe
                   and family.name not in ("qwen3_moe", "deepseek_v3"))  # mixtral-short, qwen2-moe-short
-# (Qwen3-MoE and DeepSeek-V3: one process only, yet; llm_pretrain/parallel/layout.py refuses DeepSeek-V3's layouts)
+# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 only, below; llm_pretrain/parallel/layout.py refuses its others)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
+# DeepSeek-V3 (issue 35) in dp2 only: its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
+# rule on, 2 steps: the routers' biases after them equal one process's (the load summed over the replicas,
+# models/deepseek_moe.py update_correction_bias) and every rank's copy is the same (the replica check)
+DEEPSEEK_SHORT = "deepseek-v3-short"
+SHORT_FILES[DEEPSEEK_SHORT] = ("deepseek-v3", 2)
+SHORT_EXTRA = {DEEPSEEK_SHORT: {"moe_bias_update_rate": 0.01}}
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
 # over the sharding ranks in tests/test_expert_parallel.py)
 MOE_SHARDING = {"mixtral-short": (3,), "qwen2-moe-short": (1, 2, 3)}
@@ -121,7 +128,8 @@ class Parity:
                 corpus, work, model_name_or_path=f"{family}-tiny"))
         for name, (preset, layers) in SHORT_FILES.items():
             files[name] = write_json(work / f"{name}.json", base_arguments(
-                corpus, work, model_name_or_path=f"{preset}-tiny", num_hidden_layers=layers, **SHORT))
+                corpus, work, model_name_or_path=f"{preset}-tiny", num_hidden_layers=layers, **SHORT,
+                **SHORT_EXTRA.get(name, {})))
         return cls(work, files, {model: work / "single" / model for model in files})
 
     def out(self, name: str) -> Path:
@@ -224,7 +232,7 @@ def dp2_runs(parity: Parity) -> list[list[str]]:
         parity.run("dp2-resume", gradient_accumulation_steps=2, exit_interval=3, check_replicas_interval=2),
         parity.run("dp2-resume", gradient_accumulation_steps=2, check_replicas_interval=2),
     ] + [parity.run(f"{family}-dp2", family, gradient_accumulation_steps=2)
-         for family in FAMILIES + ROPE_SCALED + MOE_SHORT] + [
+         for family in FAMILIES + ROPE_SCALED + MOE_SHORT + (DEEPSEEK_SHORT,)] + [
         parity.kernels("dp2-kernels", gradient_accumulation_steps=2),
         parity.kernels("gpt3-dp2-kernels", "gpt3", gradient_accumulation_steps=2)]
 
@@ -233,18 +241,19 @@ def test_dp2(parity, shared_launches):
     """Issue 2's data parallelism: 2 processes with half the accumulation each; plus resume."""
     observed = shared_launches.results("dp2", "parity")
     parity.check([("dp2", "llama"), ("dp2-resume", "llama")]
-                 + [(f"{family}-dp2", family) for family in FAMILIES + ROPE_SCALED + MOE_SHORT]
+                 + [(f"{family}-dp2", family) for family in FAMILIES + ROPE_SCALED + MOE_SHORT + (DEEPSEEK_SHORT,)]
                  + [("dp2-kernels", "llama"), ("gpt3-dp2-kernels", "gpt3")])
     assert_stand_ins_ran(observations(observed, "dp2-kernels"), parity.out("dp2-kernels"), LLAMA_KERNELS)
     assert_stand_ins_ran(observations(observed, "gpt3-dp2-kernels"), parity.out("gpt3-dp2-kernels"), GPT_KERNELS)
     # Llama 3.1 and the mixtures of experts (the others: mech::test_data_parallel_syncs_once_per_step_and_...):
     # a router's gradient, as a dense MLP's, stays local until the last micro-batch, then is all-reduced
-    for family in ROPE_SCALED + MOE_SHORT:
-        steps = SHORT["max_steps"] if family in MOE_SHORT else 5
+    for family in ROPE_SCALED + MOE_SHORT + (DEEPSEEK_SHORT,):
+        steps = SHORT["max_steps"] if family in SHORT_FILES else 5
         mechanism_data_parallel(observations(observed, f"{family}-dp2"), micro_batches=2, steps=steps)
         assert run_record(parity.out(f"{family}-dp2"))["strategy"] == "dp2"
-    for family in MOE_SHORT:  # the router metrics of train_log.jsonl: over both replicas' tokens, one process's
+    for family in MOE_SHORT + (DEEPSEEK_SHORT,):  # the router metrics of train_log.jsonl: over both replicas' tokens
         assert_same_router_metrics(parity.references[family], parity.out(f"{family}-dp2"))
+    assert_same_router_biases(parity.references[DEEPSEEK_SHORT], parity.out(f"{DEEPSEEK_SHORT}-dp2"))
     run = run_record(parity.out("dp2"))
     assert run["strategy"] == "dp2" and run["global_batch_size"] == 8
     # CPU defaults (llm_pretrain/cpu/threads.py), as the run record reads them from Paddle: the
@@ -257,6 +266,19 @@ def test_dp2(parity, shared_launches):
     # tokens/card/sec counts every card: global tokens / 2 cards / step time.
     record = train_records(parity.out("dp2"))[-1]
     assert record["tokens_per_card_per_sec"] == pytest.approx(8 * 32 / 2 / record["step_time_s"], rel=1e-6)
+
+
+def assert_same_router_biases(reference: Path, other: Path) -> None:
+    """DeepSeek-V3's router biases (the main MoE layer's and the MTP block's) moved by the bias rule, and after the
+    last step equal one process's: each a whole number of steps of the rate, so a rank that counted only its own
+    half of the batch would differ by at least 2 x rate in some expert (the weights' check sees the rest)."""
+    step = SHORT["max_steps"]
+    ref, got = final_weights(reference, step), final_weights(other, step)
+    names = sorted(name for name in ref if name.endswith("e_score_correction_bias"))
+    assert names == ["layers.1.mlp.e_score_correction_bias", "mtp.block.mlp.e_score_correction_bias"], names
+    for name in names:
+        assert np.abs(ref[name]).max() > 0, f"{name}: the bias never moved"
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-7, err_msg=name)
 
 
 @shared("tp2", 2)

@@ -63,6 +63,7 @@ def import_from_paddlenlp(paddlenlp_dir: str, out_dir: str, overwrite: bool = Fa
     plus the tokenizer files found next to the weights; use it as model_name_or_path with
     continue_training true. Returns {"out_dir", "config" (ours), "tensors", "parameters"}.
     """
+    from models.hf_directory import hf_config_for_weights
     from models.registry import config_from_dict, read_config_json
 
     config_file = os.path.join(paddlenlp_dir, "config.json")
@@ -76,6 +77,7 @@ def import_from_paddlenlp(paddlenlp_dir: str, out_dir: str, overwrite: bool = Fa
     config = config_from_dict(raw, source=config_file)
     _check_out_dir(out_dir, overwrite)
     weights, source = _load_foreign_weights(paddlenlp_dir)
+    config = hf_config_for_weights(config, weights)  # DeepSeek-V3 without its MTP layer: transformers' files
     ours = from_paddlenlp_state(config, raw, weights, source)
     our_config = config.architecture_dict()
     _save(out_dir, our_config, ours)

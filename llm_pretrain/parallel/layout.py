@@ -488,6 +488,8 @@ def with_moe_options(args: Arguments, config: ModelConfig) -> ModelConfig:
                    moe_bias_update_rate=getattr(args, "moe_bias_update_rate", 0.0))
     if args.router_aux_loss_coef is not None:
         changes["router_aux_loss_coef"] = args.router_aux_loss_coef
+    if getattr(args, "seq_aux_loss_coef", None) is not None:
+        changes["seq_aux_loss_coef"] = args.seq_aux_loss_coef
     return config.replace(**changes)
 
 
@@ -624,15 +626,17 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
-    """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process only
-    (tests/test_deepseek_v3.py): every parallel degree above 1 is refused, as are the switches they ignore."""
+    """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process
+    (tests/test_deepseek_v3.py) and under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
+    and the router biases, their load summed over the replicas, equal one process's): every other parallel degree
+    above 1 is refused, as are the switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and config.router_score != "sigmoid":
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    degrees = {"data_parallel_degree": layout.data_parallel_degree, "tensor_parallel_degree": layout.tensor_parallel_degree,
+    degrees = {"tensor_parallel_degree": layout.tensor_parallel_degree,
                "pipeline_parallel_degree": layout.pipeline_parallel_degree, "sharding_degree": layout.sharding_degree,
                "sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree,
@@ -640,7 +644,7 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process only; allowed: 1)")
+                             f"bias and MTP are proven in one process and under data parallelism only; allowed: 1)")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")
@@ -697,7 +701,12 @@ def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[Mo
     config = config.replace(**overrides)
     if weights_file and weights_file.endswith((".safetensors", ".safetensors.index.json")):
         # every tensor there (and used), from the file headers alone
-        check_hf_weights(config, read_config_json(os.path.join(args.model_name_or_path, "config.json")), weights_file)
+        raw = read_config_json(os.path.join(args.model_name_or_path, "config.json"))
+        check_hf_weights(config, raw, weights_file)
+        if raw.get("num_nextn_predict_layers") and not config.num_nextn_predict_layers:
+            notes.append(f"num_nextn_predict_layers: {raw['num_nextn_predict_layers']} in {args.model_name_or_path}"
+                         f"/config.json, but its weights hold no MTP layer (transformers' DeepseekV3ForCausalLM has "
+                         "none): trained without multi-token prediction")
     if not continue_training:
         # As PaddleNLP: room for the sequence length, and a vocabulary covering the tokenizer's.
         config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_length)

@@ -22,13 +22,17 @@ the first 10T tokens).
 
 What the decoder cannot express is refused in one line (`read_config`): another scoring function or topk
 method, an MTP depth above 1, a dense-layer pattern other than the first k, attention biases, no q_lora_rank.
-No Hugging Face export yet (hugging_face None); PaddleFormers 0.4.1's DeepseekV3ForCausalLM is the reference.
+PaddleFormers 0.4.1's DeepseekV3ForCausalLM is the reference (scripts/verify_paddleformers.py); Hugging Face
+transformers' DeepseekV3ForCausalLM (4.57 and 5.24) judges the export and the import (scripts/verify_hf_export.py,
+scripts/verify_hf_import.py). transformers has no MTP module: it ignores the published layer 61 (its
+_keys_to_ignore_on_load_unexpected), and a directory it writes holds no MTP layer (models/hf_directory.py
+hf_config_for_weights: trained without MTP, with a note).
 """
 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.base import Family, PaddleNLPClass, unsupported
+from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, unsupported
 from models.rope import read_rope_config
 from models.weight_names import R
 
@@ -100,6 +104,8 @@ def read_config(raw: dict, sizes: dict, source: str) -> dict:
     for key in READ_KEYS:
         if key in raw:
             sizes[key] = raw[key]
+    if "num_attention_heads" in sizes:  # latent attention: a key per query head (hf_config_keys: no effect)
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     sizes["num_experts"] = raw.get("n_routed_experts", 0)
     sizes["shared_expert_intermediate_size"] = raw.get("n_shared_experts", 0) * raw.get("moe_intermediate_size", 0)
     sizes["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
@@ -162,10 +168,47 @@ def deepseek_v3_table(config, transpose: bool = False) -> list:
     return rules
 
 
+def hf_deepseek_v3_table(config) -> list:
+    """Hugging Face's names (transformers' DeepseekV3ForCausalLM, [out, in] matrices; the hub's per-expert
+    mlp.experts.<e>.gate_proj/up_proj/down_proj, which transformers 5 stacks when it loads them: its
+    conversion_mapping.py maps deepseek_v3 to qwen2_moe's). The MTP module as the published files hold it
+    (deepseek-ai/DeepSeek-V3 model.safetensors.index.json, layer 61; vLLM's deepseek_mtp.py reads it): layer
+    num_hidden_layers with enorm, hnorm, eh_proj on [embedding; hidden] (ours too: no swap), the block and
+    shared_head.norm (its own norm). The published copies of the embedding and the head in that layer
+    (embed_tokens, shared_head.head) are not written: ours are shared with the main model's."""
+    rules = [R("model.embed_tokens.weight", "embeddings.word_embeddings.weight")]
+    for i in range(config.num_hidden_layers):
+        rules += _block_rules(config, f"model.layers.{i}.", f"layers.{i}.", config.is_moe_layer(i), "transpose")
+    if config.num_nextn_predict_layers:
+        n = config.num_hidden_layers
+        rules += _block_rules(config, f"model.layers.{n}.", "mtp.block.", config.is_moe_layer(n), "transpose")
+        rules += [R(f"model.layers.{n}.enorm.weight", "mtp.enorm.weight"),
+                  R(f"model.layers.{n}.hnorm.weight", "mtp.hnorm.weight"),
+                  R(f"model.layers.{n}.eh_proj.weight", "mtp.eh_proj.weight", "transpose"),
+                  R(f"model.layers.{n}.shared_head.norm.weight", "mtp.norm.weight")]
+    rules.append(R("model.norm.weight", "norm.weight"))
+    if not config.tie_word_embeddings:
+        rules.append(R("lm_head.weight", "lm_head.weight", "transpose"))
+    return rules
+
+
 def import_table(raw: dict, config, names=()) -> list:
     from models.families.qwen3 import is_hugging_face_layout
 
-    return deepseek_v3_table(config, transpose=is_hugging_face_layout(raw, names))
+    if is_hugging_face_layout(raw, names):
+        return hf_deepseek_v3_table(config)
+    return deepseek_v3_table(config)
+
+
+def hf_deepseek_v3_config(c) -> dict:
+    """config.json of transformers' DeepseekV3ForCausalLM (DeepseekV3Config's keys, as 4.57 writes them), plus the
+    published file's num_nextn_predict_layers (5.x's DeepseekV3Config has it; its model builds no MTP)."""
+    config = {k: v for k, v in paddleformers_config(c).items()
+              if k not in ("seq_length", "topk_method", "moe_layer_freq", "scoring_func")}
+    head_dims = dict(qk_head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim, head_dim=c.qk_rope_head_dim)
+    return {**config, **head_dims, "rope_interleave": True, "pretraining_tp": 1, "use_cache": True,
+            # "rope_type" as the other families write it (transformers reads "type", the published spelling, too)
+            "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None}
 
 
 def paddleformers_config(c) -> dict:
@@ -196,6 +239,12 @@ def check_paddleformers_class(c):
     return None
 
 
+HF_DEEPSEEK_V3_CLASS = HuggingFaceClass(
+    class_name="DeepseekV3ForCausalLM", model_type="deepseek_v3",
+    requires=dict(router_score="sigmoid", shared_expert_gate=False, linear_bias=False),
+    table=hf_deepseek_v3_table, config_json=hf_deepseek_v3_config, check=check_paddleformers_class,
+)
+
 FAMILY = Family(
     name="deepseek_v3", switches=SWITCHES,
     scaled_output_init=False,  # PaddleFormers' DeepseekV2PretrainedModel._init_weights: one std for every matrix
@@ -206,6 +255,7 @@ FAMILY = Family(
         export_table=lambda config: deepseek_v3_table(config), import_table=import_table,
         config_json=paddleformers_config, check=check_paddleformers_class,
     ),
+    hugging_face=HF_DEEPSEEK_V3_CLASS,
     required_keys=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                    "kv_lora_rank", "qk_rope_head_dim"),
 )

@@ -15,7 +15,8 @@ does, and on a Refused key whose bad value is not refused.
 
 Sources of CLASS_KEYS (transcribed, not imported: transformers is not installed here):
   transformers 5.x  huggingface/transformers@008e574 (dataclass configs): models/llama, qwen2, mixtral,
-                    qwen2_moe, qwen3, qwen3_moe, ernie4_5 configuration_*.py; configuration_utils.py PreTrainedConfig's fields;
+                    qwen2_moe, qwen3, qwen3_moe, ernie4_5 configuration_*.py; deepseek_v3: transformers
+                    5.24.0 and 4.57.6 (pip) DeepseekV3Config's arguments and to_dict; configuration_utils.py PreTrainedConfig's fields;
                     modeling_rope_utils.py RopeParameters (the keys inside rope_parameters: models/rope.py);
                     transformers 5.24.0 (pip): Mixtral's and Qwen3-MoE's attribute_map num_experts ->
                     num_local_experts (5.24's save_pretrained writes num_local_experts for Qwen3-MoE too)
@@ -211,6 +212,49 @@ KEYS_BY_MODEL_TYPE = {
         "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
         "shared_expert_intermediate_size": Refused("0 or absent (Qwen3-MoE has no shared expert)", _falsy, 96),
     },
+    # DeepseekV3Config (transformers 4.57.6 and 5.24.0, pip: its __init__ arguments and to_dict), plus the keys of
+    # the published deepseek-ai/DeepSeek-V3 config.json that the class does not have (scoring_func ...)
+    "deepseek_v3": {
+        **{k: v for k, v in _ROTARY_KEYS.items() if k not in ("rope_parameters", "rope_scaling")},
+        # YaRN's factor must be max_position_embeddings / original (models/families/deepseek_v3.py read_config)
+        "rope_parameters": Used("rope_scaling", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 512}),
+        "rope_scaling": Used("rope_scaling", {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512}),
+        "num_key_value_heads": NoEffect("latent attention has a key per query head whatever it says (read as "
+                                        "num_attention_heads; transformers' class works only with them equal)"),
+        "moe_intermediate_size": Used("moe_intermediate_size", 48),
+        "n_shared_experts": Used("shared_expert_intermediate_size", 2),
+        "n_routed_experts": Used("num_experts", 16),
+        "routed_scaling_factor": Used("routed_scaling_factor", 1.0),
+        "kv_lora_rank": Used("kv_lora_rank", 8),
+        "q_lora_rank": Used("q_lora_rank", 64),
+        "qk_rope_head_dim": Used("qk_rope_head_dim", 4),
+        "v_head_dim": Used("v_head_dim", 8),
+        "qk_nope_head_dim": Used("qk_nope_head_dim", 8),
+        "n_group": Used("n_group", 2),
+        "topk_group": Used("topk_group", 1),
+        "num_experts_per_tok": Used("num_experts_per_tok", 1),
+        "first_k_dense_replace": Used("first_k_dense_replace", 0),
+        "norm_topk_prob": Used("norm_topk_prob", False),
+        "num_nextn_predict_layers": Used("num_nextn_predict_layers", 0),
+        # derived: DeepseekV3Config computes both (5.24.0 __post_init__, 4.57.6 __init__), and both write them
+        "qk_head_dim": NoEffect("derived: qk_nope_head_dim + qk_rope_head_dim, which are read"),
+        "head_dim": NoEffect("derived: transformers' rotary width, qk_rope_head_dim, which is read"),
+        "rope_interleave": Refused("true (DeepSeek's interleaved rotary pairs)", lambda v, raw: v in (True, None),
+                                   False),
+        "attention_bias": Refused("false (no biases in the attention projections)", _falsy, True),
+        "pretraining_tp": NoEffect("splits the projections' matmuls into pretraining_tp slices: the same function "
+                                   "up to rounding"),
+        "output_router_logits": NoEffect("DeepseekV3ForCausalLM adds no router loss either way; here "
+                                         "seq_aux_loss_coef and moe_bias_update_rate decide"),
+        "scoring_func": Refused("'sigmoid'", _equals("sigmoid"), "softmax"),
+        "topk_method": Refused("'noaux_tc' (group-limited top-k with the correction bias)", _equals("noaux_tc"),
+                               "greedy"),
+        "moe_layer_freq": Refused("1 (every layer after the first first_k_dense_replace a mixture of experts)",
+                                  _equals(1), 2),
+        "ep_size": NoEffect("the expert-parallel size of DeepSeek's inference code; the run's "
+                            "expert_parallel_degree decides here"),
+    },
     "gpt2": {
         "vocab_size": Used("vocab_size", 300),
         "n_positions": Used("max_position_embeddings", 4096),
@@ -328,6 +372,15 @@ CLASS_KEYS = {
                  "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
                  "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
                  "rope_parameters", "use_bias", "head_dim", "rope_theta", "rope_scaling"),
+    "deepseek_v3": ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
+                    "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                    "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
+                    "norm_topk_prob", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                    "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "pretraining_tp",
+                    "tie_word_embeddings", "rope_interleave", "attention_bias", "attention_dropout", "qk_head_dim",
+                    "head_dim", "rope_theta", "rope_scaling",  # 4.57.6
+                    "rope_parameters", "output_router_logits", "num_nextn_predict_layers"),  # 5.24.0
     "gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range", "summary_type",
              "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
