@@ -322,9 +322,22 @@ MUTATIONS = [
     Mutation("selfcheck_reference_options_differ", "the self-check's one-process references built with their "
              "precision's options, not the row's (dp2 and sd2 stage 3 bf16 rows without master_grad, references with it)",
              "llm_pretrain/selfcheck/rows.py",
-             "    return {key: value for key, value in row.options.items() if key not in layout}\n",
+             "    return {key: value for key, value in row.options.items() if key not in drop}\n",
              "    return dict(PRECISIONS[row.precision])\n",
              ("tests/test_gpu_selfcheck.py::test_each_row_reference_runs_with_the_row_options",)),
+    Mutation("selfcheck_one_gpu_tier_never_chosen", "a node with one GPU (or --gpus 1) runs the full plan, of which "
+             "2 rows fit", "scripts/gpu_selfcheck.py", '    return "one-gpu" if gpus == 1 else "full"\n',
+             '    return "full"\n', ("tests/test_gpu_selfcheck.py::test_the_tier_follows_the_visible_gpus",)),
+    Mutation("selfcheck_async_save_reference_async", "the async_save round trip judged against a run that saves "
+             "asynchronously too", "llm_pretrain/selfcheck/rows.py", 'ROUND_TRIP_KEYS = ("async_save",)',
+             "ROUND_TRIP_KEYS = ()",
+             ("tests/test_gpu_selfcheck.py::test_the_one_gpu_plan_gives_one_gpu_a_real_check",
+              "tests/test_gpu_selfcheck.py::test_the_one_gpu_tier_starts_these_command_lines")),
+    Mutation("ring_threads_reference_without_alibi", "the ring rows' whole attention ignores the ALiBi slopes",
+             "llm_pretrain/selfcheck/ring_threads.py", "    if slopes:\n        scores = scores +",
+             "    if False:\n        scores = scores +",
+             ("tests/test_gpu_selfcheck.py::test_the_ring_rows_run_as_threads_on_cpu",
+              "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence")),
     Mutation("moe_capacity_host_read_per_layer", "MoE with a capacity factor dispatched through the host-counted "
              "blocks (one device read per layer) instead of the fixed-capacity device dispatch", "models/moe.py",
              "        if kept is not None and self.ep_degree == 1:\n", "        if False:\n",

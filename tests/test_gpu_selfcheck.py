@@ -10,6 +10,8 @@
   the same infinite gradient on rank 1 makes every rank skip the step under skip_nan_inf_steps,
   judged by the row's own function.
 - The kernel table's comparison finds a difference between two paths and none between equal ones.
+- The one-GPU tier (a node with one visible GPU, or --gpus 1): its plan, its automatic choice, the command
+  lines it would start (recorded, nothing runs), and its ring row (cp2 and cp4 as threads) run here on CPU.
 (The fp32 layout rows run on CPU in tests/test_real_size.py.)
 """
 
@@ -169,7 +171,7 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
     monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.append(
         (nproc, device, runs)))
     monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.append((device, runs)))
-    monkeypatch.setattr(selfcheck, "kernel_table", lambda device: {"device": device, "passed": True, "bound": "-"})
+    monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype="bfloat16": {"device": device, "passed": True, "bound": "-"})
     results = selfcheck.run_rows(selfcheck.plan_rows("gpu"), tmp_path / "args.json", tmp_path, "gpu", gpus=4,
                                  say=lambda line: None)
     assert {device for _, device, _ in launched} == {"gpu"} and [d for d, _ in single] == ["gpu"]
@@ -209,7 +211,7 @@ def test_each_row_reference_runs_with_the_row_options(tmp_path, monkeypatch):
     launched, single = [], []
     monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.extend(runs))
     monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.extend(runs))
-    monkeypatch.setattr(selfcheck, "kernel_table", lambda device: {"passed": True, "bound": "-"})
+    monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype="bfloat16": {"passed": True, "bound": "-"})
     rows = selfcheck.plan_rows("gpu")
     selfcheck.run_rows(rows, tmp_path / "args.json", tmp_path, "gpu", gpus=4, say=lambda line: None)
     commands = [run for run in launched + single if isinstance(run, list)]
@@ -238,3 +240,174 @@ def test_each_row_reference_runs_with_the_row_options(tmp_path, monkeypatch):
     on = command_for(selfcheck.reference_output(tmp_path, selfcheck.reference_name(
         next(r for r in rows if r.name == "bf16-o2:sep2"))))
     assert "--amp_master_grad false" in " ".join(off) and "--amp_master_grad true" in " ".join(on)
+
+
+# ----------------------------------------------------------------------------- the one-GPU tier
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_selfcheck_script", SELFCHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_one_gpu_plan_gives_one_gpu_a_real_check():
+    """Every family in bf16 O2 + master_grad + flash + fused kernels against its float32 run, fp16 with an
+    injected overflow, the checkpoint and async_save round trips, the kernel table in bf16 and fp16, cp2 and
+    cp4 as threads, TinyLlama at 4,096 tokens; every row one process, its arguments (and its reference's)
+    accepted by the trainer's checks with the kernels on."""
+    from llm_pretrain.arguments import Arguments
+    from llm_pretrain.parallel.layout import build_model_config, check_master_grad, check_strategy, plan_layout
+    from models.families import FAMILY_NAMES
+
+    rows = {row.name: row for row in selfcheck.plan_rows("gpu", tier="one-gpu")}
+    assert all(row.processes == 1 and row.device == "gpu" for row in rows.values())
+    assert {row.kind for row in rows.values()} == {"family", "overflow", "checkpoint", "kernels", "ring", "perf"}
+    families = [row for row in rows.values() if row.kind == "family"]
+    assert [row.name for row in families] == [f"family:{name}" for name in FAMILY_NAMES]
+    base = parity.real_size_arguments({"tokenizer": "t", "input_dir": "d"}, REPO_ROOT, "gpu")
+    for row in families:
+        assert row.options["bf16"] and row.options["fp16_opt_level"] == "O2" and row.options["amp_master_grad"]
+        assert all(row.options[key] for key in selfcheck.KERNEL_OPTIONS), row.name
+        # the reference: the same model in float32, nothing else
+        assert selfcheck.reference_options(row) == {"model_name_or_path": row.options["model_name_or_path"]}
+        assert selfcheck.reference_name(row).startswith("fp32+model_name_or_path=")
+    assert rows["family:llama"].options["model_name_or_path"] == "llama-real"
+    assert rows["family:mixtral"].options["model_name_or_path"] == "mixtral-real"
+    overflow = rows["fp16-o2-overflow:single"]
+    assert overflow.kind == "overflow" and overflow.options["fp16"] and selfcheck.overflow_injection(overflow) == \
+        {"rank": 0, "step": 2}
+    sync, async_save = rows["bf16-o2:checkpoint-round-trip"], rows["bf16-o2:async-save-round-trip"]
+    assert async_save.options == {**sync.options, "async_save": True}
+    assert selfcheck.reference_name(async_save) == selfcheck.reference_name(sync)  # one synchronous reference
+    assert {(rows[n].dtype, rows[n].kind) for n in ("kernels", "kernels:fp16")} == {("bf16", "kernels"),
+                                                                                    ("fp16", "kernels")}
+    assert [rows[f"ring:cp{d}"].options["context_parallel_degree"] for d in (2, 4)] == [2, 4]
+    perf = rows["perf:bf16-o2:TinyLlama-1.1B:4096"].options
+    assert perf["model_name_or_path"] == "TinyLlama/TinyLlama_v1.1" and perf["max_seq_length"] == 4096
+    for row in rows.values():
+        if row.kind in ("kernels", "ring"):
+            continue
+        for options in (row.options, selfcheck.reference_options(row)):
+            args = Arguments(**{**base, **options})
+            layout = plan_layout(args, 1)
+            check_master_grad(args, layout)
+            config, _, _ = build_model_config(args, layout, "gpu")
+            check_strategy(args, config, layout)
+            kernels = options is row.options or row.kind != "family"  # a family's reference: float32, plain path
+            assert config.use_flash_attention == kernels and config.use_fused_rms_norm == kernels, row.name
+    from models.registry import ARCHITECTURES, parameter_count
+
+    assert 1.0e9 < parameter_count(ARCHITECTURES[perf["model_name_or_path"]]) < 1.2e9  # "about 1B"
+
+
+@pytest.mark.parametrize("visible, gpus, tier", [(1, None, "one-gpu"), (8, None, "full"), (8, "1", "one-gpu"),
+                                                 (None, "1", "one-gpu"), (None, None, "full"), (2, "4", "full")])
+def test_the_tier_follows_the_visible_gpus(visible, gpus, tier, monkeypatch, capsys):
+    """One visible GPU (or --gpus 1) gives the one-GPU tier, by itself; --print-plan --json gives each row's
+    GPU count (processes)."""
+    script = _load_script()
+    monkeypatch.setattr(script, "visible_gpus", lambda device, plan_only=False: visible)
+    assert script.main(["--print-plan", "--json"] + (["--gpus", gpus] if gpus else [])) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in printed] == [row.name for row in selfcheck.plan_rows("gpu", tier=tier)]
+    assert all(isinstance(row["processes"], int) for row in printed)
+    if tier == "full":
+        assert max(row["processes"] for row in printed) == 4
+
+
+@pytest.mark.parametrize("argv, message", [(["--gpus", "0"], "--gpus: '0'"), (["--gpus", "two"], "--gpus: 'two'"),
+                                           (["--gpus", "1", "--device", "cpu"], "needs --device gpu")])
+def test_bad_gpu_counts_are_one_line(argv, message, capsys):
+    script = _load_script()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv + ["--print-plan"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_the_one_gpu_tier_starts_these_command_lines(tmp_path, monkeypatch):
+    """run_rows on one GPU with every start recorded (nothing runs): the one-process references and round trips,
+    the TinyLlama run alone in its own process, the overflow run launched with 1 process and its injection on
+    rank 0, and each row's line said as soon as its runs are done (before the later runs start)."""
+    from llm_pretrain.selfcheck import ring_threads
+
+    events = []
+    monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: events.append(
+        ("launch", nproc, device, runs)))
+    monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: events.append(
+        ("single", name, device, runs)))
+    monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype: {"table_dtype": dtype, "passed": True,
+                                                                              "bound": "-"})
+    monkeypatch.setattr(ring_threads, "ring_check", lambda device, dtype, degree: {"degree": degree, "passed": True,
+                                                                                   "bound": "-"})
+    rows = selfcheck.plan_rows("gpu", tier="one-gpu")
+    results = selfcheck.run_rows(rows, tmp_path / "args.json", tmp_path, "gpu", gpus=1,
+                                 say=lambda line: events.append(("say", line)))
+    starts = [e for e in events if e[0] != "say"]
+    assert [(e[0], e[1]) for e in starts] == [("single", "single"), ("single", "perf"), ("launch", 1)]
+    assert all(e[2] == "gpu" for e in starts)
+    by_name = {r["name"]: r for r in results}
+    assert [r["name"] for r in results] == [row.name for row in rows]  # results.json in plan order
+    assert by_name["kernels:fp16"]["table_dtype"] == "float16" and by_name["ring:cp4"]["degree"] == 4
+    # each row's line is said once, the family and round-trip rows before the TinyLlama run starts
+    lines = [e[1] for e in events if e[0] == "say"]
+    assert lines[0].startswith("| row |") and len(lines) == 1 + len(rows)
+    perf_start = events.index(starts[1])
+    assert all(any(f"| {row.name} |" in e[1] for e in events[:perf_start] if e[0] == "say")
+               for row in rows if row.kind in ("family", "checkpoint"))
+
+    def output_of(command):
+        return command[command.index("--output_dir") + 1]
+
+    singles = {output_of(c): " ".join(c) for c in starts[0][3]}
+    for row in rows:
+        if row.kind == "family":
+            own = singles[str(selfcheck.row_output(tmp_path, row.name))]
+            reference = singles[str(selfcheck.reference_output(tmp_path, selfcheck.reference_name(row)))]
+            assert "--bf16 true" in own and "--use_flash_attention true" in own and "--amp_master_grad true" in own
+            model = f"--model_name_or_path {row.options['model_name_or_path']}"
+            assert model in own and model in reference and "--bf16" not in reference and "flash" not in reference
+    async_out = str(selfcheck.row_output(tmp_path, "bf16-o2:async-save-round-trip"))
+    async_runs = [" ".join(c) for c in starts[0][3] if output_of(c) == async_out]
+    assert len(async_runs) == 2 and all("--async_save true" in r for r in async_runs)
+    assert f"--exit_interval {parity.SAVE_STEP}" in async_runs[0]
+    sync_reference = singles[str(selfcheck.reference_output(tmp_path, "bf16-o2"))]
+    assert "async_save" not in sync_reference and "--exit_interval" not in sync_reference
+    (perf,) = starts[1][3]
+    perf = " ".join(perf)
+    for key in ("--model_name_or_path TinyLlama/TinyLlama_v1.1", "--max_seq_length 4096", "--num_hidden_layers 22",
+                "--bf16 true", "--use_flash_attention true"):
+        assert key in perf, key
+    (overflow,) = starts[2][3]
+    assert overflow["inject_overflow"] == {"rank": 0, "step": 2} and "--fp16 true" in " ".join(overflow["argv"])
+
+
+def test_one_process_overflow_is_judged_with_its_scaler():
+    """fp16 in one process: the injected step skipped, the scale lowered, and a later step runs."""
+    good = {0: {"observations": {"x": {"stepped": [True, False, True, True], "scale": [1024.0, 512.0, 512.0, 512.0]}}}}
+    assert selfcheck.judge_overflow(good, "x", selfcheck.ONE_PROCESS_OVERFLOW)["passed"]
+    stuck = {0: {"observations": {"x": {"stepped": [True, False, False, False], "scale": [1024.0, 512.0, 256.0, 128.0]}}}}
+    assert not selfcheck.judge_overflow(stuck, "x", selfcheck.ONE_PROCESS_OVERFLOW)["passed"]
+
+
+def test_the_ring_rows_run_as_threads_on_cpu(tmp_path, monkeypatch):
+    """The ring rows' own check on CPU (PlainBlocks in float32): cp2 and cp4 against one whole attention, causal
+    with grouped kv heads, without and with ALiBi, within 1e-5; a ring whose blocks lose the ALiBi bias fails."""
+    from models.ring_attention import PlainBlocks
+
+    rows = [row for row in selfcheck.plan_rows("gpu", tier="one-gpu") if row.kind == "ring"]
+    for row in rows:
+        result = selfcheck.judge_row(row, tmp_path, "cpu", {}, {})
+        assert result["status"] == "pass" and result["blocks"] == "PlainBlocks", result
+        assert set(result["cases"]) == {"causal+gqa", "causal+gqa+alibi"}
+        assert max(max(c.values()) for c in result["cases"].values()) <= 1e-5
+        assert f"| {row.name} | ring |" in selfcheck.format_row(result)
+    forward = PlainBlocks.forward
+    monkeypatch.setattr(PlainBlocks, "forward", staticmethod(lambda q, k, v, causal, bias: forward(q, k, v, causal, None)))
+    from llm_pretrain.selfcheck.ring_threads import ring_check
+
+    broken = ring_check("cpu", "float32", 2)
+    assert not broken["passed"] and max(broken["cases"]["causal+gqa"].values()) <= 1e-5
+    assert max(broken["cases"]["causal+gqa+alibi"].values()) > 1e-2

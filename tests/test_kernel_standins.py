@@ -158,17 +158,17 @@ def test_flash_attn_argument_checks(standins, bad, message):
 def test_ring_flash_blocks_run_on_the_stand_in(standins, monkeypatch):
     """The ring (cp2, GQA) with FlashBlocks, as ring_attention.attention_blocks picks them on a GPU when
     the stand-ins are installed, against one attention over the whole sequence; the ring's threads
-    are tests/test_ring_blocks.py's."""
+    are llm_pretrain/selfcheck/ring_threads.py's."""
     from models import ring_attention
-    from test_ring_blocks import _ring_in_threads, _whole_attention
+    from llm_pretrain.selfcheck.ring_threads import ring_in_threads, whole_attention
 
     assert ring_attention.attention_blocks(True, paddle.CPUPlace(), paddle.float32, 8) is ring_attention.FlashBlocks
     assert ring_attention.attention_blocks(False, paddle.CPUPlace(), paddle.float32, 8) is ring_attention.PlainBlocks
     q = _random(2, 16, 4, 8, seed=1)
     k, v = _random(2, 16, 2, 8, seed=2), _random(2, 16, 2, 8, seed=3)
     grad_out = _random(2, 16, 4, 8, seed=4)
-    got = _ring_in_threads(monkeypatch, 2, q, k, v, grad_out, None, ring_attention.FlashBlocks)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, _whole_attention(q, k, v, grad_out, None)):
+    got = ring_in_threads(2, q, k, v, grad_out, None, ring_attention.FlashBlocks)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, whole_attention(q, k, v, grad_out, None)):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
     assert standins.CALLS["flash_attn"] == 2 * 2 and standins.CALLS["flash_attn_grad"] == 2 * 2  # per rank, per step
 

@@ -162,18 +162,19 @@ def test_the_flash_alibi_mask_is_one_tensor_for_every_layer():
 
 
 def test_the_ring_builds_its_positions_slopes_and_diagonal_mask_once(monkeypatch):
-    """Two layers' rings (cp2, ALiBi, in threads as tests/test_ring_blocks.py): each rank's positions, the
+    """Two layers' rings (cp2, ALiBi, in threads: llm_pretrain/selfcheck/ring_threads.py): each rank's positions, the
     slopes and the diagonal block's causal mask are built once, not per layer, step or backward."""
-    from test_ring_blocks import BATCH, HEAD_DIM, HEADS, KV_HEADS, SEQ, SLOPES, _random, _ring_in_threads
+    from llm_pretrain.selfcheck.ring_threads import ring_in_threads
+    from test_ring_blocks import BATCH, HEAD_DIM, HEADS, KV_HEADS, SEQ, SLOPES, _random
     from models.ring_attention import PlainBlocks
 
     q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
     k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
     grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
     constants.clear()
-    first = _ring_in_threads(monkeypatch, 2, q, k, v, grad_out, SLOPES, PlainBlocks)
+    first = ring_in_threads(2, q, k, v, grad_out, SLOPES, PlainBlocks)
     built = dict(constants.BUILDS)
-    second = _ring_in_threads(monkeypatch, 2, q, k, v, grad_out, SLOPES, PlainBlocks)
+    second = ring_in_threads(2, q, k, v, grad_out, SLOPES, PlainBlocks)
     assert built["ring_slopes"] == 1 and built["ring_causal_mask"] == 1
     assert built["ring_positions"] == 2  # one per rank; the test's own balanced_positions calls included
     assert constants.BUILDS == built  # the second layer's ring builds nothing

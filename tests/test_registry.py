@@ -101,7 +101,8 @@ KNOWN_COUNTS = {
     "qwen/qwen-7b": 7_721_324_544,
     "bigscience/bloom-7b1": 7_069_016_064,
     "bigscience/bloom": 176_247_271_424,
-    "gpt3-175B-en": 175e9,  # the paper's round number (its vocabulary and context differ slightly)
+    "gpt3-175B-en": 175e9,
+    "TinyLlama/TinyLlama_v1.1": 1.1e9,  # the model card's "1.1B"  # the paper's round number (its vocabulary and context differ slightly)
 }
 
 

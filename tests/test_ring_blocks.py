@@ -22,19 +22,15 @@ batch_isend_irecv) go through queues.
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from types import SimpleNamespace
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 import pytest
 
 from models import ring_attention
-from models.ring_attention import (
-    FlashBlocks, PlainBlocks, RingAttention, attention_blocks, balanced_positions, balanced_split, merge_blocks,
-)
+from llm_pretrain.selfcheck.ring_threads import ring_in_threads, whole_attention
+from models.ring_attention import FlashBlocks, PlainBlocks, attention_blocks, merge_blocks
 
 BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 16, 4, 2, 8
 SLOPES = [0.5, 0.25, 0.125, 0.0625]
@@ -176,112 +172,7 @@ def test_flash_blocks_calls_are_accepted_by_the_kernels_bindings():
 
 
 # ----------------------------------------------------------------------------- the ring
-class _Context:
-    def save_for_backward(self, *tensors):
-        self.saved = tensors
-
-    def saved_tensor(self):
-        return self.saved
-
-
-def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", events=None):
-    """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv.
-
-    backend "GLOO": the blocking ring_pass; "NCCL": the overlapped path, one batch_isend_irecv per pass.
-    Both go through queues here. events: {rank: []} to record each rank's "issue" (a pass started),
-    "compute" (a block's forward or backward) and "wait" (a pass's tensors taken) in order."""
-    inboxes = [queue.Queue() for _ in range(degree)]
-
-    def ring_pass(tensors, group):
-        inboxes[(group.rank + 1) % group.nranks].put([t.clone() for t in tensors])
-        return inboxes[group.rank].get(timeout=120)
-
-    def batch_isend_irecv(ops):  # every isend to the next rank, every irecv from the previous one
-        sends = [op for op in ops if op.op is paddle.distributed.isend]
-        receives = [op for op in ops if op.op is paddle.distributed.irecv]
-        assert len(sends) == len(receives) and all(op.group is ops[0].group for op in ops)
-        rank = ops[0].group.rank
-        inboxes[sends[0].peer].put([op.tensor.clone() for op in sends])
-        if events is not None:
-            events[rank].append("issue")
-        for op, got in zip(receives, inboxes[rank].get(timeout=120)):
-            paddle.assign(got, output=op.tensor)
-        return []
-
-    monkeypatch.setattr(ring_attention, "ring_pass", ring_pass)
-    monkeypatch.setattr(paddle.distributed, "batch_isend_irecv", batch_isend_irecv)
-    if events is not None:
-        blocks = _recorded_blocks(blocks, events)
-        wait = ring_attention.PendingPass.wait
-
-        def recorded_wait(self):
-            events[threading.current_thread().rank].append("wait")
-            return wait(self)
-
-        monkeypatch.setattr(ring_attention.PendingPass, "wait", recorded_wait)
-    results, errors = {}, []
-
-    def rank_main(rank):
-        threading.current_thread().rank = rank
-        try:
-            group = SimpleNamespace(rank=rank, nranks=degree, ranks=list(range(degree)), backend=backend)
-            local = [balanced_split(t, rank, degree) for t in (q, k, v, grad_out)]
-            ctx = _Context()
-            with paddle.no_grad():
-                out = RingAttention.forward(ctx, *local[:3], SEQ, slopes, group, blocks)
-                if events is not None:
-                    events[rank].append("backward")
-                results[rank] = (out, *RingAttention.backward(ctx, local[3]))
-        except Exception as error:  # noqa: BLE001 -- re-raised in the test's thread
-            errors.append(error)
-            for inbox in inboxes:  # let the other ranks stop waiting
-                inbox.put([paddle.zeros([1])] * 4)
-
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(degree)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    whole = []
-    for i, like in enumerate((q, q, k, v)):
-        full = np.zeros(like.shape, "float32")
-        for rank in range(degree):
-            full[:, balanced_positions(SEQ, rank, degree).numpy()] = results[rank][i].numpy()
-        whole.append(full)
-    return whole
-
-
-def _recorded_blocks(blocks, events):
-    class Recorded:
-        @staticmethod
-        def forward(*args):
-            events[threading.current_thread().rank].append("compute")
-            return blocks.forward(*args)
-
-        @staticmethod
-        def backward(*args):
-            events[threading.current_thread().rank].append("compute")
-            return blocks.backward(*args)
-
-    return Recorded
-
-
-def _whole_attention(q, k, v, grad_out, slopes):
-    """One causal attention over the whole sequence (paddle autograd): out, dq, dk, dv."""
-    q, k, v = (paddle.to_tensor(t.numpy(), stop_gradient=False) for t in (q, k, v))
-    groups = HEADS // KV_HEADS
-    qt = q.transpose([0, 2, 1, 3]) / math.sqrt(HEAD_DIM)
-    kt, vt = (paddle.repeat_interleave(t, groups, axis=2).transpose([0, 2, 1, 3]) for t in (k, v))
-    scores = paddle.matmul(qt, kt, transpose_y=True)
-    positions = paddle.arange(SEQ, dtype="float32")
-    if slopes:
-        scores = scores + paddle.to_tensor(slopes)[None, :, None, None] * positions[None, None, None, :]
-    scores = scores + paddle.triu(paddle.full([SEQ, SEQ], float("-inf")), diagonal=1)
-    out = paddle.matmul(F.softmax(scores, axis=-1), vt).transpose([0, 2, 1, 3])
-    (out * grad_out).sum().backward()
-    return [t.numpy() for t in (out, q.grad, k.grad, v.grad)]
+# The ranks as threads (llm_pretrain/selfcheck/ring_threads.py, shared with the GPU self-check's ring rows).
 
 
 @pytest.mark.parametrize("degree", [2, 4])
@@ -295,8 +186,8 @@ def test_ring_of_blocks_is_attention_over_the_whole_sequence(degree, kind, slope
     k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
     grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
     blocks = FlashBlocks if kind == "flash" else PlainBlocks
-    got = _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks, backend)
-    expected = _whole_attention(q, k, v, grad_out, slopes)
+    got = ring_in_threads(degree, q, k, v, grad_out, slopes, blocks, backend)
+    expected = whole_attention(q, k, v, grad_out, slopes)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
 
@@ -310,7 +201,7 @@ def test_ring_transfers_are_in_flight_while_each_block_is_computed(degree, monke
     q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
     k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
     events = {rank: [] for rank in range(degree)}
-    _ring_in_threads(monkeypatch, degree, q, k, v, _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4), None,
+    ring_in_threads(degree, q, k, v, _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4), None,
                      PlainBlocks, "NCCL", events)
     for rank, seen in events.items():
         split = seen.index("backward")

@@ -22,6 +22,10 @@ Where each preset was checked (verbatim copies of the published files;
                     128 / 8 heads, 53248, 131072, eps 1e-05, theta 500000, rope_scaling llama3 factor 8);
                     no copy of the base model's own file found
   Chinese LLaMA derivatives (FlagAlpha, ziya, linly): not verified (no source found)
+  TinyLlama_v1.1    TinyLlama/TinyLlama_v1.1's model card (same architecture as TinyLlama-1.1B); the values
+                    checked against a verbatim copy of TinyLlama-1.1B-Chat-v1.0's config.json (a public copy):
+                    hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 kv heads, vocab 32000, rope_theta
+                    10000.0, rms_norm_eps 1e-05, max_position_embeddings 2048, tie_word_embeddings false
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ ARCHITECTURES = {
     "idea-ccnl/ziya-llama-13b-v1": _llama(5120, 40, 40, 13824, vocab=39424),
     "linly-ai/chinese-llama-2-7b": _llama2(4096, 32, 32, 11008, vocab=40076),
     "linly-ai/chinese-llama-2-13b": _llama2(5120, 40, 40, 13824, vocab=40076),
+    # TinyLlama (Zhang et al. 2024): Llama 2's architecture at 1.1B, the GPU self-check's one-GPU speed row
+    "TinyLlama/TinyLlama_v1.1": _llama(2048, 22, 32, 5632, kv_heads=4, eps=1e-5),
     # Small presets for CPU runs and tests. Their vocabulary grows to the tokenizer's.
     "llama-tiny": _config(**tiny_sizes(num_key_value_heads=2)),
     # Llama 3.1's shape in small: GQA, rope_theta 500000 and its rotary scaling (original length 64,
