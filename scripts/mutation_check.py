@@ -166,7 +166,8 @@ MUTATIONS = [
     # gradient of the earlier stages' routers, and router metrics taken from the first stage instead of the last.
     Mutation("moe_pipeline_aux_grad_dropped", "each stage passes the router sums on with a zero gradient: the "
              "earlier stages' routers lose the load-balancing loss's gradient", "models/pipeline.py",
-             "hidden = super().forward(hidden)\n", "hidden, sums = super().forward(hidden), sums * 0 + sums.detach()\n",
+             "hidden = split_carry(super().forward(join(hidden, document_ids)))[0]\n",
+             "hidden, sums = split_carry(super().forward(join(hidden, document_ids)))[0], sums * 0 + sums.detach()\n",
              (MOE_PIPELINE,)),
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
@@ -287,6 +288,13 @@ MUTATIONS = [
              "models/decoder.py", "hidden = hidden + self.position_embeddings(documents.positions)",
              "hidden = hidden + self.position_embeddings(pl.token_positions(self.config, input_ids.shape[1]))[None]",
              (DOCUMENTS,)),
+    Mutation("document_ids_not_passed_between_stages",
+             "pipeline with document masks: a decoder layer does not pass the document ids on (the next stage runs "
+             "without the mask)", "models/pipeline.py",
+             "return join(super().forward(hidden, documents), document_ids, carry)",
+             "return join(super().forward(hidden, documents), None, carry)",
+             (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
     Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",
              "llm_pretrain/data/documents.py", "return np.where(inputs == self.eod_token_id, -100, labels)",
              "return labels", (DOCUMENTS,)),
@@ -395,6 +403,7 @@ def where_it_applies(mutation: Mutation) -> str:
                 "update MUTATIONS")
     for test in mutation.tests:
         file, _, function = test.partition("::")
+        function = function.split("[")[0]  # a parametrized test's id: test_x[case]
         if not (REPO_ROOT / file).is_file() or (function and f"def {function}(" not in (REPO_ROOT / file).read_text()):
             return f"error: mutation {mutation.name}: test {test} does not exist; update MUTATIONS"
     return f"{mutation.path}:{text[:text.index(mutation.old)].count(chr(10)) + 1}"

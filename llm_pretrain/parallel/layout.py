@@ -669,16 +669,19 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
         raise UsageError("reset_attention_mask with use_flash_attention is not supported yet (the flashmask "
                          "attention path is not built); set use_flash_attention false")
     # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
-    # sequences of its heads) run the same attention with the same mask (tests/test_documents.py, shared
-    # launches dp2, tp2, sd2). Not yet: the pipeline (the ids would travel with the micro-batch), sep
-    # (the all-to-all) and cp (the ring's blocks).
-    degrees = {"pipeline_parallel_degree": layout.pipeline_parallel_degree,
-               "sep_parallel_degree": layout.sep_parallel_degree,
+    # sequences of its heads) run the same attention with the same mask; under the pipeline the document ids
+    # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared
+    # launches dp2, tp2, sd2, pp2). Not yet: sep (the all-to-all) and cp (the ring's blocks).
+    degrees = {"sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree}
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
+        schedule = "dualpipev" if layout.dualpipev else f"virtual_pp_degree {layout.virtual_pp_degree}"
+        raise UsageError(f"reset_attention_mask with {schedule} is not supported yet (proven under 1F1B only); "
+                         "use the 1F1B schedule (virtual_pp_degree 1)")
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"reset_attention_mask with {name} {degree} is not supported yet; document masks run "
-                             "with data, tensor (and sequence) parallelism and sharding, or turn it off")
+                             "with data, tensor (and sequence) and pipeline parallelism and sharding, or turn it off")
 
 
 def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
