@@ -183,7 +183,7 @@ class _Context:
         return self.saved
 
 
-def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
+def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks, documents=None):
     """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv."""
     inboxes = [queue.Queue() for _ in range(degree)]
 
@@ -200,7 +200,7 @@ def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
             local = [balanced_split(t, rank, degree) for t in (q, k, v, grad_out)]
             ctx = _Context()
             with paddle.no_grad():
-                out = RingAttention.forward(ctx, *local[:3], SEQ, slopes, group, blocks)
+                out = RingAttention.forward(ctx, *local[:3], SEQ, slopes, group, blocks, documents)
                 results[rank] = (out, *RingAttention.backward(ctx, local[3]))
         except Exception as error:  # noqa: BLE001 -- re-raised in the test's thread
             errors.append(error)
@@ -223,8 +223,9 @@ def _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, blocks):
     return whole
 
 
-def _whole_attention(q, k, v, grad_out, slopes):
-    """One causal attention over the whole sequence (paddle autograd): out, dq, dk, dv."""
+def _whole_attention(q, k, v, grad_out, slopes, document_ids=None):
+    """One causal attention over the whole sequence (paddle autograd): out, dq, dk, dv; with document ids
+    [batch, seq] masked by models/decoder.py's document mask (the one-process path)."""
     q, k, v = (paddle.to_tensor(t.numpy(), stop_gradient=False) for t in (q, k, v))
     groups = HEADS // KV_HEADS
     qt = q.transpose([0, 2, 1, 3]) / math.sqrt(HEAD_DIM)
@@ -234,6 +235,10 @@ def _whole_attention(q, k, v, grad_out, slopes):
     if slopes:
         scores = scores + paddle.to_tensor(slopes)[None, :, None, None] * positions[None, None, None, :]
     scores = scores + paddle.triu(paddle.full([SEQ, SEQ], float("-inf")), diagonal=1)
+    if document_ids is not None:
+        from models.decoder import document_mask
+
+        scores = scores + document_mask(document_ids)
     out = paddle.matmul(F.softmax(scores, axis=-1), vt).transpose([0, 2, 1, 3])
     (out * grad_out).sum().backward()
     return [t.numpy() for t in (out, q.grad, k.grad, v.grad)]
@@ -253,3 +258,50 @@ def test_ring_of_blocks_is_attention_over_the_whole_sequence(degree, kind, slope
     expected = _whole_attention(q, k, v, grad_out, slopes)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- packed documents on the ring
+# Two samples of 16 tokens, a document boundary at token 4 in both: under cp2 (chunks of 4; rank 0 holds
+# tokens 0-3 and 12-15, rank 1 tokens 4-11) rank 1's block over rank 0's first chunk (its queries 4-11
+# over keys 0-3) lies across that boundary in every sample, so no query sees any key there.
+DOCUMENTS = [[4, 12], [4, 6, 6]]
+
+
+class CountedBlocks(PlainBlocks):
+    calls: list = []
+
+    @staticmethod
+    def forward(q, k, v, causal, bias):
+        CountedBlocks.calls.append(("forward", q.shape[1], k.shape[1]))
+        return PlainBlocks.forward(q, k, v, causal, bias)
+
+    @staticmethod
+    def backward(q, k, v, out, lse, grad_out, causal, bias):
+        CountedBlocks.calls.append(("backward", q.shape[1], k.shape[1]))
+        return PlainBlocks.backward(q, k, v, out, lse, grad_out, causal, bias)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("slopes", [None, SLOPES], ids=["rope", "alibi"])
+def test_ring_with_document_masks_is_masked_attention_and_skips_masked_blocks(degree, slopes, monkeypatch):
+    """reset_attention_mask under cp: every block masked by the documents (forward and gradients equal one
+    masked attention over the whole sequence), and a block the documents mask entirely is not computed."""
+    from models.ring_attention import DocumentBlocks
+
+    q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
+    k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
+    grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
+    ids = paddle.to_tensor(np.stack([np.repeat(np.arange(len(n)), n) for n in DOCUMENTS]).astype("int64"))
+    CountedBlocks.calls = []
+    got = _ring_in_threads(monkeypatch, degree, q, k, v, grad_out, slopes, CountedBlocks, DocumentBlocks(ids))
+    expected = _whole_attention(q, k, v, grad_out, slopes, ids)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+    unmasked = _whole_attention(q, k, v, grad_out, slopes)
+    assert np.abs(got[0] - unmasked[0]).max() > 1e-3  # the mask changed the attention
+    computed = [c for c in CountedBlocks.calls if c[0] == "forward"]
+    assert len(computed) < degree * degree  # without documents every rank computes `degree` blocks
+    assert sorted(c for c in CountedBlocks.calls if c[0] == "backward") == sorted(
+        ("backward", *c[1:]) for c in computed)  # backward skips the same blocks
+    if degree == 2:
+        assert len(computed) == 3, computed  # rank 1's queries 4-11 over keys 0-3: skipped
