@@ -130,8 +130,16 @@ class Documents:
     when positions restart, each token's position in its document (None otherwise)."""
 
     def __init__(self, config: ModelConfig, document_ids):
-        self.mask = document_mask(document_ids)
+        self.ids = document_ids  # whole sequences: under cp the ring masks each block from them
         self.positions = document_positions(document_ids) if config.reset_position_ids else None
+        self._mask = None
+
+    @property
+    def mask(self):
+        """[batch, 1, seq, seq], built when first asked (the ring under cp never asks for it)."""
+        if self._mask is None:
+            self._mask = document_mask(self.ids)
+        return self._mask
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -160,7 +168,8 @@ class Embeddings(nn.Layer):
         hidden = self.word_embeddings(input_ids)
         if self.config.position_embedding == "learned":
             if documents is not None and documents.positions is not None:  # restarting at each document
-                hidden = hidden + self.position_embeddings(documents.positions)
+                # (whole sequences' positions; under sep / cp this rank's tokens of them, as input_ids)
+                hidden = hidden + self.position_embeddings(pl.split_segment(self.config, documents.positions))
             else:
                 positions = pl.token_positions(self.config, input_ids.shape[1])  # global under sep / cp
                 hidden = hidden + self.position_embeddings(positions)[None]
@@ -268,7 +277,10 @@ class Attention(nn.Layer):
         if self.config.position_embedding == "rope":
             cos, sin = rotary_tables(self.config.seq_length if self.config.context_parallel_degree > 1 else seq, d,
                                      self.config.rope_theta, self.config.rope_scaling)
-            if self.config.context_parallel_degree > 1:  # the rows of this rank's (global) positions
+            if self.config.context_parallel_degree > 1 and positions is not None:
+                # positions restarting per document, given for whole sequences: this rank's tokens of them
+                positions = pl.split_segment(self.config, positions)
+            elif self.config.context_parallel_degree > 1:  # the rows of this rank's (global) positions
                 rank_positions = pl.token_positions(self.config, seq)
                 cos, sin = (paddle.index_select(t, rank_positions, axis=1) for t in (cos, sin))
             if self.config.use_fused_rope:
@@ -344,19 +356,24 @@ class Attention(nn.Layer):
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
 
-    def ring_attention(self, q, k, v):
+    def ring_attention(self, q, k, v, document_ids=None):
         """Context parallelism: the attention of this rank's queries over every rank's keys
-        (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU)."""
+        (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU;
+        with packed documents each block masked by them, blocks they mask entirely skipped)."""
         from models.ring_attention import ring_attention
 
         slopes = list(self.alibi_slope_list) if self.config.position_embedding == "alibi" else None
         return ring_attention(q, k, v, self.config.seq_length, slopes, pl.sequence_group(),
-                              self.config.use_flash_attention)
+                              self.config.use_flash_attention, document_ids)
 
     def forward(self, hidden, documents: Documents | None = None):
         q, k, v = self.project_qkv(hidden, documents.positions if documents is not None else None)
-        attention = self.ring_attention if self.config.context_parallel_degree > 1 else self.core_attention
-        extra = (documents.mask,) if documents is not None else ()  # the plain path only (layout refuses others)
+        ring = self.config.context_parallel_degree > 1
+        attention = self.ring_attention if ring else self.core_attention
+        # Packed documents (the plain paths only: the layout refuses flash): the ring takes the ids and masks
+        # its blocks; otherwise the whole sequence's mask (under sep it fits: after the all-to-all this
+        # rank holds every token of its heads).
+        extra = () if documents is None else (documents.ids,) if ring else (documents.mask,)
         if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 

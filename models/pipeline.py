@@ -39,7 +39,7 @@ from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, Sha
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
-from models.decoder import DecoderLayer, Embeddings, LMHead, add_router_losses, causal_lm_loss, output_logits
+from models.decoder import DecoderLayer, Documents, Embeddings, LMHead, add_router_losses, causal_lm_loss, output_logits
 from models.moe import RouterMetrics, RouterStats
 
 TIED_EMBEDDING = "tied_embedding"
@@ -84,15 +84,57 @@ def split_carry(inputs):
     return (inputs[0], inputs[1:]) if isinstance(inputs, tuple) else (inputs, ())
 
 
-class MoEDecoderLayer(DecoderLayer):
-    """A mixture-of-experts decoder layer under the pipeline: (hidden, sums, counts) in and out, its
-    router's statistics added to the carry (the first layer starts it)."""
+# ----------------------------------------------------------------------------- packed documents
+# With document masks the micro-batch's document ids [batch, seq] (int64, the one integer tensor of the
+# tuple) travel from stage to stage right after the hidden states, as PaddleNLP 2.8.1 passes
+# attention_mask and position_ids through its stages (paddlenlp/transformers/llama/modeling_pp.py:
+# LlamaEmbeddingPipe / LlamaDecoderLayerPipe take and return (hidden_states, attention_mask,
+# position_ids) via parse_args / return_args). Ids rather than the [batch, 1, seq, seq] mask: s x less to
+# send; fleet's p2p sends them with stop_gradient (pp_utils/p2p_communication.py SendRecvMeta), so no
+# gradient goes back for them. The final norm drops them (the head and the loss need none).
+def split_documents(inputs):
+    """(hidden states, document ids or None, the router carry or ())."""
+    hidden, rest = split_carry(inputs)
+    if rest and not paddle.is_floating_point(rest[0]):
+        return hidden, rest[0], rest[1:]
+    return hidden, None, rest
+
+
+def join(hidden, document_ids, carry=()):
+    """What a stage passes on: the hidden states alone, or the tuple (hidden, [document ids], *carry)."""
+    extra = ((document_ids,) if document_ids is not None else ()) + tuple(carry)
+    return (hidden, *extra) if extra else hidden
+
+
+class PipelineEmbeddings(Embeddings):
+    """The first stage's embedding: input_ids, or (input_ids, document_ids) with document masks."""
 
     def forward(self, inputs):
-        hidden, carry = split_carry(inputs)
+        input_ids, document_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
+        documents = Documents(self.config, document_ids) if document_ids is not None else None
+        return join(super().forward(input_ids, documents), document_ids)
+
+
+class PipelineDecoderLayer(DecoderLayer):
+    """A decoder layer under the pipeline: hidden or (hidden, document ids) in and out. Each layer builds
+    the documents' mask (and positions) from the ids again: a [batch, seq, seq] comparison, small beside the
+    attention's own [batch, heads, seq, seq] scores."""
+
+    def forward(self, inputs):
+        hidden, document_ids, carry = split_documents(inputs)
+        documents = Documents(self.config, document_ids) if document_ids is not None else None
+        return join(super().forward(hidden, documents), document_ids, carry)
+
+
+class MoEDecoderLayer(PipelineDecoderLayer):
+    """A mixture-of-experts decoder layer under the pipeline: (hidden, [document ids], sums, counts) in and
+    out, its router's statistics added to the carry (the first layer starts it)."""
+
+    def forward(self, inputs):
+        hidden, document_ids, carry = split_documents(inputs)
         sums, counts = carry or RouterCarry.start(self.config)
-        hidden = super().forward(hidden)
-        return (hidden, *RouterCarry.add(sums, counts, self.layer_index, self.mlp.last_stats))
+        hidden = split_carry(super().forward(join(hidden, document_ids)))[0]
+        return join(hidden, document_ids, RouterCarry.add(sums, counts, self.layer_index, self.mlp.last_stats))
 
 
 class FinalNorm(nn.Layer):
@@ -101,7 +143,7 @@ class FinalNorm(nn.Layer):
         self.norm = pl.norm(config, config.hidden_size)
 
     def forward(self, inputs):
-        hidden, carry = split_carry(inputs)
+        hidden, _, carry = split_documents(inputs)  # the document ids end here
         return (self.norm(hidden), *carry) if carry else self.norm(hidden)
 
 
@@ -164,12 +206,12 @@ class CausalLMPipeline(PipelineLayer):
         hcg = fleet.get_hybrid_communicate_group()
         tied = config.tie_word_embeddings
         if tied:
-            first = SharedLayerDesc(TIED_EMBEDDING, Embeddings, shared_weight_attr="tied_weight", config=config)
-            last = SharedLayerDesc(TIED_EMBEDDING, Embeddings, forward_func=_tied_head,
+            first = SharedLayerDesc(TIED_EMBEDDING, PipelineEmbeddings, shared_weight_attr="tied_weight", config=config)
+            last = SharedLayerDesc(TIED_EMBEDDING, PipelineEmbeddings, forward_func=_tied_head,
                                    shared_weight_attr="tied_weight", config=config)
         else:
-            first, last = LayerDesc(Embeddings, config), LayerDesc(PipelineLMHead, config)
-        decoder_layer = MoEDecoderLayer if config.is_moe else DecoderLayer
+            first, last = LayerDesc(PipelineEmbeddings, config), LayerDesc(PipelineLMHead, config)
+        decoder_layer = MoEDecoderLayer if config.is_moe else PipelineDecoderLayer
         descs = [first] + [LayerDesc(decoder_layer, config, i) for i in range(config.num_hidden_layers)]
         descs += [LayerDesc(FinalNorm, config), last]
         full_recompute = config.recompute and config.recompute_granularity == "full"

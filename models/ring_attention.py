@@ -240,6 +240,40 @@ def _alibi(slopes, q_positions, k_positions):
     return slopes[None, :, None, None] * distance[None, None]
 
 
+class DocumentBlocks:
+    """Packed documents on the ring (reset_attention_mask): a query sees only keys of its own document.
+    Every rank holds the document ids of the whole sequences [batch, seq] (they come in with the batch,
+    before the split), so each block takes the rows of its queries' and its keys' global positions. A block
+    in which no query shares a document with any key is skipped, forward and backward alike (its share of
+    the softmax is 0); the others get the mask as an additive bias (0 / MASKED). Not a tensor, so that
+    RingAttention (a PyLayer) takes no gradient for it."""
+
+    def __init__(self, document_ids):
+        self.ids = document_ids
+
+    def bias(self, q_positions, k_positions):
+        """[batch, 1, queries, keys] float32, or SKIP when the block is masked entirely."""
+        same = (paddle.index_select(self.ids, q_positions, axis=1).unsqueeze(2)
+                == paddle.index_select(self.ids, k_positions, axis=1).unsqueeze(1))
+        if not bool(same.any()):
+            return SKIP
+        return paddle.where(same, 0.0, MASKED).astype("float32").unsqueeze(1)
+
+
+SKIP = "skip"  # a block that document masks remove entirely
+
+
+def _block_bias(slopes, documents, q_positions, k_positions):
+    """The block's additive bias: ALiBi and the document mask (either may be None), or SKIP."""
+    alibi = _alibi(slopes, q_positions, k_positions)
+    if documents is None:
+        return alibi
+    masked = documents.bias(q_positions, k_positions)
+    if masked is SKIP or alibi is None:
+        return masked
+    return alibi + masked
+
+
 def _causal_mask(queries, keys):
     """Query i sees keys 0..i + keys - queries: flash attention 2's alignment (bottom right), which
     on the ring's only causal block, the square diagonal one, is the plain causal mask. One per process
@@ -293,11 +327,12 @@ def _without_autocast(method):
 
 
 class RingAttention(paddle.autograd.PyLayer):
-    """softmax(q k^T / sqrt(d) + ALiBi + causal mask) v over the whole ring; [batch, local seq, heads, d]."""
+    """softmax(q k^T / sqrt(d) + ALiBi + causal mask (+ document mask)) v over the whole ring;
+    [batch, local seq, heads, d]. documents: None or DocumentBlocks."""
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, q, k, v, seq_length, slopes, group, blocks=PlainBlocks):
+    def forward(ctx, q, k, v, seq_length, slopes, group, blocks=PlainBlocks, documents=None):
         rank, size = group.rank, group.nranks
         half = q.shape[1] // 2
         q_positions = balanced_positions(seq_length, rank, size)
@@ -307,22 +342,28 @@ class RingAttention(paddle.autograd.PyLayer):
                 next_block = start_ring_pass([block_k, block_v], group)
             owner = (rank - step) % size
             k_positions = balanced_positions(seq_length, owner, size)
-            if step == 0:
-                out, lse = blocks.forward(q, block_k, block_v, True, _alibi(slopes, q_positions, k_positions))
+            if step == 0:  # (never skipped: every query sees itself)
+                out, lse = blocks.forward(q, block_k, block_v, True,
+                                          _block_bias(slopes, documents, q_positions, k_positions))
                 out = out.astype("float32")
             elif owner < rank:
-                out, lse = merge_blocks(out, lse, *blocks.forward(
-                    q, block_k[:, :half], block_v[:, :half], False, _alibi(slopes, q_positions, k_positions[:half])))
+                bias = _block_bias(slopes, documents, q_positions, k_positions[:half])
+                if bias is not SKIP:
+                    out, lse = merge_blocks(out, lse, *blocks.forward(
+                        q, block_k[:, :half], block_v[:, :half], False, bias))
             else:
-                second_out, second_lse = merge_blocks(out[:, half:], lse[:, :, half:], *blocks.forward(
-                    q[:, half:], block_k, block_v, False, _alibi(slopes, q_positions[half:], k_positions)))
-                out = paddle.concat([out[:, :half], second_out], axis=1)
-                lse = paddle.concat([lse[:, :, :half], second_lse], axis=2)
+                bias = _block_bias(slopes, documents, q_positions[half:], k_positions)
+                if bias is not SKIP:
+                    second_out, second_lse = merge_blocks(out[:, half:], lse[:, :, half:], *blocks.forward(
+                        q[:, half:], block_k, block_v, False, bias))
+                    out = paddle.concat([out[:, :half], second_out], axis=1)
+                    lse = paddle.concat([lse[:, :, :half], second_lse], axis=2)
             if step < size - 1:
                 block_k, block_v = next_block.wait()
         out = out.astype(q.dtype)  # the flash kernel's backward takes out in q's dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seq_length, ctx.slopes, ctx.group, ctx.blocks = seq_length, slopes, group, blocks
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -330,6 +371,7 @@ class RingAttention(paddle.autograd.PyLayer):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensor()
         group, seq_length, slopes, blocks = ctx.group, ctx.seq_length, ctx.slopes, ctx.blocks
+        documents = getattr(ctx, "documents", None)
         rank, size = group.rank, group.nranks
         half = q.shape[1] // 2
         q_positions = balanced_positions(seq_length, rank, size)
@@ -348,25 +390,32 @@ class RingAttention(paddle.autograd.PyLayer):
             k_positions = balanced_positions(seq_length, owner, size)
             if step == 0:
                 dq, dk, dv = blocks.backward(q, block_k, block_v, out, lse, grad_out, True,
-                                             _alibi(slopes, q_positions, k_positions))
+                                             _block_bias(slopes, documents, q_positions, k_positions))
                 grad_q += dq.astype("float32")
             elif owner < rank:
-                dq, dk, dv = blocks.backward(q, block_k[:, :half], block_v[:, :half], out, lse, grad_out, False,
-                                             _alibi(slopes, q_positions, k_positions[:half]))
-                grad_q += dq.astype("float32")
+                dq = dk = dv = None
+                bias = _block_bias(slopes, documents, q_positions, k_positions[:half])
+                if bias is not SKIP:  # as in forward: a block masked entirely adds no gradient
+                    dq, dk, dv = blocks.backward(q, block_k[:, :half], block_v[:, :half], out, lse, grad_out, False,
+                                                 bias)
+                    grad_q += dq.astype("float32")
             else:
-                dq, dk, dv = blocks.backward(q[:, half:], block_k, block_v, out[:, half:], lse[:, :, half:],
-                                             grad_out[:, half:], False, _alibi(slopes, q_positions[half:], k_positions))
-                grad_q[:, half:] = grad_q[:, half:] + dq.astype("float32")
+                dq = dk = dv = None
+                bias = _block_bias(slopes, documents, q_positions[half:], k_positions)
+                if bias is not SKIP:
+                    dq, dk, dv = blocks.backward(q[:, half:], block_k, block_v, out[:, half:], lse[:, :, half:],
+                                                 grad_out[:, half:], False, bias)
+                    grad_q[:, half:] = grad_q[:, half:] + dq.astype("float32")
             if pending_grad is not None:
                 grad_k, grad_v = pending_grad.wait()
-            if step > 0 and owner < rank:  # only the owner's first chunk was seen
+            if dk is not None and step > 0 and owner < rank:  # only the owner's first chunk was seen
                 grad_k[:, :half] = grad_k[:, :half] + dk.astype("float32")
                 grad_v[:, :half] = grad_v[:, :half] + dv.astype("float32")
-            else:
+            elif dk is not None:
                 grad_k += dk.astype("float32")
                 grad_v += dv.astype("float32")
             del dq, dk, dv
+            # every rank passes the gradient on, a skipped block's too (the ring's sends pair up)
             pending_grad = start_ring_pass([grad_k, grad_v], group)
             if step < size - 1:
                 block_k, block_v = next_block.wait()
@@ -374,11 +423,14 @@ class RingAttention(paddle.autograd.PyLayer):
         return grad_q.astype(q.dtype), grad_k.astype(k.dtype), grad_v.astype(v.dtype)
 
 
-def ring_attention(q, k, v, seq_length: int, slopes, group, use_flash_attention: bool = False):
+def ring_attention(q, k, v, seq_length: int, slopes, group, use_flash_attention: bool = False, document_ids=None):
     """[batch, local seq, heads, d] q and [batch, local seq, kv heads, d] k, v -> [batch, local seq, heads x d].
 
     slopes: the ALiBi slopes of q's heads (floats) or None. use_flash_attention: the run's flag
-    (config.use_flash_attention); the flash kernel runs where `attention_blocks` finds it can."""
+    (config.use_flash_attention); the flash kernel runs where `attention_blocks` finds it can.
+    document_ids: None, or [batch, seq] of the whole sequences (packed documents; the plain blocks only:
+    llm_pretrain/parallel/layout.py refuses document masks with flash attention)."""
     blocks = attention_blocks(use_flash_attention, q.place, q.dtype, q.shape[-1])
-    out = RingAttention.apply(q, k, v, seq_length, slopes, group, blocks)
+    documents = DocumentBlocks(document_ids) if document_ids is not None else None
+    out = RingAttention.apply(q, k, v, seq_length, slopes, group, blocks, documents)
     return out.reshape([out.shape[0], out.shape[1], -1])

@@ -53,6 +53,8 @@ STANDIN_FLASH = f"{STANDINS}::test_flash_attn_equals_plain_attention"
 STANDIN_RING = f"{STANDINS}::test_ring_flash_blocks_run_on_the_stand_in"
 RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence"
 DOCUMENTS = "tests/test_documents.py"
+LONG_SEP2 = "tests/test_long_context.py::test_sep2_every_family_and_resume"
+RING_DOCUMENTS = "tests/test_ring_blocks.py::test_ring_with_document_masks_is_masked_attention_and_skips_masked_blocks"
 
 
 @dataclass
@@ -166,7 +168,8 @@ MUTATIONS = [
     # gradient of the earlier stages' routers, and router metrics taken from the first stage instead of the last.
     Mutation("moe_pipeline_aux_grad_dropped", "each stage passes the router sums on with a zero gradient: the "
              "earlier stages' routers lose the load-balancing loss's gradient", "models/pipeline.py",
-             "hidden = super().forward(hidden)\n", "hidden, sums = super().forward(hidden), sums * 0 + sums.detach()\n",
+             "hidden = split_carry(super().forward(join(hidden, document_ids)))[0]\n",
+             "hidden, sums = split_carry(super().forward(join(hidden, document_ids)))[0], sums * 0 + sums.detach()\n",
              (MOE_PIPELINE,)),
     Mutation("moe_metrics_first_stage", "router metrics broadcast from the first pipeline stage (which holds none)",
              "llm_pretrain/observe/metrics.py", "dist.broadcast(packed, src=group.ranks[-1], group=group)",
@@ -295,9 +298,27 @@ MUTATIONS = [
     Mutation("document_mask_off", "packed documents: the document mask not added to the attention scores",
              "models/decoder.py", "            scores = scores + document_mask\n", "            pass\n", (DOCUMENTS,)),
     Mutation("document_positions_not_reset", "packed documents: learned positions not restarted per document",
-             "models/decoder.py", "hidden = hidden + self.position_embeddings(documents.positions)",
+             "models/decoder.py",
+             "hidden = hidden + self.position_embeddings(pl.split_segment(self.config, documents.positions))",
              "hidden = hidden + self.position_embeddings(pl.token_positions(self.config, input_ids.shape[1]))[None]",
              (DOCUMENTS,)),
+    Mutation("document_ids_not_passed_between_stages",
+             "pipeline with document masks: a decoder layer does not pass the document ids on (the next stage runs "
+             "without the mask)", "models/pipeline.py",
+             "return join(super().forward(hidden, documents), document_ids, carry)",
+             "return join(super().forward(hidden, documents), None, carry)",
+             (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
+    Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
+             "the mask", "models/decoder.py",
+             "extra = () if documents is None else (documents.ids,) if ring else (documents.mask,)",
+             "extra = () if documents is None or self.config.sep_parallel_degree > 1 else (documents.ids,) if ring "
+             "else (documents.mask,)", (LONG_SEP2,)),
+    Mutation("ring_document_mask_off", "cp with document masks: the ring's blocks not masked by the documents",
+             "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions)\n",
+             "    masked = None\n", (RING_DOCUMENTS, LONG_SEP2)),
+    Mutation("ring_masked_blocks_computed", "cp with document masks: blocks masked entirely computed anyway",
+             "models/ring_attention.py", "if not bool(same.any()):", "if False:", (RING_DOCUMENTS,)),
     Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",
              "llm_pretrain/data/documents.py", "return np.where(inputs == self.eod_token_id, -100, labels)",
              "return labels", (DOCUMENTS,)),
@@ -429,6 +450,7 @@ def where_it_applies(mutation: Mutation) -> str:
                 "update MUTATIONS")
     for test in mutation.tests:
         file, _, function = test.partition("::")
+        function = function.split("[")[0]  # a parametrized test's id: test_x[case]
         if not (REPO_ROOT / file).is_file() or (function and f"def {function}(" not in (REPO_ROOT / file).read_text()):
             return f"error: mutation {mutation.name}: test {test} does not exist; update MUTATIONS"
     return f"{mutation.path}:{text[:text.index(mutation.old)].count(chr(10)) + 1}"

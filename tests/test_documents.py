@@ -118,6 +118,41 @@ def test_document_positions_restart_at_every_document():
     assert positions[1].tolist() == list(range(5)) + list(range(19))
 
 
+def stage_chain(name: str):
+    """The CausalLM of `name` and its pipeline layers (models/pipeline.py) with its weights, chained in one
+    process as fleet's stages run them: each layer gets what the one before returned (the tuple sent between
+    stages included)."""
+    from models.pipeline import FinalNorm, PipelineDecoderLayer, PipelineEmbeddings, PipelineLMHead
+
+    model, config = tiny_model(name, reset_position_ids=True)
+    layers = [PipelineEmbeddings(config)] + [PipelineDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+    layers += [FinalNorm(config), PipelineLMHead(config)]
+    prefixes = ["embeddings."] + [f"layers.{i}." for i in range(config.num_hidden_layers)] + ["", "lm_head."]
+    state = model.state_dict()
+    for layer, prefix in zip(layers, prefixes):
+        layer.set_state_dict({key: state[prefix + key] for key in layer.state_dict()})
+    return model, config, layers
+
+
+def test_document_ids_travel_through_the_pipeline_stages():
+    """The mechanism under the pipeline: (input_ids, document_ids) enter the first stage, every decoder
+    layer passes the ids on to the next (across a stage boundary fleet sends them as it sends the hidden
+    states), the final norm drops them; the chained layers give the one-process logits with the masks,
+    not those without."""
+    model, config, layers = stage_chain("llama-tiny")
+    tokens = paddle.to_tensor(np.random.default_rng(5).integers(0, config.vocab_size, (2, SEQ)).astype("int64"))
+    ids = paddle.to_tensor(document_ids_of(DOCUMENT_LENGTHS))
+    carried = (tokens, ids)
+    for layer in layers[:-2]:  # the embedding and the decoder layers
+        carried = layer(carried)
+        assert isinstance(carried, tuple) and carried[1] is ids  # the ids ride along
+    final_norm, head = layers[-2:]
+    carried = head(final_norm(carried))
+    masked, unmasked = model(tokens, document_ids=ids).numpy(), model(tokens).numpy()
+    assert np.abs(carried.numpy() - masked).max() <= TOLERANCE
+    assert np.abs(carried.numpy()[:, 5:] - unmasked[:, 5:]).max() > 1e-3
+
+
 # ---- from the data: boundaries, eod loss, the training run ---------------------------------------------
 
 def test_window_document_ids_from_pieces_and_eod():
@@ -205,12 +240,12 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
 @pytest.mark.parametrize("keys, world_size, device, expected", [
     (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
      "eod_token_id: 100000 is outside the model's vocabulary"),
-    (dict(reset_attention_mask=True, pipeline_parallel_degree=2, gradient_accumulation_steps=2), 2, "cpu",
-     "reset_attention_mask with pipeline_parallel_degree 2 is not supported yet"),
-    (dict(reset_attention_mask=True, sep_parallel_degree=2), 2, "cpu",
-     "reset_attention_mask with sep_parallel_degree 2 is not supported yet"),
-    (dict(reset_attention_mask=True, context_parallel_degree=2), 2, "cpu",
-     "reset_attention_mask with context_parallel_degree 2 is not supported yet"),
+    (dict(reset_attention_mask=True, pipeline_parallel_degree=4, virtual_pp_degree=2, num_hidden_layers=8,
+          gradient_accumulation_steps=4), 4, "cpu",
+     "reset_attention_mask with virtual_pp_degree 2 is not supported yet"),
+    (dict(reset_attention_mask=True, pipeline_parallel_degree=2, context_parallel_degree=2,
+          gradient_accumulation_steps=4), 4, "cpu",
+     "reset_attention_mask with pipeline_parallel_degree 2 and context_parallel_degree 2 together is not supported"),
     (dict(reset_attention_mask=True, use_flash_attention=True), 1, "gpu",
      "reset_attention_mask with use_flash_attention is not supported yet"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
@@ -255,6 +290,10 @@ LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
             ("tp2-sp-recompute", "gpt3", dict(tensor_parallel_degree=2, sequence_parallel=True, recompute=True,
                                               recompute_granularity="core_attn"))],
     "sd2": [("sd2-stage2", "llama", dict(sharding="stage2", gradient_accumulation_steps=2))],
+    # 1F1B over 2 stages of one layer each; GPT-3: learned positions, the tied embedding's two copies and
+    # fleet's full recompute of a stage's segment (the ids among its inputs)
+    "pp2": [("pp2", "llama", dict(pipeline_parallel_degree=2)),
+            ("gpt3-pp2-recompute", "gpt3", dict(pipeline_parallel_degree=2, recompute=True, pp_recompute_interval=1))],
 }
 
 
@@ -287,8 +326,8 @@ def document_references(shared_launches, embedded_corpus) -> Path:
 
 @pytest.mark.parametrize("launch_name", sorted(LAYOUT_RUNS))
 def test_document_masks_train_like_one_process_under(launch_name, document_references, shared_launches):
-    """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA): the losses,
-    grad norms and weights of one process with the same document masks (1e-5)."""
+    """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA), pp2 (1F1B;
+    LLaMA, GPT-3 with full recompute): the losses, grad norms and weights of one process with the same document masks (1e-5)."""
     shared_launches.results(launch_name, "documents")
     for name, model, _ in LAYOUT_RUNS[launch_name]:
         run = document_references / name

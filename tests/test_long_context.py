@@ -27,6 +27,11 @@ accumulation steps of one process).
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's
+    packed documents    in the sep2/cp2 launch, reset_attention_mask, reset_position_ids and eod_mask_loss on:
+                        GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
+                        rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
+                        document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
+                        skipped, ALiBi, cp4)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
@@ -77,6 +82,11 @@ EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batc
 LAYERS = 2
 PIPELINE_LAYERS = 8
 PIPELINE_MODELS = ("llama", "bloom", "gpt3")  # "<model>-pp": the same model with PIPELINE_LAYERS
+# "<model>-docs": packed documents, every document key on (tests/test_documents.py); one run per layout
+# (the suite's budget): GPT-3's learned positions under sep2, LLaMA's rotary ones through the ring under cp2
+DOCUMENT_MODELS = ("llama", "gpt3")
+DOCUMENT_RUNS = (("gpt3", "sep2", SEP2), ("llama", "cp2", CP2))
+DOCUMENT_KEYS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 
 
 class Runs:
@@ -89,6 +99,9 @@ class Runs:
         self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
             corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=PIPELINE_LAYERS))
             for model in PIPELINE_MODELS})
+        self.files.update({f"{model}-docs": write_json(work / f"{model}-docs.json", base_arguments(
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **DOCUMENT_KEYS))
+            for model in DOCUMENT_MODELS})
 
     def reference(self, model: str) -> Path:
         return self.work / "single" / model
@@ -123,7 +136,8 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
     references = [argv(setup.files[model], setup.reference(model))
-                  for model in (*MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS))]
+                  for model in (*MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
+                                *(f"{m}-docs" for m in DOCUMENT_MODELS))]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
@@ -146,6 +160,7 @@ def test_sep2_every_family_and_resume(runs):
         runs.run("cp2-to-single", exit_interval=STOP, **CP2),
     ] + [runs.run(f"{model}-{name}", model, **degrees) for model in MOE_MODELS
          for name, degrees in (("sep2", SEP2), ("cp2", CP2))] + [
+        runs.run(f"{model}-docs-{name}", f"{model}-docs", **degrees) for model, name, degrees in DOCUMENT_RUNS] + [
         # the GPU kernels' branches through their CPU stand-ins: sdpa's flash after sep's all-to-all, the
         # ring's FlashBlocks (Bloom: ALiBi as the blocks' additive mask), Mixtral's experts under cp
         run_spec(name, runs.run(name, model, **degrees, **KERNEL_OPTIONS)) for name, model, degrees in KERNEL_RUNS],
@@ -159,6 +174,10 @@ def test_sep2_every_family_and_resume(runs):
         ("cp2-to-single", "llama")])
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
     runs.check([(name, model) for name, model, _ in KERNEL_RUNS])
+    # packed documents: the same masked training as one process (test_documents.py proves the masks matter)
+    runs.check([(f"{model}-docs-{name}", f"{model}-docs") for model, name, _ in DOCUMENT_RUNS])
+    for model, name, _ in DOCUMENT_RUNS:
+        assert run_record(runs.out(f"{model}-docs-{name}"))["documents"]["document_masks"], model
     for name, model, _ in KERNEL_RUNS:
         stand_ins = run_record(runs.out(name))["built"]["kernels"]["stand_ins"]
         rope = ["fused_rotary_position_embedding"] if model != "bloom" else []

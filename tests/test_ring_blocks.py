@@ -216,3 +216,50 @@ def test_ring_transfers_are_in_flight_while_each_block_is_computed(degree, monke
             # block's gradient, the last only that gradient
             expected = [1] * (degree - 1) + [0] if phase == "forward" else [1] + [2] * (degree - 2) + [1]
             assert at_compute == expected, (rank, phase, phase_events)
+
+
+# ----------------------------------------------------------------------------- packed documents on the ring
+# Two samples of 16 tokens, a document boundary at token 4 in both: under cp2 (chunks of 4; rank 0 holds
+# tokens 0-3 and 12-15, rank 1 tokens 4-11) rank 1's block over rank 0's first chunk (its queries 4-11
+# over keys 0-3) lies across that boundary in every sample, so no query sees any key there.
+DOCUMENTS = [[4, 12], [4, 6, 6]]
+
+
+class CountedBlocks(PlainBlocks):
+    calls: list = []
+
+    @staticmethod
+    def forward(q, k, v, causal, bias):
+        CountedBlocks.calls.append(("forward", q.shape[1], k.shape[1]))
+        return PlainBlocks.forward(q, k, v, causal, bias)
+
+    @staticmethod
+    def backward(q, k, v, out, lse, grad_out, causal, bias):
+        CountedBlocks.calls.append(("backward", q.shape[1], k.shape[1]))
+        return PlainBlocks.backward(q, k, v, out, lse, grad_out, causal, bias)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("slopes", [None, SLOPES], ids=["rope", "alibi"])
+def test_ring_with_document_masks_is_masked_attention_and_skips_masked_blocks(degree, slopes, monkeypatch):
+    """reset_attention_mask under cp: every block masked by the documents (forward and gradients equal one
+    masked attention over the whole sequence), and a block the documents mask entirely is not computed."""
+    from models.ring_attention import DocumentBlocks
+
+    q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
+    k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
+    grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
+    ids = paddle.to_tensor(np.stack([np.repeat(np.arange(len(n)), n) for n in DOCUMENTS]).astype("int64"))
+    CountedBlocks.calls = []
+    got = ring_in_threads(degree, q, k, v, grad_out, slopes, CountedBlocks, documents=DocumentBlocks(ids))
+    expected = whole_attention(q, k, v, grad_out, slopes, ids)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+    unmasked = whole_attention(q, k, v, grad_out, slopes)
+    assert np.abs(got[0] - unmasked[0]).max() > 1e-3  # the mask changed the attention
+    computed = [c for c in CountedBlocks.calls if c[0] == "forward"]
+    assert len(computed) < degree * degree  # without documents every rank computes `degree` blocks
+    assert sorted(c for c in CountedBlocks.calls if c[0] == "backward") == sorted(
+        ("backward", *c[1:]) for c in computed)  # backward skips the same blocks
+    if degree == 2:
+        assert len(computed) == 3, computed  # rank 1's queries 4-11 over keys 0-3: skipped

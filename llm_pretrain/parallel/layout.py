@@ -673,16 +673,20 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
         raise UsageError("reset_attention_mask with use_flash_attention is not supported yet (the flashmask "
                          "attention path is not built); set use_flash_attention false")
     # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
-    # sequences of its heads) run the same attention with the same mask (tests/test_documents.py, shared
-    # launches dp2, tp2, sd2). Not yet: the pipeline (the ids would travel with the micro-batch), sep
-    # (the all-to-all) and cp (the ring's blocks).
-    degrees = {"pipeline_parallel_degree": layout.pipeline_parallel_degree,
-               "sep_parallel_degree": layout.sep_parallel_degree,
-               "context_parallel_degree": layout.context_parallel_degree}
-    for name, degree in degrees.items():
-        if degree > 1:
-            raise UsageError(f"reset_attention_mask with {name} {degree} is not supported yet; document masks run "
-                             "with data, tensor (and sequence) parallelism and sharding, or turn it off")
+    # sequences of its heads) run the same attention with the same mask; under the pipeline the document ids
+    # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared
+    # launches dp2, tp2, sd2, pp2); under sep the whole sequence's mask fits the heads after the all-to-all,
+    # under cp the ring masks each block (models/ring_attention.py DocumentBlocks) (tests/test_long_context.py,
+    # the sep2/cp2 launch).
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
+        schedule = "dualpipev" if layout.dualpipev else f"virtual_pp_degree {layout.virtual_pp_degree}"
+        raise UsageError(f"reset_attention_mask with {schedule} is not supported yet (proven under 1F1B only); "
+                         "use the 1F1B schedule (virtual_pp_degree 1)")
+    split = layout.sep_parallel_degree * layout.context_parallel_degree
+    if layout.pipeline_parallel_degree > 1 and split > 1:
+        name = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
+        raise UsageError(f"reset_attention_mask with pipeline_parallel_degree {layout.pipeline_parallel_degree} and "
+                         f"{name} {split} together is not supported yet (each is proven alone); drop one of them")
 
 
 def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:

@@ -297,8 +297,7 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         # (outside autocast: pipeline_parallel.py train_batch), so the check comes after the update:
         # a non-finite step stops the run before any save. The forwards run under the run's
         # autocast, as paddlenlp/trainer/trainer.py training_pipeline_step.
-        inputs = paddle.concat([x for x, _ in micro_batches])
-        labels = paddle.concat([y for _, y in micro_batches])
+        inputs, labels = pipeline_data(micro_batches)
         with precision.autocast():
             loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
         stepped = precision.optimizer_was_run()
@@ -370,6 +369,19 @@ class DivergenceGuard:
                 f"({self.in_a_row} of at most {self.allowed} in a row, skip_nan_inf_steps)")
 
 
+def pipeline_data(micro_batches):
+    """(inputs, labels) of fleet's train_batch / eval_batch: the micro-batches concatenated (fleet cuts them
+    again); with document masks the inputs are (input_ids, document_ids), a tuple fleet's
+    _load_micro_batch_impl cuts tensor by tensor (the first stage gets both: models/pipeline.py)."""
+    columns = [paddle.concat(list(column)) for column in zip(*micro_batches)]
+    inputs = columns[0] if len(columns) == 2 else (columns[0], columns[2])
+    return inputs, columns[1]
+
+
+def rows_of(inputs, start: int, end: int):
+    return tuple(x[start:end] for x in inputs) if isinstance(inputs, tuple) else inputs[start:end]
+
+
 def is_pipeline(model) -> bool:
     return hasattr(model, "train_batch")
 
@@ -390,15 +402,14 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
     if is_pipeline(model):
         # As PaddleNLP's training_pipeline_step does for training: set the pipeline's micro-batch
         # count for this call and restore it afterwards.
-        inputs = paddle.concat([x for x, _ in batches])
-        labels = paddle.concat([y for _, y in batches])
+        inputs, labels = pipeline_data(batches)
         calls, per_call = pipeline_calls
-        samples = inputs.shape[0] // calls
+        samples = labels.shape[0] // calls
         saved = model.accumulate_steps
         model.accumulate_steps = per_call
         try:
             with autocast():
-                losses = [fed(scalar(model.eval_batch([inputs[c * samples:(c + 1) * samples],
+                losses = [fed(scalar(model.eval_batch([rows_of(inputs, c * samples, (c + 1) * samples),
                                                         labels[c * samples:(c + 1) * samples]], compute_loss=True)))
                           for c in range(calls)]
         finally:

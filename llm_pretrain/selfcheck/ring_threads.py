@@ -60,13 +60,15 @@ def _recorded_blocks(blocks, events):
     return Recorded
 
 
-def ring_in_threads(degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", events=None) -> list[np.ndarray]:
+def ring_in_threads(degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", events=None,
+                    documents=None) -> list[np.ndarray]:
     """Each rank's RingAttention forward and backward in a thread; returns whole-sequence out, dq, dk, dv
     (float32 numpy, sequence order). q/grad_out [b, s, heads, d], k/v [b, s, kv_heads, d].
 
     backend "GLOO": the blocking ring_pass; "NCCL": the overlapped path, one batch_isend_irecv per pass.
     Both go through queues here. events: {rank: []} to record each rank's "issue" (a pass started),
-    "compute" (a block's forward or backward) and "wait" (a pass's tensors taken) in order."""
+    "compute" (a block's forward or backward) and "wait" (a pass's tensors taken) in order.
+    documents: models/ring_attention.py DocumentBlocks of the whole batch (packed documents), or None."""
     seq = q.shape[1]
     inboxes = [queue.Queue() for _ in range(degree)]
 
@@ -105,7 +107,7 @@ def ring_in_threads(degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", e
             local = [balanced_split(t, rank, degree) for t in (q, k, v, grad_out)]
             ctx = _Context()
             with paddle.no_grad():
-                out = RingAttention.forward(ctx, *local[:3], seq, slopes, group, blocks)
+                out = RingAttention.forward(ctx, *local[:3], seq, slopes, group, blocks, documents)
                 if events is not None:
                     events[rank].append("backward")
                 results[rank] = (out, *RingAttention.backward(ctx, local[3]))
@@ -131,9 +133,10 @@ def ring_in_threads(degree, q, k, v, grad_out, slopes, blocks, backend="GLOO", e
     return whole
 
 
-def whole_attention(q, k, v, grad_out, slopes) -> list[np.ndarray]:
+def whole_attention(q, k, v, grad_out, slopes, document_ids=None) -> list[np.ndarray]:
     """One causal attention over the whole sequence in float32 on CPU (paddle autograd), from the same
-    values as the ring's (half-precision inputs are widened exactly): out, dq, dk, dv."""
+    values as the ring's (half-precision inputs are widened exactly): out, dq, dk, dv. With document ids
+    [batch, seq], masked by models/decoder.py's document mask (the one-process path)."""
     place = paddle.CPUPlace()
     q, k, v, grad_out = (paddle.to_tensor(t.astype("float32").numpy(), place=place, stop_gradient=False)
                          for t in (q, k, v, grad_out))
@@ -146,6 +149,10 @@ def whole_attention(q, k, v, grad_out, slopes) -> list[np.ndarray]:
     if slopes:
         scores = scores + paddle.to_tensor(slopes, place=place)[None, :, None, None] * positions[None, None, None, :]
     scores = scores + paddle.triu(paddle.full([seq, seq], float("-inf")).cpu(), diagonal=1)
+    if document_ids is not None:
+        from models.decoder import document_mask
+
+        scores = scores + document_mask(document_ids)
     out = paddle.matmul(F.softmax(scores, axis=-1), vt).transpose([0, 2, 1, 3])
     (out * grad_out).sum().backward()
     return [t.numpy() for t in (out, q.grad, k.grad, v.grad)]
