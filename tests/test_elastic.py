@@ -228,3 +228,98 @@ def test_without_a_checkpoint_elastic_only_repairs_degrees_the_ranks_cannot_form
                                        "multiple of tensor_parallel_degree 2")
     assert capsys.readouterr().out.splitlines() == [record["line"]]
     assert record["line"].endswith("continuing on 3 ranks with tensor_parallel_degree 2 -> 1, global batch 12")
+
+
+# ----------------------------------------------------------------------------- restarts: llm_pretrain.launch
+# `--max_restarts`: a rank killed with SIGKILL after checkpoint-5 in a dp2 x tp2 job (4 processes, the file
+# of the shared launches above, global batch 8); the launcher restarts on the ranks left that hold the run
+# (3 cannot split 8 samples over 3 data replicas: 2, tp2 with accumulation 4), which trains to step 10 with
+# the losses of the shared by-hand resume of checkpoint-5 under that layout. Then the node "returns": the
+# same command started again (to step 15) runs on all 4 ranks with the file's layout, same global batch.
+def _start_restarting_launch(nproc: int, run_argv: list[str], log_dir: Path, max_restarts: int = 2):
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT, TESTS_DIR
+    from parity_utils import RUN_PRETRAIN
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])}
+    for key in ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_LOG_DIR"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "llm_pretrain.launch", "--max_restarts", str(max_restarts), "--nproc_per_node",
+               str(nproc), "--log_dir", str(log_dir), str(RUN_PRETRAIN), *run_argv]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _kill_rank_after_checkpoint(launcher, log_dir: Path, checkpoint: Path, rank: int, timeout: float = 240) -> int:
+    """SIGKILL to `rank` once `checkpoint` is complete and the rank has finished a step after it; its pid."""
+    import os
+    import signal
+    import time
+
+    step = int(checkpoint.name.split("-")[1])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            beat = json.loads((log_dir / f"heartbeat.{rank}.json").read_text())
+        except (OSError, ValueError):
+            beat = {"step": 0}
+        if beat["step"] > step and (checkpoint / "COMPLETE").exists():
+            os.kill(beat["pid"], signal.SIGKILL)
+            return beat["pid"]
+        time.sleep(0.02)
+    output = launcher.communicate(timeout=60)[1][-3000:] if launcher.poll() is not None else ""
+    raise AssertionError(f"rank {rank} never passed step {step} (launcher exit code {launcher.poll()}) {output}")
+
+
+def _run_records(output_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (output_dir / "train_log.jsonl").read_text().splitlines()) if r["event"] == "run"]
+
+
+def test_a_killed_rank_restarts_on_the_ranks_left_and_the_next_start_grows_back(shared_launches, tmp_path):
+    from launch_utils import _kill_session
+
+    shared_launches.results("tp2", "elastic")  # the by-hand resume of checkpoint-5 on tp2, accumulation 4
+    reference = shared_launches.work_dir("elastic") / "by-hand"
+    # elastic in the file: `--elastic true` after the script is taken by Paddle's launcher's own parser as an
+    # ambiguous abbreviation of its --elastic_level / --elastic_timeout (exit 2 before any worker starts)
+    args_file = _lost_node_file(tmp_path, shared_launches.corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": True})
+    out, logs = tmp_path / "out", tmp_path / "log"
+    launcher = _start_restarting_launch(4, argv(args_file, out), logs)
+    try:
+        _kill_rank_after_checkpoint(launcher, logs, out / "checkpoint-5", rank=1)
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        _kill_session(launcher.pid)
+    assert launcher.returncode == 0, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("launch: ")]
+    assert said == ["launch: rank 1 stopped first (killed by SIGKILL); restart 1 of 2 on 2 of the 4 ranks (3 cannot "
+                    "hold the run), from the newest complete checkpoint"], err[-3000:]
+    first, continued = _run_records(out)[0], _run_records(out)[-1]
+    assert first["layout"]["world_size"] == 4 and first["strategy"] == "tp2dp2" and first["global_batch_size"] == 8
+    assert continued["layout"]["world_size"] == 2 and continued["strategy"] == "tp2" and continued["start_step"] == 5
+    assert continued["global_batch_size"] == 8
+    assert continued["elastic"]["reason"] == "checkpoint-5 was written by 4 ranks, 2 are present"
+    assert continued["elastic"]["changes"] == {"gradient_accumulation_steps": [2, 4]}
+    # from checkpoint-5 on (the restarted attempt's records are the last of each step), the by-hand losses
+    got = {r["step"]: r["loss"] for r in train_records(out) if r["step"] > 5}
+    want = {r["step"]: r["loss"] for r in train_records(reference)}
+    assert sorted(got) == sorted(want) == list(range(6, 11))
+    assert all(abs(got[step] - want[step]) < 1e-5 for step in want), (got, want)
+
+    # The node returns: the command started again (5 more steps) runs on all 4 ranks, the file's layout.
+    launcher = _start_restarting_launch(4, argv(args_file, out, max_steps=15), logs)
+    try:
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        _kill_session(launcher.pid)
+    assert launcher.returncode == 0 and "launch: " not in err, err[-3000:]
+    grown = _run_records(out)[-1]
+    assert grown["layout"]["world_size"] == 4 and grown["strategy"] == "tp2dp2" and grown["start_step"] == 10
+    assert grown["global_batch_size"] == 8 and grown["elastic"]["changes"] == {}
+    assert grown["elastic"]["reason"] == "checkpoint-10 was written by 2 ranks, 4 are present"
+    assert sorted(r["step"] for r in train_records(out) if r["step"] > 10) == list(range(11, 16))
