@@ -187,7 +187,40 @@ def ranks_to_restart_on(args, left: int, device: str) -> tuple[int, str]:
     raise AssertionError("unreachable")
 
 
-def run_with_restarts(argv: list[str]) -> int:
+class Attempts:
+    """Each attempt is this launcher (Paddle's, patched) in a child process, with nproc ranks; a stop
+    signal is forwarded to it, and no attempt follows a stop."""
+
+    def __init__(self, options: list[str], command: list[str]):
+        log_dir = _option(options, "--log_dir")[0] or "log"
+        os.makedirs(log_dir, exist_ok=True)
+        self.options, self.command = _option(options, "--nproc_per_node")[1], command
+        self.failed_file = os.path.join(log_dir, "failed_ranks.json")
+        self.child, self.stopped = None, False
+        signal.signal(signal.SIGTERM, self.forward)
+        signal.signal(signal.SIGINT, self.forward)
+
+    def forward(self, signum, frame):
+        self.stopped = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def run(self, nproc: int) -> tuple[int, str | None]:
+        """(exit code, the dead-rank report's line naming the rank that stopped first, or None)."""
+        if os.path.exists(self.failed_file):
+            os.remove(self.failed_file)
+        self.child = subprocess.Popen([sys.executable, "-m", "llm_pretrain.launch", *self.options, "--nproc_per_node",
+                                       str(nproc), *self.command], env={**os.environ, FAILED_RANKS_ENV: self.failed_file})
+        code = self.child.wait()
+        try:
+            with open(self.failed_file) as f:
+                return code, json.load(f)["line"]
+        except (OSError, ValueError, KeyError):
+            return code, None
+
+
+def run_with_restarts(argv: list[str], attempts=Attempts) -> int:
+    """`--max_restarts`: the attempts, each on the ranks left after the previous failure (module docstring)."""
     from llm_pretrain.errors import UsageError, exit_with_usage_error
     from llm_pretrain.run.preflight import choose_device
 
@@ -196,43 +229,24 @@ def run_with_restarts(argv: list[str]) -> int:
         device = choose_device(args)
     except UsageError as error:
         exit_with_usage_error(error)
-    log_dir, _ = _option(options, "--log_dir")
-    log_dir = log_dir or "log"
-    os.makedirs(log_dir, exist_ok=True)
-    failed_file = os.path.join(log_dir, "failed_ranks.json")
-    stopping = []
-    child = None
-
-    def forward(signum, frame):  # a stop is a stop: forwarded to the attempt, never restarted
-        stopping.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    attempts = attempts(options, command)
     nproc, restarts = configured, 0
     while True:
-        if os.path.exists(failed_file):
-            os.remove(failed_file)
-        attempt_options = _option(options, "--nproc_per_node")[1] + ["--nproc_per_node", str(nproc)]
-        child = subprocess.Popen([sys.executable, "-m", "llm_pretrain.launch", *attempt_options, *command],
-                                 env={**os.environ, FAILED_RANKS_ENV: failed_file})
-        code = child.wait()
-        if code in (0, 2) or stopping or restarts >= max_restarts:
+        code, first_stopped = attempts.run(nproc)
+        if code in (0, 2) or attempts.stopped or restarts >= max_restarts:
             return code
-        try:  # the rank that stopped first is lost; the other ranks' failures followed from it
-            with open(failed_file) as f:
-                first = json.load(f)["line"].removeprefix("error: ").split(";")[0]
-            lost = 1
-        except (OSError, ValueError, KeyError):  # none stopped first (e.g. a collective timed out): all again
-            first, lost = f"the attempt failed with exit code {code} and no rank stopped first", 0
         restarts += 1
-        # Grow back: each restart counts from the configured ranks, not from the previous attempt's.
+        # The rank that stopped first is lost (the other ranks' failures followed from it); no rank stopped
+        # first (e.g. a collective timed out): all ranks are tried again. Grow back: each restart counts
+        # from the configured ranks, not from the previous attempt's.
+        lost = 1 if first_stopped else 0
         try:
             nproc, why = ranks_to_restart_on(args, configured - lost, device)
         except UsageError as error:
             exit_with_usage_error(error)
-        print(f"launch: {first}; restart {restarts} of {max_restarts} on {nproc} of the {configured} ranks{why}, "
+        what = (first_stopped.removeprefix("error: ").split(";")[0] if first_stopped else
+                f"the attempt failed with exit code {code} and no rank stopped first")
+        print(f"launch: {what}; restart {restarts} of {max_restarts} on {nproc} of the {configured} ranks{why}, "
               "from the newest complete checkpoint", file=sys.stderr, flush=True)
 
 

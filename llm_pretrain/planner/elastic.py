@@ -149,7 +149,8 @@ def continue_on(args: Arguments, world_size: int, global_batch: int | None, devi
         why = f" ({refusals[0]})" if refusals else ""
         raise UsageError(f"elastic_keep: {key} {getattr(args, key)} cannot be kept on {world_size} ranks{why}; remove "
                          "it from elastic_keep or bring the ranks back")
-    raise UsageError(f"elastic: no layout of this run fits on {world_size} ranks: {refusals[0]}")
+    # the last candidate's refusal: the lowest degrees, the layout that asks least of the ranks
+    raise UsageError(f"elastic: no layout of this run fits on {world_size} ranks: {refusals[-1]}")
 
 
 def describe_change(changes: dict, world_size: int, why: str, global_batch: int) -> str:
