@@ -239,7 +239,7 @@ def run_with_restarts(argv: list[str], attempts=Attempts) -> int:
         # The rank that stopped first is lost (the other ranks' failures followed from it); no rank stopped
         # first (e.g. a collective timed out): all ranks are tried again. Grow back: each restart counts
         # from the configured ranks, not from the previous attempt's.
-        lost = 1 if first_stopped else 0
+        lost = 1 if first_stopped and configured > 1 else 0  # a job of one rank restarts on it
         try:
             nproc, why = ranks_to_restart_on(args, configured - lost, device)
         except UsageError as error:
