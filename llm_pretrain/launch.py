@@ -19,14 +19,43 @@ peer died. Here the launcher notes which workers had failed at the first worker'
 and prints one line naming the rank that stopped first, with its last step, host and pid from the
 heartbeats (run_control.describe_first_stopped), before exiting with the job's exit code.
 Everything else is Paddle's launcher unchanged.
+
+Restart on the ranks left (issue 38), opt-in: `--max_restarts N` (this launcher's own option, not
+Paddle's `--max_restart`, which needs an etcd master and restarts a pod with the same process count:
+paddle/distributed/launch/controllers/collective.py:268, controller.py:87-147) with an argument file
+that has `elastic: true`:
+
+    python -m llm_pretrain.launch --max_restarts 3 --nproc_per_node 4 llm_pretrain/run_pretrain.py args.json
+
+Each attempt is one run of this launcher (Paddle's, patched as above) in a child process. When an
+attempt fails, the rank that stopped first (the dead-rank report) is taken as lost: the next attempt
+runs on the configured --nproc_per_node minus that rank, or fewer: the largest count on which the
+elastic preflight finds a layout that keeps the checkpoint's global batch (llm_pretrain/run/preflight.py
+elastic_arguments; e.g. 3 ranks cannot split a global batch of 8 over 3 data replicas, so 2). The run
+resumes from the newest complete checkpoint, and the preflight says which layout it picked. One line
+says what happened:
+
+    launch: rank 1 stopped first (killed by SIGKILL); restart 1 of 3 on 2 of the 4 ranks (3 cannot hold
+    the run), from the newest complete checkpoint
+
+Growing back: a rank lost counts only against the attempt after the failure that lost it; every
+later restart, and the command started again, begins from the configured count (a returned node
+or, on one machine, the killed process's core), and the elastic preflight goes back to the argument
+file's layout with the same global batch. Not restarted: exit 0 (finished or stopped), exit 2 (bad
+input: the elastic preflight's "no layout holds the run on N ranks; the smallest number of ranks that
+holds it is M"), a stop by SIGTERM/SIGINT, or no count of ranks holding the run.
 """
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 STOP_TIMEOUT_ENV = "LLM_PRETRAIN_STOP_TIMEOUT"
+# Where an attempt (a child launcher) writes the ranks that had failed when it noticed the first death.
+FAILED_RANKS_ENV = "LLM_PRETRAIN_FAILED_RANKS"
 
 
 def install_graceful_stop() -> None:
@@ -86,13 +115,144 @@ def install_dead_rank_report() -> None:
         if self.pod.exit_code != 0 and exited_first:
             line = describe_first_stopped(self.ctx.args.log_dir, exited_first, launched_at, self.pod.noticed_at)
             print(line, file=sys.stderr, flush=True)
+            if os.environ.get(FAILED_RANKS_ENV):
+                with open(os.environ[FAILED_RANKS_ENV], "w") as f:
+                    json.dump({"exit_codes": exited_first, "line": line}, f)
         return paddle_finalize(self, exit)
 
     Pod.deploy = deploy_watching_for_the_first_failure
     ControllerBase.finalize = finalize_naming_the_rank_that_stopped_first
 
 
+# ----------------------------------------------------------------------------- restarts on the ranks left
+def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of `--name V` / `--name=V` in argv and argv without it."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def _positive_int(value: str, name: str) -> int:
+    from llm_pretrain.errors import UsageError
+
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{name}: {value!r} is not a positive whole number")
+    return int(value)
+
+
+def restart_plan(argv: list[str]) -> tuple[int, int, list[str], list[str], object]:
+    """(max_restarts, configured ranks, launcher options without --max_restarts, training command, the
+    training Arguments). UsageError (one line, before Paddle) for what restarts cannot work with."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.errors import UsageError
+
+    value, argv = _option(argv, "--max_restarts")
+    max_restarts = _positive_int(value, "--max_restarts")
+    script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), None)
+    if script_at is None:
+        raise UsageError("--max_restarts: no training script (a .py file) in the command")
+    options, command = argv[:script_at], argv[script_at:]
+    nnodes, _ = _option(options, "--nnodes")
+    if nnodes not in (None, "1"):
+        raise UsageError(f"--max_restarts: --nnodes {nnodes}: restarts on the ranks left are built for one node "
+                         "(see docs/failures.md); run one launcher per node without --max_restarts")
+    nproc, _ = _option(options, "--nproc_per_node")
+    if nproc is None:
+        raise UsageError("--max_restarts: give --nproc_per_node (the ranks the job starts with)")
+    args, _ = parse_arguments(command[1:])
+    if not args.elastic:
+        raise UsageError("--max_restarts: the argument file must have elastic: true (a restart on fewer ranks "
+                         "changes the layout; without it the run would refuse to start)")
+    return max_restarts, _positive_int(nproc, "--nproc_per_node"), options, command, args
+
+
+def ranks_to_restart_on(args, left: int, device: str) -> tuple[int, str]:
+    """The largest count of ranks <= left on which the elastic preflight holds the run, and why the larger
+    counts cannot (empty when `left` can). UsageError from the preflight when no count can: its line names
+    the smallest number of ranks that holds the run."""
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.run.preflight import elastic_arguments
+
+    for count in range(left, 0, -1):
+        try:
+            elastic_arguments(args, count, device)
+        except UsageError:
+            if count == 1:
+                elastic_arguments(args, left, device)  # raises the line for the ranks left
+            continue
+        return count, "" if count == left else f" ({', '.join(map(str, range(left, count, -1)))} cannot hold the run)"
+    raise AssertionError("unreachable")
+
+
+class Attempts:
+    """Each attempt is this launcher (Paddle's, patched) in a child process, with nproc ranks; a stop
+    signal is forwarded to it, and no attempt follows a stop."""
+
+    def __init__(self, options: list[str], command: list[str]):
+        log_dir = _option(options, "--log_dir")[0] or "log"
+        os.makedirs(log_dir, exist_ok=True)
+        self.options, self.command = _option(options, "--nproc_per_node")[1], command
+        self.failed_file = os.path.join(log_dir, "failed_ranks.json")
+        self.child, self.stopped = None, False
+        signal.signal(signal.SIGTERM, self.forward)
+        signal.signal(signal.SIGINT, self.forward)
+
+    def forward(self, signum, frame):
+        self.stopped = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def run(self, nproc: int) -> tuple[int, str | None]:
+        """(exit code, the dead-rank report's line naming the rank that stopped first, or None)."""
+        if os.path.exists(self.failed_file):
+            os.remove(self.failed_file)
+        self.child = subprocess.Popen([sys.executable, "-m", "llm_pretrain.launch", *self.options, "--nproc_per_node",
+                                       str(nproc), *self.command], env={**os.environ, FAILED_RANKS_ENV: self.failed_file})
+        code = self.child.wait()
+        try:
+            with open(self.failed_file) as f:
+                return code, json.load(f)["line"]
+        except (OSError, ValueError, KeyError):
+            return code, None
+
+
+def run_with_restarts(argv: list[str], attempts=Attempts) -> int:
+    """`--max_restarts`: the attempts, each on the ranks left after the previous failure (module docstring)."""
+    from llm_pretrain.errors import UsageError, exit_with_usage_error
+    from llm_pretrain.run.preflight import choose_device
+
+    try:
+        max_restarts, configured, options, command, args = restart_plan(argv)
+        device = choose_device(args)
+    except UsageError as error:
+        exit_with_usage_error(error)
+    attempts = attempts(options, command)
+    nproc, restarts = configured, 0
+    while True:
+        code, first_stopped = attempts.run(nproc)
+        if code in (0, 2) or attempts.stopped or restarts >= max_restarts:
+            return code
+        restarts += 1
+        # The rank that stopped first is lost (the other ranks' failures followed from it); no rank stopped
+        # first (e.g. a collective timed out): all ranks are tried again. Grow back: each restart counts
+        # from the configured ranks, not from the previous attempt's.
+        lost = 1 if first_stopped and configured > 1 else 0  # a job of one rank restarts on it
+        try:
+            nproc, why = ranks_to_restart_on(args, configured - lost, device)
+        except UsageError as error:
+            exit_with_usage_error(error)
+        what = (first_stopped.removeprefix("error: ").split(";")[0] if first_stopped else
+                f"the attempt failed with exit code {code} and no rank stopped first")
+        print(f"launch: {what}; restart {restarts} of {max_restarts} on {nproc} of the {configured} ranks{why}, "
+              "from the newest complete checkpoint", file=sys.stderr, flush=True)
+
+
 def main() -> None:
+    if any(arg == "--max_restarts" or arg.startswith("--max_restarts=") for arg in sys.argv[1:]):
+        sys.exit(run_with_restarts(sys.argv[1:]))
     install_graceful_stop()
     install_dead_rank_report()
     from paddle.distributed.launch.main import launch

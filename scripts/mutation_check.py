@@ -55,6 +55,12 @@ RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_t
 DOCUMENTS = "tests/test_documents.py"
 LONG_SEP2 = "tests/test_long_context.py::test_sep2_every_family_and_resume"
 RING_DOCUMENTS = "tests/test_ring_blocks.py::test_ring_with_document_masks_is_masked_attention_and_skips_masked_blocks"
+ELASTIC_RESTART = ("tests/test_elastic.py::test_a_killed_rank_restarts_on_the_ranks_left_with_the_same_global_"
+                   "batch")
+ELASTIC_RESTART_RULE = "tests/test_elastic.py::test_each_restart_counts_from_the_configured_ranks"
+ELASTIC_GROW_BACK = "tests/test_elastic.py::test_the_ranks_back_return_the_file_layout_with_the_same_global_batch"
+ELASTIC_CANNOT_HOLD = ("tests/test_elastic.py::test_ranks_left_that_cannot_hold_the_model_name_the_smallest_count_that_"
+                       "does")
 
 
 @dataclass
@@ -193,6 +199,29 @@ MUTATIONS = [
              "degree of the ranks left shrinks it)", "llm_pretrain/run/preflight.py",
              "    if resumed:\n        saved_args", "    if False:\n        saved_args",
              ("tests/test_elastic.py::test_a_lost_node_continues_on_the_ranks_left_with_the_same_global_batch",)),
+    # Restarts on the ranks left (llm_pretrain/launch.py --max_restarts; issue 38).
+    Mutation("restart_on_the_full_count", "after a rank dies the launcher restarts on all configured ranks, not "
+             "on the ranks left", "llm_pretrain/launch.py",
+             "ranks_to_restart_on(args, configured - lost, device)", "ranks_to_restart_on(args, configured, device)",
+             (ELASTIC_RESTART_RULE, ELASTIC_RESTART)),
+    Mutation("restart_count_not_fitted", "the launcher restarts on every rank left without asking the elastic "
+             "preflight whether that count holds the run (3 ranks cannot split a global batch of 8)",
+             "llm_pretrain/launch.py", "            elastic_arguments(args, count, device)\n        except",
+             "            pass\n        except", (ELASTIC_RESTART_RULE,)),
+    Mutation("restart_grows_from_the_previous_attempt", "each restart counts from the previous attempt's ranks, "
+             "so a job never grows back", "llm_pretrain/launch.py",
+             "ranks_to_restart_on(args, configured - lost, device)", "ranks_to_restart_on(args, nproc - lost, device)",
+             (ELASTIC_RESTART_RULE,)),
+    Mutation("restart_after_bad_input", "the launcher restarts after exit 2 (bad input)", "llm_pretrain/launch.py",
+             "if code in (0, 2) or attempts.stopped", "if code == 0 or attempts.stopped", (ELASTIC_RESTART_RULE,)),
+    Mutation("elastic_only_when_the_file_does_not_fit", "elastic changes nothing when the file's degrees fit the "
+             "ranks present, though the checkpoint was written by another number of ranks (the global batch "
+             "follows the ranks; a job that grows back gets no line)", "llm_pretrain/run/preflight.py",
+             "if file_fits and writers in (None, world_size):", "if file_fits:",
+             (ELASTIC_GROW_BACK, ELASTIC_RESTART)),
+    Mutation("elastic_ignores_memory", "the elastic rule picks a layout whose activations the ranks' memory cannot "
+             "hold", "llm_pretrain/planner/elastic.py", "                fits(candidate, config, layout, device)",
+             "                pass", (ELASTIC_CANNOT_HOLD,)),
     # Loading files someone else wrote runs no code (models/weights.py read_paddle_pickle; issue 37).
     Mutation("unpickler_admits_any_class", "the weights unpickler imports whatever class a pickle names, as "
              "pickle.load does", "models/weights.py",

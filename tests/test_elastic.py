@@ -228,3 +228,227 @@ def test_without_a_checkpoint_elastic_only_repairs_degrees_the_ranks_cannot_form
                                        "multiple of tensor_parallel_degree 2")
     assert capsys.readouterr().out.splitlines() == [record["line"]]
     assert record["line"].endswith("continuing on 3 ranks with tensor_parallel_degree 2 -> 1, global batch 12")
+
+
+# ----------------------------------------------------------------------------- restarts: llm_pretrain.launch
+# `--max_restarts`: a rank killed with SIGKILL after checkpoint-5 in a dp2 x tp2 job (4 processes, the file
+# of the shared launches above, global batch 8); the launcher restarts on the ranks left that hold the run
+# (3 cannot split 8 samples over 3 data replicas: 2, tp2 with accumulation 4), which trains to step 10 with
+# the losses of the shared by-hand resume of checkpoint-5 under that layout. Growing back is shown without a
+# launch (the suite's time): test_each_restart_counts_from_the_configured_ranks (the launcher's counts) and
+# test_the_ranks_back_return_the_file_layout_with_the_same_global_batch (the preflight's layout).
+def _start_restarting_launch(nproc: int, run_argv: list[str], log_dir: Path, max_restarts: int = 2):
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT, TESTS_DIR
+    from parity_utils import RUN_PRETRAIN
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])}
+    for key in ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_LOG_DIR"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "llm_pretrain.launch", "--max_restarts", str(max_restarts), "--nproc_per_node",
+               str(nproc), "--log_dir", str(log_dir), str(RUN_PRETRAIN), *run_argv]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _kill_rank_after_checkpoint(launcher, log_dir: Path, checkpoint: Path, rank: int, timeout: float = 240) -> int:
+    """SIGKILL to `rank` once `checkpoint` is complete and the rank has finished a step after it; its pid."""
+    import os
+    import signal
+    import time
+
+    step = int(checkpoint.name.split("-")[1])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            beat = json.loads((log_dir / f"heartbeat.{rank}.json").read_text())
+        except (OSError, ValueError):
+            beat = {"step": 0}
+        if beat["step"] > step and (checkpoint / "COMPLETE").exists():
+            os.kill(beat["pid"], signal.SIGKILL)
+            return beat["pid"]
+        time.sleep(0.02)
+    output = launcher.communicate(timeout=60)[1][-3000:] if launcher.poll() is not None else ""
+    raise AssertionError(f"rank {rank} never passed step {step} (launcher exit code {launcher.poll()}) {output}")
+
+
+def _run_records(output_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (output_dir / "train_log.jsonl").read_text().splitlines()) if r["event"] == "run"]
+
+
+def test_a_killed_rank_restarts_on_the_ranks_left_with_the_same_global_batch(shared_launches, tmp_path):
+    from launch_utils import _kill_session
+
+    shared_launches.results("tp2", "elastic")  # the by-hand resume of checkpoint-5 on tp2, accumulation 4
+    reference = shared_launches.work_dir("elastic") / "by-hand"
+    # elastic in the file: `--elastic true` after the script is taken by Paddle's launcher's own parser as an
+    # ambiguous abbreviation of its --elastic_level / --elastic_timeout (exit 2 before any worker starts)
+    args_file = _lost_node_file(tmp_path, shared_launches.corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": True})
+    out, logs = tmp_path / "out", tmp_path / "log"
+    launcher = _start_restarting_launch(4, argv(args_file, out), logs)
+    try:
+        _kill_rank_after_checkpoint(launcher, logs, out / "checkpoint-5", rank=1)
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        _kill_session(launcher.pid)
+    assert launcher.returncode == 0, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("launch: ")]
+    assert said == ["launch: rank 1 stopped first (killed by SIGKILL); restart 1 of 2 on 2 of the 4 ranks (3 cannot "
+                    "hold the run), from the newest complete checkpoint"], err[-3000:]
+    first, continued = _run_records(out)[0], _run_records(out)[-1]
+    assert first["layout"]["world_size"] == 4 and first["strategy"] == "tp2dp2" and first["global_batch_size"] == 8
+    assert continued["layout"]["world_size"] == 2 and continued["strategy"] == "tp2" and continued["start_step"] == 5
+    assert continued["global_batch_size"] == 8
+    assert continued["elastic"]["reason"] == "checkpoint-5 was written by 4 ranks, 2 are present"
+    assert continued["elastic"]["changes"] == {"gradient_accumulation_steps": [2, 4]}
+    # from checkpoint-5 on (the restarted attempt's records are the last of each step), the by-hand losses
+    got = {r["step"]: r["loss"] for r in train_records(out) if r["step"] > 5}
+    want = {r["step"]: r["loss"] for r in train_records(reference)}
+    assert sorted(got) == sorted(want) == list(range(6, 11))
+    assert all(abs(got[step] - want[step]) < 1e-5 for step in want), (got, want)
+
+
+
+class _Attempts:
+    """llm_pretrain.launch's attempts with their outcomes given (the real ones are the launch test's above)."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.ranks, self.stopped = list(outcomes), [], False
+
+    def __call__(self, options, command):
+        return self
+
+    def run(self, nproc):
+        self.ranks.append(nproc)
+        return self.outcomes.pop(0)
+
+
+KILLED = "error: rank 1 stopped first (killed by SIGKILL); its last step was 7 (host h, pid 1, heartbeat 0.1 s before)"
+
+
+def test_each_restart_counts_from_the_configured_ranks(embedded_corpus, tmp_path, capsys):
+    """The restart rule of llm_pretrain.launch: the rank that stopped first is left out of the next attempt
+    only, which runs on the largest count the elastic preflight holds (checkpoint-5 of dp2 x tp2, global
+    batch 8: 3 ranks cannot split it, so 2); a failure with no rank stopped first, and every later restart,
+    starts from the 4 configured ranks again (growing back). Exit 2 (bad input) is never restarted."""
+    from llm_pretrain.launch import run_with_restarts
+    from parity_utils import RUN_PRETRAIN
+
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 4, 2, 2, 2)
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": True})
+    command = ["--max_restarts", "3", "--nproc_per_node", "4", "--log_dir", str(tmp_path / "log"), str(RUN_PRETRAIN),
+               str(args_file), "--output_dir", str(out)]
+    attempts = _Attempts([(1, KILLED), (1, KILLED), (1, None), (0, None)])
+    assert run_with_restarts(command, attempts) == 0
+    assert attempts.ranks == [4, 2, 2, 4]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("launch: rank 1 stopped first (killed by SIGKILL); restart 1 of 3 on 2 of the 4 ranks (3 cannot "
+                        "hold the run), from the newest complete checkpoint")
+    assert lines[2] == ("launch: the attempt failed with exit code 1 and no rank stopped first; restart 3 of 3 on 4 of "
+                        "the 4 ranks, from the newest complete checkpoint")
+    attempts = _Attempts([(1, KILLED), (2, None)])
+    assert run_with_restarts(command, attempts) == 2 and attempts.ranks == [4, 2]
+    attempts = _Attempts([(1, KILLED), (1, KILLED)])
+    assert run_with_restarts(command[:1] + ["1"] + command[2:], attempts) == 1 and attempts.ranks == [4, 2]
+
+
+@pytest.mark.parametrize("elastic, launcher_options, fragment", [
+    (False, [], "error: --max_restarts: the argument file must have elastic: true"),
+    (True, ["--nnodes", "2", "--master", "127.0.0.1:6170"], "error: --max_restarts: --nnodes 2: restarts on the "
+                                                             "ranks left are built for one node"),
+    (True, ["--max_restarts", "0"], "error: --max_restarts: '0' is not a positive whole number"),
+])
+def test_max_restarts_bad_input_is_one_line(embedded_corpus, tmp_path, capsys, elastic, launcher_options, fragment):
+    from llm_pretrain.launch import run_with_restarts
+    from parity_utils import RUN_PRETRAIN
+
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": elastic})
+    with pytest.raises(SystemExit) as stop:
+        run_with_restarts([*launcher_options, "--max_restarts", "2", "--nproc_per_node", "4", str(RUN_PRETRAIN),
+                           str(args_file)], _Attempts([]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(fragment) and len(err.strip().splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------- (d) the ranks left cannot hold it
+def _too_big_for_one_rank(tmp_path: Path, corpus: dict) -> tuple[Path, Path]:
+    """checkpoint-5 of a tp2 run on 2 ranks whose micro-batch's activations (sequence 16384) fit this host's
+    memory with the attention heads and logits split over 2 ranks, not on 1 (the preflight's activation
+    floor, llm_pretrain/run/preflight.py activation_floor_bytes, against the host's memory)."""
+    from llm_pretrain.arguments import Arguments
+    from llm_pretrain.parallel.layout import check_layout_and_model
+    from llm_pretrain.run.preflight import activation_floor_bytes, device_memory_bytes
+
+    one = dict(model_name_or_path="llama-tiny", num_hidden_layers=2, max_seq_length=16384, input_dir="./data",
+               per_device_train_batch_size=1, tensor_parallel_degree=1)
+    layout, config = check_layout_and_model(Arguments(**one), 1, "cpu")[:2]
+    per_sample = activation_floor_bytes(Arguments(**one), config, layout, "cpu")
+    micro = device_memory_bytes("cpu") // per_sample + 1  # one rank: above the host's memory; two: half of it
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 2, 1, micro, 1)
+    args_file = write_json(tmp_path / "big.json", base_arguments(
+        corpus, tmp_path, num_hidden_layers=2, max_seq_length=16384, tensor_parallel_degree=2, elastic=True,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=1, max_steps=10, save_steps=5))
+    return args_file, out
+
+
+def test_ranks_left_that_cannot_hold_the_model_name_the_smallest_count_that_does(embedded_corpus, tmp_path):
+    """1 rank left of a tp2 job whose activations need two: the preflight (and so the launcher, which asks
+    it before a restart) refuses in one line naming 2, the smallest number of ranks that holds the run;
+    exit 2 before Paddle, nothing printed on stdout, the checkpoint untouched."""
+    import os
+    import subprocess
+    import sys
+
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.errors import UsageError
+    from llm_pretrain.launch import ranks_to_restart_on
+    from parity_utils import RUN_PRETRAIN
+
+    args_file, out = _too_big_for_one_rank(tmp_path, embedded_corpus)
+    before = {p: p.read_bytes() for p in (out / "checkpoint-5").iterdir()}
+    result = subprocess.run([sys.executable, str(RUN_PRETRAIN), str(args_file), "--output_dir", str(out)],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PADDLE_TRAINERS_NUM": "1", "PADDLE_TRAINER_ID": "0"})
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr[-2000:])
+    line = result.stderr.strip()
+    assert line.splitlines() == [line] and line.startswith("error: elastic: no layout of this run fits on 1 ranks: "
+                                                           "max_seq_length: 16384 cannot fit"), line
+    assert line.endswith("; the smallest number of ranks that holds it is 2; nothing was changed (the checkpoints "
+                         "are as they were)"), line
+    assert {p: p.read_bytes() for p in (out / "checkpoint-5").iterdir()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5"]
+    # the launcher's choice: 2 ranks left hold it (tp2 kept); 1 left is the preflight's line
+    args, _ = parse_arguments([str(args_file), "--output_dir", str(out)])
+    assert ranks_to_restart_on(args, 2, "cpu") == (2, "")
+    with pytest.raises(UsageError, match=r"the smallest number of ranks that holds it is 2;"):
+        ranks_to_restart_on(args, 1, "cpu")
+
+
+def test_the_ranks_back_return_the_file_layout_with_the_same_global_batch(embedded_corpus, tmp_path, capsys):
+    """Growing back, the preflight's half: checkpoint-10 written by the 2 ranks left (tp2, accumulation 4,
+    global batch 8); with 4 ranks present again the run goes back to the file's dp2 x tp2, accumulation 2,
+    global batch 8, and says so in one line."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.run.preflight import adapt_to_the_ranks_present
+
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 2, 1, 2, 4)
+    (out / "checkpoint-5").rename(out / "checkpoint-10")
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    args, _ = parse_arguments([str(args_file), "--output_dir", str(out), "--elastic", "true"])
+    chosen, record = adapt_to_the_ranks_present(args, 4, "cpu")
+    assert (chosen.tensor_parallel_degree, chosen.per_device_train_batch_size, chosen.gradient_accumulation_steps) \
+        == (2, 2, 2)
+    assert record["changes"] == {} and record["global_batch_size"] == 8
+    assert capsys.readouterr().out.splitlines() == [
+        "elastic: checkpoint-10 was written by 2 ranks, 4 are present; continuing on 4 ranks with no key changes, "
+        "global batch 8"]

@@ -93,10 +93,13 @@ def _kept(args: Arguments, overrides: dict, keep: list[str]) -> list[str]:
     return changed
 
 
-def continue_on(args: Arguments, world_size: int, global_batch: int | None, device: str) -> tuple[Arguments, dict]:
+def continue_on(args: Arguments, world_size: int, global_batch: int | None, device: str,
+                fits=None) -> tuple[Arguments, dict]:
     """The arguments of the layout the run continues with on `world_size` ranks keeping `global_batch`
     (the rule of the module docstring; None: no checkpoint, the file's micro-batch and accumulation per
-    data replica), and what changed ({key: [old, new]}). UsageError, one line,
+    data replica), and what changed ({key: [old, new]}). `fits(args, config, layout, device)` raises a
+    UsageError for a layout the ranks' memory cannot hold (the preflight's check before Paddle), and the
+    rule moves on to the next candidate. UsageError, one line,
     when no layout keeps it: naming the elastic_keep key that prevents one, or the nearest global
     batches the ranks can split."""
     keep = list(args.elastic_keep or [])
@@ -126,7 +129,13 @@ def continue_on(args: Arguments, world_size: int, global_batch: int | None, devi
             blocked_by_keep.append(changed_kept[0])
             continue
         candidate = dataclasses.replace(args, **overrides)
-        check_layout_and_model(candidate, world_size, device)  # the micro-batch too
+        layout, config, _, _ = check_layout_and_model(candidate, world_size, device)  # the micro-batch too
+        if fits is not None:
+            try:
+                fits(candidate, config, layout, device)
+            except UsageError as error:
+                refusals.append(str(error))
+                continue
         changes = {key: [getattr(args, key), value] for key, value in overrides.items()
                    if _degree(getattr(args, key)) != _degree(value) and key not in ("sharding_degree",)}
         return candidate, changes
@@ -140,7 +149,8 @@ def continue_on(args: Arguments, world_size: int, global_batch: int | None, devi
         why = f" ({refusals[0]})" if refusals else ""
         raise UsageError(f"elastic_keep: {key} {getattr(args, key)} cannot be kept on {world_size} ranks{why}; remove "
                          "it from elastic_keep or bring the ranks back")
-    raise UsageError(f"elastic: no layout of this run fits on {world_size} ranks: {refusals[0]}")
+    # the last candidate's refusal: the lowest degrees, the layout that asks least of the ranks
+    raise UsageError(f"elastic: no layout of this run fits on {world_size} ranks: {refusals[-1]}")
 
 
 def describe_change(changes: dict, world_size: int, why: str, global_batch: int) -> str:

@@ -134,10 +134,28 @@ def adapt_to_the_ranks_present(args: Arguments, world_size: int, device: str) ->
     argument file's degrees cannot use them, the layout the planner's rule picks for them keeping the
     checkpoint's global batch (llm_pretrain/planner/elastic.py continue_on); one line on rank 0 says what
     changed and why. Returns the arguments to run with and the record of the change (None: no change)."""
+    chosen, record = elastic_arguments(args, world_size, device)
+    if record and launcher_rank() == 0:
+        print(record["line"], flush=True)
+    return chosen, record
+
+
+def fits_this_host(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:
+    """What the preflight can say about memory before Paddle is imported (a GPU's memory is read only
+    after: there the check at start is the layout's; prepare_run warns on the planner's estimate)."""
+    if device != "gpu":
+        check_activation_memory(args, config, layout, device)
+
+
+def elastic_arguments(args: Arguments, world_size: int, device: str) -> tuple[Arguments, dict | None]:
+    """adapt_to_the_ranks_present without the line (llm_pretrain/launch.py asks it for each count of
+    ranks it could restart on). When no layout holds the run on `world_size` ranks, the UsageError
+    names the smallest number of ranks that does (smallest_holding)."""
     from llm_pretrain.planner.elastic import continue_on, describe_change
 
     try:
-        check_layout_and_model(args, world_size, device)
+        layout, config, _, _ = check_layout_and_model(args, world_size, device)
+        fits_this_host(args, config, layout, device)
         file_fits = True
     except UsageError as error:
         file_fits, file_refusal = False, str(error)
@@ -154,15 +172,33 @@ def adapt_to_the_ranks_present(args: Arguments, world_size: int, device: str) ->
         why = f"{os.path.basename(resumed[0])} was written by {writers} ranks, {world_size} are present"
     else:
         why = f"the argument file's degrees do not fit {world_size} ranks ({file_refusal})"
-    chosen, changes = continue_on(args, world_size, global_batch, device)
+    try:
+        chosen, changes = continue_on(args, world_size, global_batch, device, fits=fits_this_host)
+    except UsageError as error:
+        smallest = smallest_holding(args, global_batch, device, max(world_size, writers or 1) * 2)
+        where = (f"the smallest number of ranks that holds it is {smallest}" if smallest else
+                 f"no number of ranks up to {max(world_size, writers or 1) * 2} holds it")
+        raise UsageError(f"{error}; {where}; nothing was changed (the checkpoints are as they were)") from None
     if global_batch is None:
         global_batch = chosen.per_device_train_batch_size * chosen.gradient_accumulation_steps * \
             check_layout_and_model(chosen, world_size, device)[0].data_replicas
     line = describe_change(changes, world_size, why, global_batch)
-    if launcher_rank() == 0:
-        print(line, flush=True)
     return chosen, {"reason": why, "changes": changes, "world_size": world_size, "written_by": writers,
                     "checkpoint": resumed[0] if resumed else None, "global_batch_size": global_batch, "line": line}
+
+
+def smallest_holding(args: Arguments, global_batch: int | None, device: str, up_to: int) -> int | None:
+    """The smallest number of ranks (1..up_to) on which the elastic rule finds a layout that holds the run
+    and keeps `global_batch`; None when there is none."""
+    from llm_pretrain.planner.elastic import continue_on
+
+    for world_size in range(1, up_to + 1):
+        try:
+            continue_on(args, world_size, global_batch, device, fits=fits_this_host)
+            return world_size
+        except UsageError:
+            continue
+    return None
 
 
 def launcher_world_size() -> int:
