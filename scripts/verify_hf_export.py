@@ -63,6 +63,8 @@ CASES = [
     ("mixtral", "mixtral-tiny", {}, "auto", None, None),
     ("mixtral-llama3.1-rope", "mixtral-tiny", {"rope_scaling": TINY_LLAMA31_ROPE_SCALING}, "auto", None, None),
     ("qwen2_moe", "qwen2-moe-tiny", {}, "auto", None, None),  # PaddleNLP 2.8.1 has no Qwen2-MoE class
+    # ERNIE 4.5 MoE (issue 34): layers 1 and 3 MoE, correction biases drawn at random; no PaddleNLP class
+    ("ernie4_5_moe", "ernie4_5_moe-tiny", {}, "auto", None, None),
 ]
 
 
@@ -259,6 +261,9 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  Mixtral reads it from rope_scaling as Llama does). PaddleNLP 2.8.1 has a Mixtral conversion mapping, but",
         "  its MixtralSparseMoeBlock.forward fails under Paddle 3.3.1 (`routing_weights[top_x, idx]` is now [n], not",
         "  [n, 1]: \"Broadcast dimension mismatch\"), so it is no client here; it has no Qwen2-MoE class.",
+        "- ERNIE 4.5 MoE: the correction bias goes out as `mlp.moe_statics.e_score_correction_bias` [1, E] (transformers",
+        "  5 renames it into its router on reading: conversion_mapping.py \"ernie4_5_moe\"), q/k columns in ERNIE's",
+        "  interleaved rotary order. PaddleFormers' class is no client: its MoE layer has GPU kernels only.",
         "- GPT-3 is written as GPT-2's layout (GPT2LMHeadModel). The shapes allow it for this family as defined",
         "  (pre-norm LayerNorm, learned positions, tanh GELU, biases, tied head, any n_inner); they would not for",
         "  grouped-query attention, an untied head or rotary positions (GPT-NeoX-style), which export refuses.",

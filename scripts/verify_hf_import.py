@@ -86,8 +86,17 @@ CASES = [
      {"rope_theta": 500000.0, "rope_scaling": None}, "ernie4_5"),
     ("gpt3", "gpt2", dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128), None, "gpt3"),
     ("bloom", "bloom", dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), None, "bloom"),
+    # ERNIE 4.5 MoE (21B-A3B's switches: 2 shared experts, start 1, renormalized top-k, the correction bias drawn
+    # at random so that it changes the choice); 5 layers, MoE where start 1 <= i <= end 3 and (i + 1) % 2 == 0:
+    # layers 1 and 3, dense 0, 2 and 4 (the start, the interval and the end each decide a layer)
+    ("ernie4_5_moe", "ernie4_5_moe",
+     {**COMMON, "num_hidden_layers": 5, "head_dim": 32, "tie_word_embeddings": True, "use_bias": False,
+      "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
+      "moe_layer_start_index": 1, "moe_layer_interval": 2, "moe_layer_end_index": 3},
+     {"rope_theta": 500000.0, "rope_scaling": None}, "ernie4_5_moe"),
 ]
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "ernie4_5_moe")
+SEEDS = {case[0]: seed for seed, case in enumerate(CASES, start=31)}  # a case's weights whatever --cases runs
 # transformers computes its loss in eval mode; GPT-2's files keep dropout 0.1 (resid_pdrop, embd_pdrop, attn_pdrop),
 # which the trainer would apply at step 1 (3.9e-2 apart, measured): our run's dropout is set to 0 for every case
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -159,9 +168,9 @@ def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
     rows, runs = [], []
     for form, (requirement, major) in FORMS.items():
         python = ensure_venv(venvs[form], requirement, major)
-        jobs = [{"name": case, "model_type": model_type, "config": config, "rope": rope, "seed": seed,
+        jobs = [{"name": case, "model_type": model_type, "config": config, "rope": rope, "seed": SEEDS[case],
                  "out_dir": os.path.join(work, form, case), "tokens": os.path.join(work, "tokens.npy")}
-                for seed, (case, model_type, config, rope, _) in enumerate(cases, start=31)]
+                for case, model_type, config, rope, _ in cases]
         with open(os.path.join(work, f"jobs-{form}.json"), "w") as f:
             json.dump(jobs, f)
         done = subprocess.run([python, os.path.join(REPO, "scripts", "hf_client_import.py"),
@@ -190,7 +199,7 @@ def run(venvs: dict, out_file: str, only: tuple = ()) -> list[dict]:
         row["ok"] = row["diff"] <= TOLERANCE
         rope, directory = row.pop("_rope"), row.pop("_dir")
         row["lost_rope"] = None if rope is None else loss_with_lost_rope(directory, tokens)
-    write_section(rows, out_file)
+    write_section(rows, out_file, kept_rows(out_file, only))
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -206,8 +215,23 @@ def rope_keys(config: dict) -> str:
     return "none (no rotary positions)"
 
 
-def write_section(rows: list[dict], out_file: str) -> None:
-    """Replace (or add) this script's section of the report; the export's part above it stays."""
+def kept_rows(out_file: str, only: tuple) -> dict:
+    """With --cases: the report's rows of the other cases, kept as they are ((form, case) -> line)."""
+    with open(out_file) as f:
+        text = f.read()
+    if not only or IMPORT_SECTION not in text:
+        return {}
+    kept = {}
+    for line in text.split(IMPORT_SECTION)[1].splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 3 and cells[1] in SEEDS and cells[1] not in only and cells[2] in FORMS:
+            kept[(cells[2], cells[1])] = line
+    return kept
+
+
+def write_section(rows: list[dict], out_file: str, kept: dict | None = None) -> None:
+    """Replace (or add) this script's section of the report; the export's part above it stays (and, with
+    --cases, the rows of the cases not run: `kept`)."""
     import paddle
 
     with open(out_file) as f:
@@ -230,11 +254,14 @@ def write_section(rows: list[dict], out_file: str) -> None:
         "| transformers' loss | abs diff | lost rope | within 1e-5 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    table = dict(kept or {})
     for r in rows:
         lost = "n/a" if r["lost_rope"] is None else f"{r['lost_rope']:.6f}"
-        lines.append(f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['unclassified']} | {r['client']} | "
-                     f"{r['ours']:.7f} | "
-                     f"{r['transformers']:.7f} | {r['diff']:.2e} | {lost} | {'yes' if r['ok'] else 'NO'} |")
+        table[(r["form"], r["case"])] = (
+            f"| {r['case']} | {r['form']} | {r['rope_keys']} | {r['unclassified']} | {r['client']} | "
+            f"{r['ours']:.7f} | {r['transformers']:.7f} | {r['diff']:.2e} | {lost} | {'yes' if r['ok'] else 'NO'} |")
+    forms = list(FORMS)
+    lines += [table[key] for key in sorted(table, key=lambda k: (forms.index(k[0]), SEEDS[k[1]]))]
     lines += [
         "",
         "Notes:",
