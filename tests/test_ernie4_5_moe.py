@@ -77,6 +77,12 @@ def test_block_is_transformers_router_experts_and_shared_experts():
     model = CausalLM(TINY)
     block = model.layers[1].mlp
     rng = np.random.default_rng(2)
+    # every matrix drawn at unit scale (the init's std 0.02 leaves outputs of 1e-4, under any tolerance), the
+    # router's so that it prefers some experts
+    for param in block.parameters():
+        if len(param.shape) == 2:
+            scale = 0.3 if param is block.gate.weight else 1 / np.sqrt(param.shape[0])
+            param.set_value(rng.normal(0, scale, param.shape).astype("float32"))
     bias = rng.uniform(-0.2, 0.2, TINY.num_experts).astype("float32")  # as large as the probabilities (1/8)
     block.e_score_correction_bias.set_value(bias)
     x = rng.standard_normal([1, 40, TINY.hidden_size]).astype("float32")
@@ -94,10 +100,13 @@ def test_block_is_transformers_router_experts_and_shared_experts():
     for t in range(h.shape[0]):
         for j in range(k):
             want[t] += weights[t, j] * _swiglu(block.experts[str(chosen[t, j])], h[t:t + 1])[0]
+    assert np.abs(want).mean() > 0.1
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
-    # the bias changed the choice of some tokens (so the test sees where it is used)
+    # the bias changed the choice of some tokens (so the test sees where it is used), and the probabilities are
+    # not uniform (so the weights show how they are made)
     unbiased = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    assert (np.sort(unbiased, -1) != np.sort(chosen, -1)).any()
+    assert (np.sort(unbiased, -1) != np.sort(chosen, -1)).any() and (np.sort(unbiased, -1) == np.sort(chosen, -1)).any()
+    assert np.abs(weights - 1 / k).max() > 0.05
 
 
 @pytest.mark.parametrize("change, key", [
