@@ -65,7 +65,14 @@ class ModelConfig:
     qk_rope_head_dim: int = 0  # ... the rotated part (the key's is one vector shared by the heads) ...
     v_head_dim: int = 0  # ... and the value's width
     first_k_dense_replace: int = 0  # the first k layers keep the dense MLP (intermediate_size), the rest are MoE
+    # ERNIE 4.5 MoE: of the layers from first_k_dense_replace (its moe_layer_start_index) on, layer i is MoE when
+    # (i + 1) % moe_layer_interval == 0 and i <= moe_layer_end_index (-1: the last layer); the others are dense
+    moe_layer_interval: int = 1
+    moe_layer_end_index: int = -1
     router_score: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3, models/deepseek_moe.py)
+    # A softmax router with a correction bias that only chooses (ERNIE 4.5 MoE, models/deepseek_moe.py);
+    # a sigmoid router always has one
+    router_correction_bias: bool = False
     n_group: int = 1  # group-limited routing: the experts in n_group groups, tokens pick from topk_group of them
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this
@@ -122,12 +129,20 @@ class ModelConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, layer_index: int) -> bool:
-        """Whether decoder layer `layer_index` has the mixture of experts (DeepSeek-V3: not the first k)."""
-        return self.is_moe and layer_index >= self.first_k_dense_replace
+        """Whether decoder layer `layer_index` has the mixture of experts (DeepSeek-V3: not the first k; ERNIE 4.5:
+        also every moe_layer_interval-th up to moe_layer_end_index, as Ernie4_5_MoeDecoderLayer.__init__)."""
+        return (self.is_moe and layer_index >= self.first_k_dense_replace
+                and (layer_index + 1) % self.moe_layer_interval == 0
+                and (self.moe_layer_end_index < 0 or layer_index <= self.moe_layer_end_index))
 
     @property
     def moe_layer_count(self) -> int:
-        return max(self.num_hidden_layers - self.first_k_dense_replace, 0) if self.is_moe else 0
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def has_correction_bias(self) -> bool:
+        """The router chooses on scores + e_score_correction_bias (models/deepseek_moe.py)."""
+        return self.is_moe and (self.router_score == "sigmoid" or self.router_correction_bias)
 
     @property
     def uses_mla(self) -> bool:

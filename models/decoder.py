@@ -458,8 +458,9 @@ def latent_attention(config: ModelConfig):
 
 
 def moe_block(config: ModelConfig):
-    if config.router_score == "sigmoid":
-        from models.deepseek_moe import DeepSeekMoE  # DeepSeek-V3's router and bias (models/deepseek_moe.py)
+    if config.has_correction_bias:
+        # DeepSeek-V3's router and bias, ERNIE 4.5's with softmax scores (models/deepseek_moe.py)
+        from models.deepseek_moe import DeepSeekMoE
 
         return DeepSeekMoE(config, MLP)
     return MoE(config, MLP)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's mixture of experts: models/moe.py's MoE with its router, its balancing and an ungated shared expert.
+"""DeepSeek-V3's (and ERNIE 4.5's) mixture of experts: models/moe.py's MoE with its router, its balancing and an ungated shared expert.
 
     scores   = sigmoid(x W_router)                                   [tokens, E], float32
     choice   = scores + e_score_correction_bias                       (the bias only chooses)
@@ -10,6 +10,16 @@
 
 As PaddleFormers 0.4.1 DeepseekV2TopkRouter / DeepseekV2MoE (paddleformers/transformers/deepseek_v2/modeling.py,
 which DeepseekV3ForCausalLM uses) and the DeepSeek-V3 report (arXiv 2412.19437) sec. 2.1.2.
+
+ERNIE 4.5 MoE (models/families/ernie4_5_moe.py: router_score "softmax", router_correction_bias) is the same block
+with softmax scores, one group, scaling 1 and the sum clipped at 1e-12 (moe_norm_min) instead of + 1e-20:
+
+    scores   = softmax(x W_router);  choice = scores + e_score_correction_bias;  top-k of the choice
+    weights  = the chosen scores / max(their sum, 1e-12);  y = sum_j weights_j expert_{e_j}(x) + shared_expert(x)
+
+as transformers' Ernie4_5_MoeTopKRouter / Ernie4_5_MoeSparseMoeBlock (models/ernie4_5_moe/modeling_ernie4_5_moe.py,
+5.24.0; 4.57.6 the same in Ernie4_5_MoeSparseMoeBlock.forward) and PaddleFormers 0.4.1's
+nn/moe/moe_allgather_layer.py fused_gate_logits_process_fused.
 
 Auxiliary-loss-free balancing (report sec. 2.1.2): each training forward adds its expert picks to the layer's
 `step_load`; after each optimizer step `update_correction_bias` moves the bias by rate x sign(mean load - load)
@@ -51,25 +61,31 @@ class DeepSeekMoE(MoE):
     def route(self, x):
         c = self.config
         tokens, experts, k = x.shape[0], c.num_experts, c.num_experts_per_tok
-        scores = F.sigmoid(self.gate(x).astype("float32"))
+        logits = self.gate(x).astype("float32")
+        softmax = c.router_score == "softmax"  # ERNIE 4.5; DeepSeek-V3: sigmoid
+        scores = F.softmax(logits, axis=-1) if softmax else F.sigmoid(logits)
         with paddle.no_grad():
             choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
-            per_group = choice.reshape([tokens, c.n_group, experts // c.n_group])
-            group_scores = paddle.topk(per_group, 2, axis=-1)[0].sum(axis=-1)
-            groups = paddle.argsort(group_scores, axis=-1, descending=True, stable=True)[:, :c.topk_group]
-            group_mask = paddle.put_along_axis(paddle.zeros_like(group_scores), groups, paddle.ones_like(
-                group_scores[:, :c.topk_group]), axis=-1)
-            expert_mask = group_mask.unsqueeze(-1).expand(per_group.shape).reshape([tokens, experts])
-            # the other groups' experts at 0, not -inf, as PaddleFormers' (and transformers') masked_fill(.., 0.0)
-            choice = choice * expert_mask
+            if c.n_group > 1:
+                per_group = choice.reshape([tokens, c.n_group, experts // c.n_group])
+                group_scores = paddle.topk(per_group, 2, axis=-1)[0].sum(axis=-1)
+                groups = paddle.argsort(group_scores, axis=-1, descending=True, stable=True)[:, :c.topk_group]
+                group_mask = paddle.put_along_axis(paddle.zeros_like(group_scores), groups, paddle.ones_like(
+                    group_scores[:, :c.topk_group]), axis=-1)
+                expert_mask = group_mask.unsqueeze(-1).expand(per_group.shape).reshape([tokens, experts])
+                # the other groups' experts at 0, not -inf, as PaddleFormers' (and transformers') masked_fill(.., 0.0)
+                choice = choice * expert_mask
             selected = paddle.argsort(choice, axis=-1, descending=True, stable=True)[:, :k]
         weights = paddle.take_along_axis(scores, selected, axis=-1)
         if c.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdim=True) + 1e-20)
-        weights = weights * c.routed_scaling_factor
+            total = weights.sum(axis=-1, keepdim=True)
+            weights = weights / (paddle.clip(total, min=1e-12) if softmax else total + 1e-20)
+        if c.routed_scaling_factor != 1.0:
+            weights = weights * c.routed_scaling_factor
         one_hot = F.one_hot(selected.flatten(), experts)  # [tokens x k, E]
         normalized = scores / scores.sum(axis=-1, keepdim=True)
-        stats = RouterStats(picks=one_hot.sum(axis=0).detach(), prob_sum=normalized.sum(axis=0), z_sum=paddle.zeros([]),
+        z_sum = (paddle.logsumexp(logits, axis=-1) ** 2).sum() if c.router_z_loss_coef else paddle.zeros([])
+        stats = RouterStats(picks=one_hot.sum(axis=0).detach(), prob_sum=normalized.sum(axis=0), z_sum=z_sum,
                             dropped=paddle.zeros([], dtype="int64"), tokens=tokens,
                             seq_balance=self.sequence_balance(one_hot, normalized))
         return selected, weights.astype(x.dtype), stats

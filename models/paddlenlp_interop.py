@@ -103,6 +103,8 @@ def _join(join: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray
         return np.concatenate(parts, axis=-1)
     if join == "swap_halves":  # the two halves of the input axis exchanged (DeepSeek's MTP eh_proj)
         return np.concatenate(np.split(parts[0], 2, axis=0)[::-1], axis=0)
+    if join == "row":  # our [E] as their [1, E] (ERNIE 4.5's e_score_correction_bias)
+        return parts[0].reshape(1, -1)
     prefix = parts[0].shape[:-1]
     if join == "rope_pairs":  # each head's dims from rotate-half order to interleaved pairs (ERNIE 4.5)
         return _rope_pairs(parts[0], d, to_pairs=True)
@@ -144,6 +146,8 @@ def _split(join: str, x: np.ndarray, sizes: list[int], config: ModelConfig) -> l
         return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
     if join == "swap_halves":
         return [np.concatenate(np.split(x, 2, axis=0)[::-1], axis=0)]
+    if join == "row":
+        return [x.reshape(-1)]
     prefix = x.shape[:-1]
     if join == "rope_pairs":
         return [_rope_pairs(x, d, to_pairs=False)]

@@ -68,7 +68,7 @@ def parameter_count(config: ModelConfig) -> int:
         mlp = h * config.num_experts + config.num_experts * 3 * h * config.expert_intermediate_size
         if config.shared_expert_intermediate_size:
             mlp += 3 * h * config.shared_expert_intermediate_size + (h if config.shared_expert_gate else 0)
-        if config.router_score == "sigmoid":  # DeepSeek-V3's correction bias (models/deepseek_moe.py)
+        if config.has_correction_bias:  # DeepSeek-V3's and ERNIE 4.5's correction bias (models/deepseek_moe.py)
             mlp += config.num_experts
     moe_layers = config.moe_layer_count
     total = (config.num_hidden_layers * (2 * norm + attention) + moe_layers * mlp

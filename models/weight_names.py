@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-JOINS = ("same", "transpose", "concat", "concat_transpose", "per_head", "kv_groups", "rope_pairs", "swap_halves")
+JOINS = ("same", "transpose", "concat", "concat_transpose", "per_head", "kv_groups", "rope_pairs", "swap_halves", "row")
 # Any join + "_transpose" is that join followed by a transpose: PyTorch's [out, in] matrices (Hugging Face).
 
 

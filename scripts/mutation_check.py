@@ -416,7 +416,26 @@ MUTATIONS = [
              "llm_pretrain/parallel/layout.py",
              '        if value > 1 and key not in allowed:\n',
              '        if False:\n',
-             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",
+              "tests/test_ernie4_5_moe.py::test_layouts_not_proven_are_refused_in_one_line")),
+    # ERNIE 4.5 MoE (issue 34): the correction bias in the weights too; the shared experts dropped from the
+    # config.json read; moe_layer_interval ignored; the router's scores a sigmoid instead of its softmax.
+    Mutation("ernie4_5_moe_bias_in_weights", "ERNIE 4.5 MoE's correction bias added to the weights, not only the choice",
+             "models/deepseek_moe.py", "        weights = paddle.take_along_axis(scores, selected, axis=-1)\n",
+             "        weights = paddle.take_along_axis(scores + self.e_score_correction_bias, selected, axis=-1)\n",
+             ("tests/test_ernie4_5_moe.py::test_block_is_transformers_router_experts_and_shared_experts",)),
+    Mutation("ernie4_5_moe_shared_dropped", "ERNIE 4.5 MoE's moe_num_shared_experts read as no shared expert",
+             "models/families/ernie4_5_moe.py",
+             'shared_expert_intermediate_size=value["moe_num_shared_experts"] * value["moe_intermediate_size"],',
+             "shared_expert_intermediate_size=0,",
+             ("tests/test_ernie4_5_moe.py::test_published_counts_are_the_registrys_and_the_planners",)),
+    Mutation("ernie4_5_moe_interval_ignored", "moe_layer_interval ignored: every layer from the start index is MoE",
+             "models/config.py", "                and (layer_index + 1) % self.moe_layer_interval == 0\n",
+             "                and True\n",
+             ("tests/test_ernie4_5_moe.py::test_moe_layers_are_where_transformers_puts_them",)),
+    Mutation("ernie4_5_moe_sigmoid_scores", "ERNIE 4.5 MoE's router scores taken by a sigmoid instead of its softmax",
+             "models/deepseek_moe.py", '        softmax = c.router_score == "softmax"', "        softmax = False",
+             ("tests/test_ernie4_5_moe.py::test_block_is_transformers_router_experts_and_shared_experts",)),
     # DeepSeek-V3 (issue 35): YaRN's mscale dropped from the latent attention's softmax scale; the correction bias
     # used for the weights too; the bias moved the wrong way; the MTP loss weight ignored.
     Mutation("deepseek_mla_mscale_dropped", "latent attention's softmax scale without YaRN's mscale", "models/mla.py",

@@ -65,6 +65,8 @@ CASES = [
     ("qwen2_moe", "qwen2-moe-tiny", {}, "auto", None, None),  # PaddleNLP 2.8.1 has no Qwen2-MoE class
     # every switch on (models/families/deepseek_v3.py); the MTP layer is written (transformers ignores it)
     ("deepseek_v3", "deepseek-v3-tiny", {}, "auto", None, None),
+    # ERNIE 4.5 MoE (issue 34): layers 1 and 3 MoE, correction biases drawn at random; no PaddleNLP class
+    ("ernie4_5_moe", "ernie4_5_moe-tiny", {}, "auto", None, None),
 ]
 
 
@@ -284,6 +286,9 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  It has no multi-token-prediction module: the exported MTP layer (model.layers.<num_hidden_layers>: enorm,",
         "  hnorm, eh_proj, the block, shared_head.norm, as the published files hold layer 61) is not loaded by it (an",
         "  unexpected key) and judged by the bitwise round trip only (tests/test_hf_export.py).",
+        "- ERNIE 4.5 MoE: the correction bias goes out as `mlp.moe_statics.e_score_correction_bias` [1, E] (transformers",
+        "  5 renames it into its router on reading: conversion_mapping.py \"ernie4_5_moe\"), q/k columns in ERNIE's",
+        "  interleaved rotary order. PaddleFormers' class is no client: its MoE layer has GPU kernels only.",
         "- GPT-3 is written as GPT-2's layout (GPT2LMHeadModel). The shapes allow it for this family as defined",
         "  (pre-norm LayerNorm, learned positions, tanh GELU, biases, tied head, any n_inner); they would not for",
         "  grouped-query attention, an untied head or rotary positions (GPT-NeoX-style), which export refuses.",

@@ -98,8 +98,16 @@ CASES = [
      {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
      "deepseek_v3"),
+    # ERNIE 4.5 MoE (21B-A3B's switches: 2 shared experts, start 1, renormalized top-k, the correction bias drawn
+    # at random so that it changes the choice); 5 layers, MoE where start 1 <= i <= end 3 and (i + 1) % 2 == 0:
+    # layers 1 and 3, dense 0, 2 and 4 (the start, the interval and the end each decide a layer)
+    ("ernie4_5_moe", "ernie4_5_moe",
+     {**COMMON, "num_hidden_layers": 5, "head_dim": 32, "tie_word_embeddings": True, "use_bias": False,
+      "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
+      "moe_layer_start_index": 1, "moe_layer_interval": 2, "moe_layer_end_index": 3},
+     {"rope_theta": 500000.0, "rope_scaling": None}, "ernie4_5_moe"),
 ]
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "ernie4_5_moe")
 # transformers computes its loss in eval mode; GPT-2's files keep dropout 0.1 (resid_pdrop, embd_pdrop, attn_pdrop),
 # which the trainer would apply at step 1 (3.9e-2 apart, measured): our run's dropout is set to 0 for every case
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}

@@ -44,7 +44,6 @@ def test_published_config_json_is_the_built_in_architecture():
     ({"use_bias": True}, "use_bias true"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "rope_scaling"),
-    ({"model_type": "ernie4_5_moe", "moe_num_experts": 64}, "model_type 'ernie4_5_moe'"),
     ({"model_type": "ernie4_5_moe_vl"}, "model_type 'ernie4_5_moe_vl'"),
 ])
 def test_what_it_cannot_compute_is_refused_in_one_line(change, key):

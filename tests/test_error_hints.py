@@ -24,7 +24,8 @@ RUN_PRETRAIN = REPO_ROOT / "llm_pretrain" / "run_pretrain.py"
 PLAN = REPO_ROOT / "scripts" / "plan.py"
 TINY_ARGS = REPO_ROOT / "configs" / "llama" / "pretrain-llama_tiny-dp.json"
 SEVEN_B_ARGS = REPO_ROOT / "configs" / "qwen2" / "pretrain-qwen2_7b-sd8_stage2.json"
-SUPPORTED_TYPES = "supported: baichuan, bloom, deepseek_v3, ernie4_5, gpt, gpt2, llama, mixtral, qwen, qwen2, qwen2_moe"
+SUPPORTED_TYPES = ("supported: baichuan, bloom, deepseek_v3, ernie4_5, ernie4_5_moe, gpt, gpt2, llama, mixtral, qwen, "
+                   "qwen2, qwen2_moe")
 TYPO = "Qwen/Qwen2.5-7b"
 TYPO_CLOSEST = ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-3B", "Qwen/Qwen1.5-7B", "Qwen/Qwen2-7B"]
 

@@ -61,9 +61,10 @@ from shared_launches import contribute
 # mixtral and qwen2-moe join the dp2, uneven pp2 and sd2 launches here (MOE_SHORT); mixtral the interleaved pp4
 # and pp2 x tp2 (MOE).
 # Families proven so far only under tp2 (+ SP) here (and sep2/cp2 in tests/test_long_context.py): Qwen3 (issue
-# 34) and ERNIE 4.5 (whose other layouts llm_pretrain/parallel/layout.py PROVEN_DEGREES refuses); the other
-# launches do not train them yet, and the README claims no more for them.
-TP_ONLY = ("qwen3", "ernie4_5")
+# 34), ERNIE 4.5 and ERNIE 4.5 MoE (2 layers: 0 dense, 1 MoE with the correction bias and shared experts; their
+# other layouts llm_pretrain/parallel/layout.py PROVEN_DEGREES refuses); the other launches do not train them
+# yet, and the README claims no more for them.
+TP_ONLY = ("qwen3", "ernie4_5", "ernie4_5_moe")
 FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values()
                  if family.name != "llama" and not family.architectures[family.tiny].is_moe
                  and family.tiny.removesuffix("-tiny") not in TP_ONLY)
@@ -75,8 +76,9 @@ MOE = ("mixtral",)  # 8 layers, 5 steps: pp2 x tp2 and the interleaved pp4 (8 ch
 SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe
-                  and family.name not in ("qwen3_moe", "deepseek_v3"))  # mixtral-short, qwen2-moe-short
-# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 only, below; llm_pretrain/parallel/layout.py refuses its others)
+                  and family.name not in ("qwen3_moe", "deepseek_v3", "ernie4_5_moe"))  # mixtral-, qwen2-moe-short
+# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
+# llm_pretrain/parallel/layout.py refuses their other layouts)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
 # DeepSeek-V3 (issue 35) in dp2 only: its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
 # rule on, 2 steps: the routers' biases after them equal one process's (the load summed over the replicas,
@@ -318,6 +320,8 @@ def test_tensor_parallel(parity, shared_launches):
     assert run_record(parity.out("qwen2-tp2"))["model_config"]["num_key_value_heads"] == 1
     assert final_weights(parity.out("qwen2-tp2"))["layers.0.self_attn.k_proj.weight"].shape == (64, 16)
     assert run_record(parity.out("tp2"))["strategy"] == "tp2"
+    for sp in ("", "-sp"):  # ERNIE 4.5 MoE's router metrics (one row per MoE layer) as one process's
+        assert_same_router_metrics(parity.references["ernie4_5_moe"], parity.out(f"ernie4_5_moe-tp2{sp}"))
     # Llama 3.1 (the others: mech::test_sequence_parallel_and_recompute_under_tp2): fleet's wrapper, about half
     # the weights per rank, 32 of the 64 tokens of a micro-batch between layers, every norm's SP hook
     # all-reducing once per step (5 steps of 4 micro-batches)

@@ -286,7 +286,8 @@ def test_local_config_json_resolves_to_its_family(tmp_path):
 
 @pytest.mark.parametrize("raw,message", [
     ({"model_type": "mistral"},
-     "supported: baichuan, bloom, deepseek_v3, ernie4_5, gpt, gpt2, llama, mixtral, qwen, qwen2, qwen2_moe, qwen3, "
+     "supported: baichuan, bloom, deepseek_v3, ernie4_5, ernie4_5_moe, gpt, gpt2, llama, mixtral, qwen, qwen2, "
+     "qwen2_moe, qwen3, "
      "qwen3_moe"),
     ({**_hf_config_json("Qwen/Qwen2-7B"), "use_sliding_window": True}, "use_sliding_window"),
     ({**_hf_config_json("meta-llama/Llama-3.1-8B"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
@@ -315,7 +316,8 @@ def test_every_family_record_is_complete():
     from models.families import supported_model_types
 
     assert sorted(FAMILIES) == sorted(["llama", "baichuan", "qwen", "qwen2", "gpt3", "bloom", "mixtral", "qwen2_moe",
-                                       "qwen3", "qwen3_moe", "ernie4_5", "deepseek_v3"])
+                                       "qwen3", "qwen3_moe", "ernie4_5", "ernie4_5_moe",
+                                       "deepseek_v3"])
     for family in FAMILIES.values():
         assert family.tiny in family.architectures
         assert all(config.family == family.name for config in family.architectures.values())
@@ -324,7 +326,9 @@ def test_every_family_record_is_complete():
         # PaddleNLP 2.8.1 has no class for Qwen3, ERNIE 4.5 or DeepSeek-V3: PaddleFormers judges them instead
         # (scripts/verify_paddleformers.py)
         assert (family.export_case[0] in family.reference_cases
-                if family.name not in ("qwen3", "qwen3_moe", "ernie4_5", "deepseek_v3") else not family.export_case)
+                if family.name not in ("qwen3", "qwen3_moe", "ernie4_5", "ernie4_5_moe", "deepseek_v3")
+                else not family.export_case)
         assert family.paddlenlp.export_table(_get(family.tiny))
-    assert supported_model_types() == ["baichuan", "bloom", "deepseek_v3", "ernie4_5", "gpt", "gpt2", "llama", "mixtral",
+    assert supported_model_types() == ["baichuan", "bloom", "deepseek_v3", "ernie4_5", "ernie4_5_moe", "gpt", "gpt2",
+                                      "llama", "mixtral",
                                       "qwen", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]

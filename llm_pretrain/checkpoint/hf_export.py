@@ -198,6 +198,8 @@ def _their_shape(join: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     base = join[: -len("_transpose")] if join.endswith("_transpose") else join
     if base in ("same", "transpose"):
         shape = shapes[0]
+    elif base == "row":  # [E] written as [1, E] (ERNIE 4.5 MoE's correction bias)
+        shape = (1,) + shapes[0]
     else:  # concat, per_head, kv_groups: the parts side by side along the last (output) axis
         shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
     return tuple(reversed(shape)) if transpose else shape

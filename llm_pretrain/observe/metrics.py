@@ -215,7 +215,8 @@ def gather_router_metrics(router_metrics, layout) -> dict:
         from paddle.distributed import fleet
 
         hcg = fleet.get_hybrid_communicate_group()
-        shape = [metrics.config.num_hidden_layers, metrics.config.num_experts]
+        # one row per MoE layer (not every layer: ERNIE 4.5 MoE and DeepSeek-V3 have dense ones too)
+        shape = [metrics.config.moe_layer_count, metrics.config.num_experts]
         picks = metrics.picks if metrics.forwards else paddle.zeros(shape, dtype="float32")
         scalars = [metrics.dropped, metrics.balance] if metrics.forwards else [paddle.zeros([]), paddle.zeros([])]
         packed = paddle.concat([picks.reshape([-1]).astype("float64")] + [v.reshape([1]).astype("float64") for v in scalars]

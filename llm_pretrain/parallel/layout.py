@@ -592,7 +592,9 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
 # against one process by a shared launch (ERNIE 4.5: tp2 and tp2 + SP, tests/test_parallel_parity.py TP_ONLY).
 # Every other layout of these families is refused until a test trains it.
-PROVEN_DEGREES = {"ernie4_5": ("tensor_parallel_degree",)}
+PROVEN_DEGREES = {"ernie4_5": ("tensor_parallel_degree",),
+                  # tp2 and tp2 + SP (TP_ONLY too), the rest not trained yet (tests/test_ernie4_5_moe.py)
+                  "ernie4_5_moe": ("tensor_parallel_degree",)}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
@@ -607,7 +609,7 @@ def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
     for key, value in degrees.items():
         if value > 1 and key not in allowed:
             raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
-                             f"process); allowed above 1: {', '.join(allowed)}")
+                             f"process); allowed above 1: {', '.join(allowed) or 'none'}")
 
 
 def check_layout_and_model(args: Arguments, world_size: int, device: str
@@ -631,8 +633,8 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     and the router biases, their load summed over the replicas, equal one process's): every other parallel degree
     above 1 is refused, as are the switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
-    if rate and config.router_score != "sigmoid":
-        raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3; "
+    if rate and not config.has_correction_bias:
+        raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return

@@ -21,7 +21,7 @@ class Param:
     numel: int  # elements on one tensor-parallel rank
     layer: int | None  # decoder layer index; None for the embedding, final norm and head
     part: str  # "embedding" | "layer" | "norm" | "head" | "mtp" (DeepSeek-V3's module, after the head)
-    trainable: bool = True  # False: DeepSeek-V3's router correction bias (moved by its rule, not the optimizer)
+    trainable: bool = True  # False: DeepSeek-V3's / ERNIE 4.5's router correction bias (moved by its rule, not the optimizer)
 
 
 def _linear(prefix: str, n_in: int, n_out: int, bias: bool, tp: int, split: str | None, layer: int) -> list[Param]:
@@ -117,7 +117,7 @@ def moe_parameters(prefix: str, config: ModelConfig, tp: int, layer: int) -> lis
     the dense MLP under tensor parallelism), the shared expert and its gate."""
     h, f = config.hidden_size, config.expert_intermediate_size
     out = []
-    if config.router_score == "sigmoid":  # models/deepseek_moe.py: the correction bias, registered first
+    if config.has_correction_bias:  # models/deepseek_moe.py: the correction bias, registered first
         out.append(Param(prefix + "e_score_correction_bias", config.num_experts, config.num_experts, layer, "layer",
                          trainable=False))
     out += _linear(prefix + "gate", h, config.num_experts, False, tp, None, layer)

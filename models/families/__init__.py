@@ -22,7 +22,7 @@ import importlib
 from models.families.base import Family, HuggingFaceClass, PaddleNLPClass, ReferenceCase
 
 FAMILY_MODULES = ("llama", "baichuan", "qwen", "qwen2", "gpt3", "bloom", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe",
-                  "ernie4_5", "deepseek_v3")
+                  "ernie4_5", "ernie4_5_moe", "deepseek_v3")
 
 FAMILIES: dict[str, Family] = {
     name: importlib.import_module(f"models.families.{name}").FAMILY for name in FAMILY_MODULES

@@ -17,8 +17,7 @@ src/transformers/models/ernie4_5/configuration_ernie4_5.py, default_theta 500000
 "0.36B" parameters are the tied count of these values (360,748,032; tests/test_ernie4_5.py).
 
 The mixture-of-experts models (baidu/ERNIE-4.5-21B-A3B-Base-PT, -300B-A47B-Base-PT, model_type
-"ernie4_5_moe") are described with their published values and counts in models/families/ernie4_5_moe.py;
-this decoder does not train them yet (refused there in one line).
+"ernie4_5_moe") are their own family, models/families/ernie4_5_moe.py, with this attention.
 
 Not computed, refused in one line (`read_config`): use_bias true, a rope_scaling / rope_parameters other than
 the default (models/rope.py), the vision parts of ERNIE 4.5 VL (another model_type, ernie4_5_moe_vl).

@@ -194,6 +194,25 @@ KEYS_BY_MODEL_TYPE = {
         "head_dim": Used("attention_head_dim", 64),  # 128 at 0.3B, apart from hidden / heads (64)
         "use_bias": Refused("false (no biases, as the published ERNIE 4.5)", _falsy, True),
     },
+    "ernie4_5_moe": {
+        **_ROTARY_KEYS,
+        "tie_word_embeddings": Used("tie_word_embeddings", False),  # Ernie4_5_MoeConfig's default true
+        "head_dim": Used("attention_head_dim", 64),  # read by the modeling code through getattr, as ERNIE 4.5's
+        "use_bias": Refused("false (no biases, as the published ERNIE 4.5)", _falsy, True),
+        # (its attribute_map aliases num_experts / num_experts_per_tok, never written: ernie4_5_moe.read_config)
+        "moe_num_experts": Used("num_experts", 6),
+        "moe_k": Used("num_experts_per_tok", 1),
+        "moe_intermediate_size": Used("moe_intermediate_size", 48),
+        "moe_num_shared_experts": Used("shared_expert_intermediate_size", 0),
+        "moe_layer_start_index": Used("first_k_dense_replace", 0),
+        "moe_layer_end_index": Used("moe_layer_end_index", 0),
+        "moe_layer_interval": Used("moe_layer_interval", 3),
+        # the top-k weights / max(their sum, moe_norm_min): only a sum below it (never in practice) would see another
+        "moe_norm_min": Refused("1e-12 (Ernie4_5_MoeConfig's default)", _equals(1e-12), 1e-3),
+        "output_router_logits": NoEffect("whether transformers adds the load-balancing loss to its loss; here "
+                                         "router_aux_loss_coef decides (0: none)"),
+        "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
+    },
     "qwen3_moe": {
         **_ROTARY_KEYS, **_SLIDING_WINDOW_KEYS,
         # not a Qwen3MoeConfig field at 008e574, but in every published file (Qwen3-30B-A3B: 128 with
@@ -381,6 +400,15 @@ CLASS_KEYS = {
                     "tie_word_embeddings", "rope_interleave", "attention_bias", "attention_dropout", "qk_head_dim",
                     "head_dim", "rope_theta", "rope_scaling",  # 4.57.6
                     "rope_parameters", "output_router_logits", "num_nextn_predict_layers"),  # 5.24.0
+    # transformers 5.24.0's Ernie4_5_MoeConfig (dataclass fields; 4.57.6's __init__ arguments the same with
+    # rope_theta / rope_scaling) and head_dim
+    "ernie4_5_moe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range",
+                     "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
+                     "tie_word_embeddings", "rope_parameters", "use_bias", "moe_intermediate_size", "moe_k",
+                     "moe_num_experts", "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
+                     "moe_layer_interval", "moe_norm_min", "output_router_logits", "router_aux_loss_coef",
+                     "rope_theta", "rope_scaling", "head_dim"),
     "gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
              "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range", "summary_type",
              "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
