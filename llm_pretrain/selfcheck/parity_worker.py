@@ -81,6 +81,9 @@ def main(runs_file: str) -> int:
         try:
             with run_environment(run.get("env", {})):
                 code = run_pretrain(argv)
+            from llm_pretrain.selfcheck.parity import catch_crashes  # (numpy after run_pretrain's CPU defaults)
+
+            catch_crashes()  # Paddle is imported now
         finally:
             if restore:
                 restore()
@@ -99,4 +102,6 @@ def main(runs_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from llm_pretrain.selfcheck.parity import exit_after_results
+
+    exit_after_results(main(sys.argv[1]))

@@ -71,6 +71,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
+from llm_pretrain.selfcheck.parity import catch_crashes, exit_after_results  # noqa: E402
 from fp32_master_grads import fp32_master_grads  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402
@@ -388,6 +389,7 @@ def slowed(run: dict):
 
 
 if __name__ == "__main__":
+    catch_crashes()
     for owner, method in ((DecoderLayer, "forward"), (DecoderLayer, "attention_block"), (Attention, "core_attention")):
         counting(owner, method)
     watch_sp_hooks()
@@ -423,3 +425,4 @@ if __name__ == "__main__":
     from launch_utils import write_result
 
     write_result(results)
+    exit_after_results(0)
