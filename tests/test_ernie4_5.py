@@ -118,6 +118,7 @@ def test_moe_published_counts_are_the_model_cards():
     assert moe_layers(PUBLISHED["baidu/ERNIE-4.5-300B-A47B-Base-PT"]) == list(range(3, 54))
 
 
+@pytest.mark.parametrize("preset, family", [("ernie4_5-tiny", "ernie4_5"), ("ernie4_5_moe-tiny", "ernie4_5_moe")])
 @pytest.mark.parametrize("degrees, key", [
     ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
     ({"sharding_degree": 2, "sharding_stage": 1}, "sharding_parallel_degree"),
@@ -125,14 +126,16 @@ def test_moe_published_counts_are_the_model_cards():
     ({"sep_parallel_degree": 2}, "sep_parallel_degree"),
     ({"context_parallel_degree": 2}, "context_parallel_degree"),
 ])
-def test_layouts_not_proven_are_refused_in_one_line(degrees, key):
+def test_layouts_not_proven_are_refused_in_one_line(degrees, key, preset, family):
+    """ERNIE 4.5 and ERNIE 4.5 MoE: tp2 and tp2 + SP train like one process (tests/test_parallel_parity.py
+    TP_ONLY); every other degree is refused in one line."""
     from llm_pretrain.parallel.layout import Layout, check_proven_layout
 
     with pytest.raises(RunUsageError) as error:
-        check_proven_layout(ARCHITECTURES["ernie4_5-tiny"], Layout(world_size=2, **degrees))
+        check_proven_layout(ARCHITECTURES[preset], Layout(world_size=2, **degrees))
     message = str(error.value)
-    assert message.startswith(f"{key}: 2 is not proven for ernie4_5") and "\n" not in message
-    check_proven_layout(ARCHITECTURES["ernie4_5-tiny"], Layout(world_size=2, tensor_parallel_degree=2))
+    assert message.startswith(f"{key}: 2 is not proven for {family}") and "\n" not in message
+    check_proven_layout(ARCHITECTURES[preset], Layout(world_size=2, tensor_parallel_degree=2))
     check_proven_layout(ARCHITECTURES["qwen3-tiny"], Layout(world_size=2, **degrees))  # other families: elsewhere
 
 

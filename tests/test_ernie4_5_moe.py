@@ -14,7 +14,6 @@ import numpy as np
 import paddle
 import pytest
 
-from llm_pretrain.errors import UsageError as RunUsageError
 from llm_pretrain.planner.params import parameter_list
 from models.decoder import CausalLM
 from models.deepseek_moe import DeepSeekMoE
@@ -123,24 +122,6 @@ def test_what_it_cannot_compute_is_refused_in_one_line(change, key):
         config_from_dict({**PUBLISHED["baidu/ERNIE-4.5-21B-A3B-Base-PT"], **change}, source="ERNIE/config.json")
     message = str(error.value)
     assert "\n" not in message and key in message and "ERNIE/config.json" in message
-
-
-@pytest.mark.parametrize("degrees, key", [
-    ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
-    ({"sharding_degree": 2, "sharding_stage": 1}, "sharding_parallel_degree"),
-    ({"data_parallel_degree": 2}, "data_parallel_degree"),
-    ({"sep_parallel_degree": 2}, "sep_parallel_degree"),
-    ({"context_parallel_degree": 2}, "context_parallel_degree"),
-])
-def test_layouts_not_proven_are_refused_in_one_line(degrees, key):
-    from llm_pretrain.parallel.layout import Layout, check_proven_layout
-
-    with pytest.raises(RunUsageError) as error:
-        check_proven_layout(TINY, Layout(world_size=2, **degrees))
-    message = str(error.value)
-    assert message.startswith(f"{key}: 2 is not proven for ernie4_5_moe") and "\n" not in message
-    # tp2 and tp2 + SP train like one process (tests/test_parallel_parity.py TP_ONLY)
-    check_proven_layout(TINY, Layout(world_size=2, tensor_parallel_degree=2))
 
 
 def test_tiny_trains_through_run_pretrain_with_the_bias_rule(embedded_corpus, tmp_path):
