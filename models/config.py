@@ -140,6 +140,12 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
+    def router_count(self) -> int:
+        """The routers a forward reports statistics of: the MoE decoder layers and the multi-token-prediction
+        block's when it is one (models/decoder.py MTPLayer: decoder layer num_hidden_layers)."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers + self.num_nextn_predict_layers))
+
+    @property
     def has_correction_bias(self) -> bool:
         """The router chooses on scores + e_score_correction_bias (models/deepseek_moe.py)."""
         return self.is_moe and (self.router_score == "sigmoid" or self.router_correction_bias)

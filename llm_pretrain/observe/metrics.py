@@ -215,8 +215,9 @@ def gather_router_metrics(router_metrics, layout) -> dict:
         from paddle.distributed import fleet
 
         hcg = fleet.get_hybrid_communicate_group()
-        # one row per MoE layer (not every layer: ERNIE 4.5 MoE and DeepSeek-V3 have dense ones too)
-        shape = [metrics.config.moe_layer_count, metrics.config.num_experts]
+        # one row per router (not every layer: ERNIE 4.5 MoE and DeepSeek-V3 have dense ones too; DeepSeek-V3's
+        # multi-token-prediction block has one)
+        shape = [metrics.config.router_count, metrics.config.num_experts]
         picks = metrics.picks if metrics.forwards else paddle.zeros(shape, dtype="float32")
         scalars = [metrics.dropped, metrics.balance] if metrics.forwards else [paddle.zeros([]), paddle.zeros([])]
         packed = paddle.concat([picks.reshape([-1]).astype("float64")] + [v.reshape([1]).astype("float64") for v in scalars]
