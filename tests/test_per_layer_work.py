@@ -95,7 +95,7 @@ def test_the_ring_takes_the_alibi_slopes_without_a_device_read(monkeypatch):
     config = resolve_model("bloom-tiny")[0].replace(num_hidden_layers=2)
     model = CausalLM(config)
     seen = []
-    monkeypatch.setattr(ring, "ring_attention", lambda q, k, v, seq, slopes, group, flash: seen.append(slopes) or q)
+    monkeypatch.setattr(ring, "ring_attention", lambda q, k, v, seq, slopes, group, *rest: seen.append(slopes) or q)
     monkeypatch.setattr(decoder.pl, "sequence_group", lambda: None)
     q = paddle.zeros([1, 8, config.num_attention_heads, config.head_dim])
     with counted_host_reads() as count:
