@@ -457,6 +457,11 @@ MUTATIONS = [
              "        load, _ = pl.sum_over_data_replicas(self.step_load)\n", "        load = self.step_load\n",
              ("tests/test_deepseek_v3.py::test_bias_update_counts_the_load_of_every_data_replica",
               "tests/test_parallel_parity.py::test_dp2")),
+    Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
+             "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
+             "shape = [metrics.config.router_count, metrics.config.num_experts]",
+             "shape = [metrics.config.moe_layer_count, metrics.config.num_experts]",
+             ("tests/test_parallel_parity.py::test_dp2",)),
     Mutation("deepseek_hf_mtp_assumed", "a Hugging Face directory without DeepSeek-V3's MTP layer (transformers' own) "
              "still read as a model with MTP", "models/hf_directory.py",
              "    if any(name.startswith(prefix) for name in names):  # the weights' tensor names\n",
