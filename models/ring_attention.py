@@ -246,29 +246,44 @@ class DocumentBlocks:
     before the split), so each block takes the rows of its queries' and its keys' global positions. A block
     in which no query shares a document with any key is skipped, forward and backward alike (its share of
     the softmax is 0); the others get the mask as an additive bias (0 / MASKED). Not a tensor, so that
-    RingAttention (a PyLayer) takes no gradient for it."""
+    RingAttention (a PyLayer) takes no gradient for it. Each block's bias (and its host read: skip or not) is
+    computed once per forward and kept, for every layer and for backward (`document_blocks`)."""
 
     def __init__(self, document_ids):
         self.ids = document_ids
+        self.built = {}  # block key -> bias or SKIP
 
-    def bias(self, q_positions, k_positions):
-        """[batch, 1, queries, keys] float32, or SKIP when the block is masked entirely."""
-        same = (paddle.index_select(self.ids, q_positions, axis=1).unsqueeze(2)
-                == paddle.index_select(self.ids, k_positions, axis=1).unsqueeze(1))
-        if not bool(same.any()):
-            return SKIP
-        return paddle.where(same, 0.0, MASKED).astype("float32").unsqueeze(1)
+    def bias(self, q_positions, k_positions, key):
+        """[batch, 1, queries, keys] float32, or SKIP when the block is masked entirely. key: the block
+        (rank, owner, which part), the same in every layer."""
+        if key not in self.built:
+            same = (paddle.index_select(self.ids, q_positions, axis=1).unsqueeze(2)
+                    == paddle.index_select(self.ids, k_positions, axis=1).unsqueeze(1))
+            self.built[key] = paddle.where(same, 0.0, MASKED).astype("float32").unsqueeze(1) if bool(same.any()) \
+                else SKIP
+        return self.built[key]
+
+
+_FORWARD_DOCUMENTS: list = []  # [(document_ids, DocumentBlocks)] of the latest forward
+
+
+def document_blocks(document_ids) -> DocumentBlocks:
+    """The DocumentBlocks of these ids: one per forward (every layer gets the same ids tensor), so that the
+    layers share each block's bias and its host read; the previous forward's are dropped."""
+    if not _FORWARD_DOCUMENTS or _FORWARD_DOCUMENTS[0][0] is not document_ids:
+        _FORWARD_DOCUMENTS[:] = [(document_ids, DocumentBlocks(document_ids))]
+    return _FORWARD_DOCUMENTS[0][1]
 
 
 SKIP = "skip"  # a block that document masks remove entirely
 
 
-def _block_bias(slopes, documents, q_positions, k_positions):
+def _block_bias(slopes, documents, q_positions, k_positions, key):
     """The block's additive bias: ALiBi and the document mask (either may be None), or SKIP."""
     alibi = _alibi(slopes, q_positions, k_positions)
     if documents is None:
         return alibi
-    masked = documents.bias(q_positions, k_positions)
+    masked = documents.bias(q_positions, k_positions, key)
     if masked is SKIP or alibi is None:
         return masked
     return alibi + masked
@@ -344,15 +359,15 @@ class RingAttention(paddle.autograd.PyLayer):
             k_positions = balanced_positions(seq_length, owner, size)
             if step == 0:  # (never skipped: every query sees itself)
                 out, lse = blocks.forward(q, block_k, block_v, True,
-                                          _block_bias(slopes, documents, q_positions, k_positions))
+                                          _block_bias(slopes, documents, q_positions, k_positions, (rank, owner)))
                 out = out.astype("float32")
             elif owner < rank:
-                bias = _block_bias(slopes, documents, q_positions, k_positions[:half])
+                bias = _block_bias(slopes, documents, q_positions, k_positions[:half], (rank, owner))
                 if bias is not SKIP:
                     out, lse = merge_blocks(out, lse, *blocks.forward(
                         q, block_k[:, :half], block_v[:, :half], False, bias))
             else:
-                bias = _block_bias(slopes, documents, q_positions[half:], k_positions)
+                bias = _block_bias(slopes, documents, q_positions[half:], k_positions, (rank, owner))
                 if bias is not SKIP:
                     second_out, second_lse = merge_blocks(out[:, half:], lse[:, :, half:], *blocks.forward(
                         q[:, half:], block_k, block_v, False, bias))
@@ -390,18 +405,18 @@ class RingAttention(paddle.autograd.PyLayer):
             k_positions = balanced_positions(seq_length, owner, size)
             if step == 0:
                 dq, dk, dv = blocks.backward(q, block_k, block_v, out, lse, grad_out, True,
-                                             _block_bias(slopes, documents, q_positions, k_positions))
+                                             _block_bias(slopes, documents, q_positions, k_positions, (rank, owner)))
                 grad_q += dq.astype("float32")
             elif owner < rank:
                 dq = dk = dv = None
-                bias = _block_bias(slopes, documents, q_positions, k_positions[:half])
+                bias = _block_bias(slopes, documents, q_positions, k_positions[:half], (rank, owner))
                 if bias is not SKIP:  # as in forward: a block masked entirely adds no gradient
                     dq, dk, dv = blocks.backward(q, block_k[:, :half], block_v[:, :half], out, lse, grad_out, False,
                                                  bias)
                     grad_q += dq.astype("float32")
             else:
                 dq = dk = dv = None
-                bias = _block_bias(slopes, documents, q_positions[half:], k_positions)
+                bias = _block_bias(slopes, documents, q_positions[half:], k_positions, (rank, owner))
                 if bias is not SKIP:
                     dq, dk, dv = blocks.backward(q[:, half:], block_k, block_v, out[:, half:], lse[:, :, half:],
                                                  grad_out[:, half:], False, bias)
@@ -431,6 +446,6 @@ def ring_attention(q, k, v, seq_length: int, slopes, group, use_flash_attention:
     document_ids: None, or [batch, seq] of the whole sequences (packed documents; the plain blocks only:
     llm_pretrain/parallel/layout.py refuses document masks with flash attention)."""
     blocks = attention_blocks(use_flash_attention, q.place, q.dtype, q.shape[-1])
-    documents = DocumentBlocks(document_ids) if document_ids is not None else None
+    documents = document_blocks(document_ids) if document_ids is not None else None
     out = RingAttention.apply(q, k, v, seq_length, slopes, group, blocks, documents)
     return out.reshape([out.shape[0], out.shape[1], -1])

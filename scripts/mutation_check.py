@@ -307,6 +307,10 @@ MUTATIONS = [
     Mutation("standin_lse_transposed", "the flash stand-in's softmax_lse as [batch, seqlen_q, heads]",
              "llm_pretrain/cpu/kernel_standins.py", "return out, paddle.concat([lse, padded], axis=-1)",
              "return out, paddle.concat([lse, padded], axis=-1).transpose([0, 2, 1])", (STANDIN_FLASH, STANDIN_RING)),
+    Mutation("document_mask_built_per_layer", "the ring builds each block's document bias (and its host read) in "
+             "every layer and again in backward", "models/ring_attention.py", "        if key not in self.built:\n",
+             "        if True:\n",
+             ("tests/test_ring_blocks.py::test_each_blocks_document_mask_is_built_once_per_forward_for_every_layer",)),
     Mutation("ring_transfer_waited_before_block", "the ring waits for the next (k, v) before computing the block "
              "it should overlap (a synchronous pass)", "models/ring_attention.py",
              "# the next block travels while this one is computed\n                next_block = start_ring_pass("
@@ -344,10 +348,10 @@ MUTATIONS = [
              "extra = () if documents is None or self.config.sep_parallel_degree > 1 else (documents.ids,) if ring "
              "else (documents.mask,)", (LONG_SEP2,)),
     Mutation("ring_document_mask_off", "cp with document masks: the ring's blocks not masked by the documents",
-             "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions)\n",
+             "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions, key)\n",
              "    masked = None\n", (RING_DOCUMENTS, LONG_SEP2)),
     Mutation("ring_masked_blocks_computed", "cp with document masks: blocks masked entirely computed anyway",
-             "models/ring_attention.py", "if not bool(same.any()):", "if False:", (RING_DOCUMENTS,)),
+             "models/ring_attention.py", "if bool(same.any())", "if True", (RING_DOCUMENTS,)),
     Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",
              "llm_pretrain/data/documents.py", "return np.where(inputs == self.eod_token_id, -100, labels)",
              "return labels", (DOCUMENTS,)),

@@ -263,3 +263,28 @@ def test_ring_with_document_masks_is_masked_attention_and_skips_masked_blocks(de
         ("backward", *c[1:]) for c in computed)  # backward skips the same blocks
     if degree == 2:
         assert len(computed) == 3, computed  # rank 1's queries 4-11 over keys 0-3: skipped
+
+
+def test_each_blocks_document_mask_is_built_once_per_forward_for_every_layer(monkeypatch):
+    """A block's document bias and its host read (skip or not) are the same in every layer and in backward:
+    built once per forward (models/ring_attention.py DocumentBlocks, `document_blocks`), not per layer."""
+    from models.ring_attention import DocumentBlocks, document_blocks
+
+    q = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=1)
+    k, v = (_random(BATCH, SEQ, KV_HEADS, HEAD_DIM, seed=seed) for seed in (2, 3))
+    grad_out = _random(BATCH, SEQ, HEADS, HEAD_DIM, seed=4)
+    ids = paddle.to_tensor(np.stack([np.repeat(np.arange(len(n)), n) for n in DOCUMENTS]).astype("int64"))
+    documents = document_blocks(ids)
+    assert document_blocks(ids) is documents  # every layer of the forward gets the same blocks
+    builds = []
+    original = paddle.index_select
+    monkeypatch.setattr(paddle, "index_select", lambda *a, **kw: builds.append(1) or original(*a, **kw))
+    first = ring_in_threads(2, q, k, v, grad_out, None, PlainBlocks, documents=documents)
+    built = len(builds)
+    assert built == 2 * 2 * 2 and len(documents.built) == 2 * 2  # 2 ranks x 2 blocks, queries' and keys' ids
+    second = ring_in_threads(2, q, k, v, grad_out, None, PlainBlocks, documents=documents)  # the next layer
+    assert len(builds) == built
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert document_blocks(ids.clone()) is not documents  # the next forward's ids: built anew
+    assert isinstance(documents, DocumentBlocks)
