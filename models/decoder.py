@@ -482,7 +482,7 @@ class MTPLayer(nn.Layer):
         rms = config.replace(norm_type="rmsnorm")
         self.enorm = pl.norm(rms, config.hidden_size)
         self.hnorm = pl.norm(rms, config.hidden_size)
-        self.eh_proj = pl.replicated_linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = pl.token_chunk_linear(config, 2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = DecoderLayer(config, layer_index)
         self.norm = pl.norm(config, config.hidden_size)
 
@@ -610,7 +610,8 @@ class CausalLM(nn.Layer):
     def mtp_logits(self, hidden, labels, documents=None):
         """The MTP module's logits [batch, seq, vocab] from the main model's last hidden states and the labels
         (token i + 1 at position i; -100 read as token 0: its position's target is masked or the last)."""
-        next_embeddings = self.embeddings.word_embeddings(labels.clip(min=0))
+        # (under sequence parallelism this rank's chunk of the tokens, as the main model's hidden states)
+        next_embeddings = pl.split_sequence(self.config, self.embeddings.word_embeddings(labels.clip(min=0)))
         return self.lm_head(self.mtp(hidden, next_embeddings, documents))
 
     def update_router_biases(self) -> None:

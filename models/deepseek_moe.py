@@ -49,10 +49,12 @@ class DeepSeekMoE(MoE):
             [config.num_experts], dtype="float32", default_initializer=paddle.nn.initializer.Constant(0.0))
         self.e_score_correction_bias.stop_gradient = True
         self.step_load = paddle.zeros([config.num_experts], dtype="float32")  # picks since the last update
-        self._batch = 1
+        self._seq = 1
 
     def forward(self, hidden):
-        self._batch = hidden.shape[0]  # the sequences of the micro-batch, for the sequence-wise loss
+        # the length of a sequence, for the sequence-wise loss (under sequence parallelism `hidden` is this rank's
+        # chunk of the flattened tokens; the router sees every token of the micro-batch)
+        self._seq = self.config.tokens_per_rank if hidden.ndim == 2 else hidden.shape[1]
         out = super().forward(hidden)
         if self.training:
             self.step_load = self.step_load + self.last_stats.picks
@@ -92,11 +94,10 @@ class DeepSeekMoE(MoE):
 
     def sequence_balance(self, one_hot, normalized):
         """The sequence-wise balance loss (unscaled), mean over the micro-batch's sequences."""
-        experts, k, batch = self.config.num_experts, self.config.num_experts_per_tok, self._batch
-        seq = normalized.shape[0] // batch
-        picks = one_hot.reshape([batch, seq * k, experts]).sum(axis=1).detach()
+        experts, k, seq = self.config.num_experts, self.config.num_experts_per_tok, self._seq
+        picks = one_hot.reshape([-1, seq * k, experts]).sum(axis=1).detach()
         f = picks * experts / (k * seq)
-        p = normalized.reshape([batch, seq, experts]).mean(axis=1)
+        p = normalized.reshape([-1, seq, experts]).mean(axis=1)
         return (f * p).sum(axis=-1).mean()
 
     @paddle.no_grad()

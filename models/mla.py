@@ -14,8 +14,15 @@ decoder's, which rotate halves) so that this module needs nothing of models/deco
 Source of every line: PaddleFormers 0.4.1 paddleformers/transformers/deepseek_v2/modeling.py
 (DeepseekV2Attention, apply_rotary_pos_emb, yarn_get_mscale), which DeepseekV3ForCausalLM uses.
 
-One process or data parallelism only for now (llm_pretrain/parallel/layout.py refuses tensor, sequence, segment
-and context parallelism for latent attention), so the projections are plain replicated linears.
+Tensor parallelism (+ SP) splits the heads as PaddleFormers 0.4.1 does (deepseek_v2/modeling.py
+DeepseekV2Attention.__init__: "q_a_proj and kv_a_proj_with_mqa are the small weight", plain linears; q_b_proj and
+kv_b_proj tp_plan="colwise", o_proj "rowwise"): every rank computes the whole latents, then its heads' q, k_nope
+and v from them. Without SP the column-parallel projections sum their input's gradient over the ranks, so the
+latent projections and their norms get whole, equal gradients; under SP they see this rank's chunk of the tokens
+and their weights are marked as sequence-parallel parameters (their gradients summed over the ranks, as
+PaddleFormers marks them). The rope key k_pe feeds every head but passes no column-parallel projection: each rank's
+gradient of it covers only its own heads, so it goes through `pl.replicated_input` (gathered under SP, as
+PaddleFormers' GatherOp, and its gradient summed over the ranks either way).
 """
 
 from __future__ import annotations
@@ -69,26 +76,31 @@ class LatentAttention(nn.Layer):
         super().__init__()
         self.config = config
         c = config
-        self.num_heads = c.num_attention_heads
+        heads = c.num_attention_heads
+        self.num_heads = heads // pl.tensor_parallel_rank_and_degree(c)[1]  # this rank's
         self.q_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         rms = c.replace(norm_type="rmsnorm")
-        self.q_a_proj = pl.replicated_linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_proj = pl.token_chunk_linear(c, c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_layernorm = pl.norm(rms, c.q_lora_rank)
-        self.q_b_proj = pl.replicated_linear(c.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = pl.replicated_linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.q_b_proj = pl.column_linear(c, c.q_lora_rank, heads * self.q_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = pl.token_chunk_linear(c, c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                                        bias=False)
         self.kv_a_layernorm = pl.norm(rms, c.kv_lora_rank)
-        self.kv_b_proj = pl.replicated_linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                              bias=False)
-        self.o_proj = pl.replicated_linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.kv_b_proj = pl.column_linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = pl.row_linear(c, heads * c.v_head_dim, c.hidden_size, bias=False)
         self.softmax_scale = softmax_scale(config)
 
     def forward(self, hidden, documents=None):
         c = self.config
-        batch, seq = hidden.shape[0], hidden.shape[1]
+        # Under sequence parallelism `hidden` is this rank's chunk of the flattened tokens; the column-parallel
+        # projections gather every token, so q, k and v are whole sequences of this rank's heads.
+        seq = c.tokens_per_rank if hidden.ndim == 2 else hidden.shape[1]
         nope, rope, heads = c.qk_nope_head_dim, c.qk_rope_head_dim, self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))).reshape([batch, seq, heads, self.q_head_dim])
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))).reshape([-1, seq, heads, self.q_head_dim])
+        batch = q.shape[0]
         q_nope, q_pe = paddle.split(q, [nope, rope], axis=-1)
         compressed, k_pe = paddle.split(self.kv_a_proj_with_mqa(hidden), [c.kv_lora_rank, rope], axis=-1)
+        k_pe = pl.replicated_input(c, k_pe)  # every token; its gradient summed over the ranks' heads
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).reshape([batch, seq, heads, nope + c.v_head_dim])
         k_nope, v = paddle.split(kv, [nope, c.v_head_dim], axis=-1)
         cos, sin = pair_tables(c, seq)
@@ -108,4 +120,7 @@ class LatentAttention(nn.Layer):
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, c.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [batch, heads, seq, v]
-        return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * c.v_head_dim]))
+        out = out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * c.v_head_dim])
+        if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
+            out = out.reshape([-1, out.shape[-1]])
+        return self.o_proj(out)

@@ -108,6 +108,14 @@ def replicated_linear(in_features: int, out_features: int, bias: bool, partial_g
     return layer
 
 
+def token_chunk_linear(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Layer:
+    """A linear layer every tensor-parallel rank holds whole, applied to the block's input as it comes: under
+    sequence parallelism this rank's chunk of the tokens, so its gradients cover those tokens only and are summed
+    over the ranks (marked as a sequence-parallel parameter, as the norms); without SP every token, and a
+    column-parallel layer after it makes its gradients whole (DeepSeek-V3's latent projections, MTP's eh_proj)."""
+    return replicated_linear(in_features, out_features, bias, partial_grads=_sequence_parallel(config))
+
+
 def vocab_embedding(config: ModelConfig, vocab_size: int, hidden_size: int) -> nn.Layer:
     """Word embeddings with the vocabulary split across tensor-parallel ranks."""
     if _tensor_parallel(config):

@@ -461,6 +461,19 @@ MUTATIONS = [
              "        load, _ = pl.sum_over_data_replicas(self.step_load)\n", "        load = self.step_load\n",
              ("tests/test_deepseek_v3.py::test_bias_update_counts_the_load_of_every_data_replica",
               "tests/test_parallel_parity.py::test_dp2")),
+    # DeepSeek-V3 under tp2 (+ SP): the rope key's gradient of this rank's heads only; the latent projections' weight
+    # gradients of this rank's tokens only under SP
+    Mutation("deepseek_mla_rope_key_grad_not_summed", "under tensor parallelism (no SP) the latent attention's rope "
+             "key k_pe, shared by every head, takes the gradient of this rank's heads only (not summed over the ranks)",
+             "models/mla.py", "        k_pe = pl.replicated_input(c, k_pe)",
+             "        k_pe = pl.replicated_input(c, k_pe) if c.sequence_parallel else k_pe",
+             ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    Mutation("deepseek_mla_latent_grads_not_summed_under_sp", "under sequence parallelism the latent projections and "
+             "eh_proj (replicated, fed this rank's chunk of the tokens) not marked: their weight gradients cover this "
+             "rank's tokens only", "models/parallel_layers.py",
+             "    return replicated_linear(in_features, out_features, bias, partial_grads=_sequence_parallel(config))",
+             "    return replicated_linear(in_features, out_features, bias)",
+             ("tests/test_parallel_parity.py::test_tensor_parallel",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
              "shape = [metrics.config.router_count, metrics.config.num_experts]",

@@ -330,7 +330,7 @@ def _arguments(corpus, tmp_path, **overrides):
     return args
 
 
-@pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
+@pytest.mark.parametrize("key, value", [("pipeline_parallel_degree", 2),
                                         ("sep_parallel_degree", 2), ("context_parallel_degree", 2),
                                         ("expert_parallel_degree", 2), ("sharding", "stage3")])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
@@ -350,6 +350,16 @@ def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
     layout, config, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, moe_bias_update_rate=0.01),
                                                   2, "cpu")
     assert layout.data_parallel_degree == 2 and config.moe_bias_update_rate == 0.01
+
+
+def test_tensor_parallelism_with_and_without_sp_is_accepted(embedded_corpus, tmp_path):
+    """tp2 and tp2 + SP are proven: tests/test_parallel_parity.py test_tensor_parallel trains deepseek-v3-short."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    for sp in (False, True):
+        args = _arguments(embedded_corpus, tmp_path, tensor_parallel_degree=2, sequence_parallel=sp)
+        layout, config, _, _ = check_layout_and_model(args, 2, "cpu")
+        assert layout.tensor_parallel_degree == 2 and config.sequence_parallel == sp
 
 
 def test_bias_rate_needs_a_router_bias(embedded_corpus, tmp_path):

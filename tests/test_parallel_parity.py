@@ -3,7 +3,7 @@
 References run once in one plain process (the tiny preset of every family record: LLaMA with 8 layers,
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
-uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2). Each
+uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2 and tp2 + SP). Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
 train in the session's launch of their degrees, beside other files' runs (tests/shared_launches.py).
@@ -77,10 +77,10 @@ SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe
                   and family.name not in ("qwen3_moe", "deepseek_v3", "ernie4_5_moe"))  # mixtral-, qwen2-moe-short
-# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
+# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 and tp2 (+ SP) only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
 # llm_pretrain/parallel/layout.py refuses their other layouts)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
-# DeepSeek-V3 (issue 35) in dp2 only: its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
+# DeepSeek-V3 (issue 35) in dp2 and tp2 (+ SP, check_deepseek_tp2): its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
 # rule on, 2 steps: the routers' biases after them equal one process's (the load summed over the replicas,
 # models/deepseek_moe.py update_correction_bias) and every rank's copy is the same (the replica check)
 DEEPSEEK_SHORT = "deepseek-v3-short"
@@ -304,7 +304,60 @@ def tp2_runs(parity: Parity) -> list[list[str]]:
     # the kernels' branches: ALiBi's mask per rank's heads (Bloom), one kv head replicated (Qwen2)
     return runs + [parity.kernels("tp2-sp-kernels", **tp, sequence_parallel=True),
                    parity.kernels("bloom-tp2-sp-kernels", "bloom", **tp, sequence_parallel=True),
-                   parity.kernels("qwen2-tp2-kernels", "qwen2", **tp)]
+                   parity.kernels("qwen2-tp2-kernels", "qwen2", **tp)] + deepseek_tp2_runs(parity)
+
+
+def deepseek_tp2_runs(parity: Parity) -> list[list[str]]:
+    """DeepSeek-V3 (issue 35): deepseek-v3-short (MLA, 1 dense + 1 MoE layer, MTP, the bias rule) for 2 steps."""
+    tp = {"tensor_parallel_degree": 2}
+    return [parity.run(f"{DEEPSEEK_SHORT}-tp2", DEEPSEEK_SHORT, **tp),
+            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)]
+
+
+# DeepSeek-V3 under tp2, as PaddleFormers 0.4.1 splits it (deepseek_v2/modeling.py DeepseekV2Attention.__init__):
+# name suffix -> how the checkpoint holds the tensor (axis split in two, or None: one whole replicated box)
+DEEPSEEK_TP_SPLIT = {"self_attn.q_b_proj.weight": 1, "self_attn.kv_b_proj.weight": 1, "self_attn.o_proj.weight": 0,
+                     "self_attn.q_a_proj.weight": None, "self_attn.kv_a_proj_with_mqa.weight": None,
+                     "self_attn.q_a_layernorm.weight": None, "mlp.gate.weight": None,
+                     "mlp.e_score_correction_bias": None, "eh_proj.weight": None}
+
+
+def check_deepseek_tp2(parity: Parity, observed: dict) -> None:
+    """deepseek-v3-short under tp2 and tp2 + SP: losses, grad norms, weights and AdamW moments as one process's,
+    every replica (latent projections, norms, routers, correction biases, the MTP block's) bitwise equal on both
+    ranks (parity.check's replica check); the heads split and the rest whole; the biases moved as one process's;
+    under SP 32 of the micro-batch's 64 tokens between the layers (the MTP block's too), every sequence-parallel
+    parameter's gradient all-reduced once per step."""
+    from llm_pretrain.checkpoint.dist_checkpoint import CheckpointReader
+
+    names = [f"{DEEPSEEK_SHORT}-tp2", f"{DEEPSEEK_SHORT}-tp2-sp"]
+    parity.check([(name, DEEPSEEK_SHORT) for name in names])
+    steps = SHORT["max_steps"]
+    for name in names:
+        assert_same_router_metrics(parity.references[DEEPSEEK_SHORT], parity.out(name))
+        assert_same_router_biases(parity.references[DEEPSEEK_SHORT], parity.out(name))
+        with CheckpointReader(str(parity.out(name) / f"checkpoint-{steps}")) as got:
+            checked = 0
+            for tensor, entry in got.tensors.items():
+                axis = next((a for suffix, a in DEEPSEEK_TP_SPLIT.items() if tensor.endswith(suffix)), "other")
+                if axis == "other":
+                    continue
+                boxes = sorted(tuple(s["offsets"]) for s in entry["slices"])
+                if axis is None:
+                    assert boxes == [(0,) * len(entry["shape"])] and entry["slices"][0]["shape"] == entry["shape"], \
+                        (name, tensor, entry)
+                else:
+                    assert len(boxes) == 2 and boxes[1][axis] == entry["shape"][axis] // 2, (name, tensor, entry)
+                checked += 1
+            assert checked == 3 * 6 + 2 * 2 + 1, (name, checked)  # 3 attentions, 2 routers, eh_proj
+    sp = observations(observed, f"{DEEPSEEK_SHORT}-tp2-sp")
+    for seen in sp:
+        shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+        assert shapes == {(32, 64)}, shapes
+        # per decoder layer (2 and the MTP block) its 2 norms, the 2 latent norms and the 2 latent projections;
+        # the final norm; the MTP block's enorm, hnorm, eh_proj and its norm
+        hooks = seen["sp_hooks"]
+        assert len(hooks) == 3 * 6 + 1 + 4 and all(calls == [4 * steps, steps] for calls in hooks.values()), hooks
 
 
 def test_tensor_parallel(parity, shared_launches):
@@ -316,6 +369,7 @@ def test_tensor_parallel(parity, shared_launches):
     for name, kernels in (("tp2-sp-kernels", LLAMA_KERNELS), ("bloom-tp2-sp-kernels", GPT_KERNELS),
                           ("qwen2-tp2-kernels", LLAMA_KERNELS)):
         assert_stand_ins_ran(observations(observed, name), parity.out(name), kernels)
+    check_deepseek_tp2(parity, observed)
     # qwen2-tiny's single kv head is replicated on both ranks (not split): whole k/v projections
     assert run_record(parity.out("qwen2-tp2"))["model_config"]["num_key_value_heads"] == 1
     assert final_weights(parity.out("qwen2-tp2"))["layers.0.self_attn.k_proj.weight"].shape == (64, 16)

@@ -629,24 +629,25 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process
-    (tests/test_deepseek_v3.py) and under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
-    and the router biases, their load summed over the replicas, equal one process's): every other parallel degree
-    above 1 is refused, as are the switches they ignore."""
+    (tests/test_deepseek_v3.py), under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
+    and the router biases, their load summed over the replicas, equal one process's) and under tensor parallelism
+    with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
+    replicated): every other parallel degree above 1 is refused, as are the switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    degrees = {"tensor_parallel_degree": layout.tensor_parallel_degree,
-               "pipeline_parallel_degree": layout.pipeline_parallel_degree, "sharding_degree": layout.sharding_degree,
+    degrees = {"pipeline_parallel_degree": layout.pipeline_parallel_degree, "sharding_degree": layout.sharding_degree,
                "sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree,
                "expert_parallel_degree": _degree(args.expert_parallel_degree)}
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process and under data parallelism only; allowed: 1)")
+                             f"bias and MTP are proven in one process and under data and tensor parallelism only; "
+                             f"allowed: 1)")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")
