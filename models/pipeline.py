@@ -27,6 +27,18 @@ RouterStats and adds the same auxiliary losses as one process (decoder.add_route
 autograd sends d loss / d (router sums) back to each stage through fleet's p2p with the hidden
 states' gradients (pipeline_parallel.py _backward_step: every output without stop_gradient). One
 process keeps its list of RouterStats: the same values, the same sums.
+
+DeepSeek-V3's multi-token prediction (MTP) runs on the last stage, after the last decoder layer, as PaddleFormers
+0.4.1 pipelines it (paddleformers/transformers/deepseek_v2/modeling.py DeepseekV2EmbeddingPipe: the first stage
+embeds the next tokens and concatenates them to the hidden states, [hidden; next embeddings] on the last axis;
+DeepseekV2MTPLayerPipe splits them on the last stage): the first stage gets the labels beside the input ids
+(llm_pretrain/run/trainer.py pipeline_data), embeds them with the one word embedding, and the embeddings ride with
+the hidden states to `PipelineMTP` (every decoder layer splits them off and puts them back); their gradient
+returns to the first stage's embedding through fleet's p2p like the hidden states'. The MTP block's hidden
+states then ride beside the main ones ([hidden; MTP hidden]) through the final norm to the head, which gives both
+logits; the loss adds the MTP loss as one process (models/decoder.py CausalLM.forward). The router carry has a row
+for the MTP block's router (decoder layer num_hidden_layers), and a column for DeepSeek-V3's sequence-wise
+balance loss.
 """
 
 from __future__ import annotations
@@ -39,8 +51,9 @@ from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, Sha
 
 from models import parallel_layers as pl
 from models.config import ModelConfig
-from models.decoder import DecoderLayer, Documents, Embeddings, LMHead, add_router_losses, causal_lm_loss, output_logits
-from models.moe import RouterMetrics, RouterStats
+from models.decoder import (DecoderLayer, Documents, Embeddings, LMHead, MTPLayer, add_router_losses, causal_lm_loss,
+                            mtp_labels, output_logits)
+from models.moe import MoE, RouterMetrics, RouterStats
 
 TIED_EMBEDDING = "tied_embedding"
 
@@ -54,8 +67,8 @@ class RouterCarry:
 
     @staticmethod
     def start(config: ModelConfig):
-        layers, experts = config.num_hidden_layers, config.num_experts
-        return paddle.zeros([layers, experts + 1], dtype="float32"), paddle.zeros([layers, experts + 2], dtype="float32")
+        layers, experts = config.num_hidden_layers + config.num_nextn_predict_layers, config.num_experts
+        return paddle.zeros([layers, experts + 2], dtype="float32"), paddle.zeros([layers, experts + 2], dtype="float32")
 
     @staticmethod
     def add(sums, counts, layer_index: int, stats: RouterStats):
@@ -63,7 +76,9 @@ class RouterCarry:
         (in float32 also under O2 autocast, which would round counts above 256 to bfloat16)."""
         row = paddle.to_tensor(np.eye(sums.shape[0], dtype="float32")[:, layer_index:layer_index + 1])  # [L, 1]
         with paddle.amp.auto_cast(False):
-            sums = sums + row * paddle.concat([stats.prob_sum, stats.z_sum.reshape([1])]).astype("float32")
+            seq_balance = stats.seq_balance if stats.seq_balance is not None else paddle.zeros([])
+            sums = sums + row * paddle.concat([stats.prob_sum, stats.z_sum.reshape([1]),
+                                               seq_balance.reshape([1])]).astype("float32")
             counts = counts + row * paddle.concat([stats.picks.astype("float32"),
                                                    stats.dropped.astype("float32").reshape([1]),
                                                    paddle.full([1], stats.tokens, dtype="float32")])
@@ -71,12 +86,14 @@ class RouterCarry:
 
     @staticmethod
     def stats(config: ModelConfig, sums, counts) -> list[RouterStats]:
-        """Every layer's RouterStats again (the single-process model's list), on the last stage."""
+        """Every MoE layer's RouterStats again (the single-process model's list, the MTP block's last), on the last
+        stage."""
         experts = config.num_experts
         tokens = counts[:, experts + 1].numpy().astype("int64")
         return [RouterStats(picks=counts[l, :experts], prob_sum=sums[l, :experts], z_sum=sums[l, experts],
-                            dropped=counts[l, experts].astype("int64"), tokens=int(tokens[l]))
-                for l in range(config.num_hidden_layers)]
+                            dropped=counts[l, experts].astype("int64"), tokens=int(tokens[l]),
+                            seq_balance=sums[l, experts + 1])
+                for l in range(config.num_hidden_layers + config.num_nextn_predict_layers) if config.is_moe_layer(l)]
 
 
 def split_carry(inputs):
@@ -106,13 +123,32 @@ def join(hidden, document_ids, carry=()):
     return (hidden, *extra) if extra else hidden
 
 
+def split_next_embeddings(config: ModelConfig, hidden):
+    """With MTP: ([hidden; next embeddings] on the last axis) -> (hidden, next embeddings); else (hidden, None)."""
+    if not config.num_nextn_predict_layers:
+        return hidden, None
+    return tuple(paddle.split(hidden, 2, axis=-1))
+
+
+def with_next_embeddings(hidden, next_embeddings):
+    return hidden if next_embeddings is None else paddle.concat([hidden, next_embeddings], axis=-1)
+
+
 class PipelineEmbeddings(Embeddings):
-    """The first stage's embedding: input_ids, or (input_ids, document_ids) with document masks."""
+    """The first stage's embedding: input_ids, or (input_ids, document_ids) with document masks; with MTP the
+    labels last (input_ids, [document_ids], labels), their embeddings joined to the hidden states."""
 
     def forward(self, inputs):
-        input_ids, document_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        labels = None
+        if self.config.num_nextn_predict_layers:
+            inputs, labels = inputs[:-1], inputs[-1]
+        input_ids, document_ids = inputs if len(inputs) == 2 else (inputs[0], None)
         documents = Documents(self.config, document_ids) if document_ids is not None else None
-        return join(super().forward(input_ids, documents), document_ids)
+        hidden = super().forward(input_ids, documents)
+        if labels is not None:  # as CausalLM.mtp_logits (-100 read as token 0)
+            hidden = with_next_embeddings(hidden, pl.split_sequence(self.config, self.word_embeddings(labels.clip(min=0))))
+        return join(hidden, document_ids)
 
 
 class PipelineDecoderLayer(DecoderLayer):
@@ -123,7 +159,8 @@ class PipelineDecoderLayer(DecoderLayer):
     def forward(self, inputs):
         hidden, document_ids, carry = split_documents(inputs)
         documents = Documents(self.config, document_ids) if document_ids is not None else None
-        return join(super().forward(hidden, documents), document_ids, carry)
+        hidden, next_embeddings = split_next_embeddings(self.config, hidden)
+        return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), document_ids, carry)
 
 
 class MoEDecoderLayer(PipelineDecoderLayer):
@@ -134,17 +171,41 @@ class MoEDecoderLayer(PipelineDecoderLayer):
         hidden, document_ids, carry = split_documents(inputs)
         sums, counts = carry or RouterCarry.start(self.config)
         hidden = split_carry(super().forward(join(hidden, document_ids)))[0]
-        return join(hidden, document_ids, RouterCarry.add(sums, counts, self.layer_index, self.mlp.last_stats))
+        if isinstance(self.mlp, MoE):  # (DeepSeek-V3's first layers are dense)
+            sums, counts = RouterCarry.add(sums, counts, self.layer_index, self.mlp.last_stats)
+        return join(hidden, document_ids, (sums, counts))
+
+
+class PipelineMTP(MTPLayer):
+    """DeepSeek-V3's MTP module on the last stage, after the last decoder layer: ([hidden; next embeddings],
+    [document ids], [router carry]) in, ([hidden; MTP hidden], [document ids], [carry]) out, its router's
+    statistics in the carry's row num_hidden_layers (the MTP hidden states are normed: MTPLayer's own norm)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, config.num_hidden_layers)
+        self.config = config
+
+    def forward(self, inputs):
+        hidden, document_ids, carry = split_documents(inputs)
+        documents = Documents(self.config, document_ids) if document_ids is not None else None
+        hidden, next_embeddings = split_next_embeddings(self.config, hidden)
+        mtp_hidden = super().forward(hidden, next_embeddings, documents)
+        if isinstance(self.block.mlp, MoE):
+            carry = RouterCarry.add(*carry, self.config.num_hidden_layers, self.block.mlp.last_stats)
+        return join(with_next_embeddings(hidden, mtp_hidden), document_ids, carry)
 
 
 class FinalNorm(nn.Layer):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.config = config
         self.norm = pl.norm(config, config.hidden_size)
 
     def forward(self, inputs):
         hidden, _, carry = split_documents(inputs)  # the document ids end here
-        return (self.norm(hidden), *carry) if carry else self.norm(hidden)
+        hidden, mtp_hidden = split_next_embeddings(self.config, hidden)  # (with MTP: its hidden states, normed)
+        hidden = with_next_embeddings(self.norm(hidden), mtp_hidden)
+        return (hidden, *carry) if carry else hidden
 
 
 class PipelineLMHead(LMHead):
@@ -152,7 +213,14 @@ class PipelineLMHead(LMHead):
 
     def forward(self, inputs):
         hidden, carry = split_carry(inputs)
-        return (super().forward(hidden), *carry) if carry else super().forward(hidden)
+        logits = both_heads(self.config, hidden, super().forward)
+        return (*logits, *carry) if carry or len(logits) > 1 else logits[0]
+
+
+def both_heads(config: ModelConfig, hidden, head) -> tuple:
+    """(logits,), or with MTP (logits, MTP logits) of [hidden; MTP hidden]: the one head for both."""
+    hidden, mtp_hidden = split_next_embeddings(config, hidden)
+    return (head(hidden),) if mtp_hidden is None else (head(hidden), head(mtp_hidden))
 
 
 class CausalLMLoss(nn.Layer):
@@ -167,6 +235,12 @@ class CausalLMLoss(nn.Layer):
     def forward(self, outputs, labels):
         logits, carry = split_carry(outputs)
         loss = causal_lm_loss(self.config, logits, labels)
+        if self.config.num_nextn_predict_layers:  # as CausalLM.forward
+            mtp_logits, carry = carry[0], carry[1:]
+            mtp_loss = causal_lm_loss(self.config, mtp_logits, mtp_labels(labels))
+            if self.training and self.router_metrics is not None:
+                self.router_metrics.add_mtp(mtp_loss)
+            loss = loss + self.config.mtp_loss_weight * mtp_loss
         if not carry:
             return loss
         metrics = self.router_metrics if self.training else None
@@ -175,8 +249,9 @@ class CausalLMLoss(nn.Layer):
 
 def _tied_head(embeddings: Embeddings, inputs):
     hidden, carry = split_carry(inputs)
-    logits = output_logits(embeddings.config, hidden, embeddings.word_embeddings.weight, tied=True)
-    return (logits, *carry) if carry else logits
+    logits = both_heads(embeddings.config, hidden, lambda h: output_logits(
+        embeddings.config, h, embeddings.word_embeddings.weight, tied=True))
+    return (*logits, *carry) if carry or len(logits) > 1 else logits[0]
 
 
 class ChunkBoundaries(str):
@@ -213,6 +288,7 @@ class CausalLMPipeline(PipelineLayer):
             first, last = LayerDesc(PipelineEmbeddings, config), LayerDesc(PipelineLMHead, config)
         decoder_layer = MoEDecoderLayer if config.is_moe else PipelineDecoderLayer
         descs = [first] + [LayerDesc(decoder_layer, config, i) for i in range(config.num_hidden_layers)]
+        descs += [LayerDesc(PipelineMTP, config)] if config.num_nextn_predict_layers else []
         descs += [LayerDesc(FinalNorm, config), last]
         full_recompute = config.recompute and config.recompute_granularity == "full"
         seg_method = "layer:DecoderLayer"  # even: fleet's own segmentation
@@ -252,6 +328,15 @@ class CausalLMPipeline(PipelineLayer):
             for param in copy.parameters():
                 param.is_firstly_shared = False
 
+    def update_router_biases(self) -> None:
+        """After an optimizer step: DeepSeek-V3's bias update in this stage's MoE layers (and the MTP block's on the
+        last stage), as CausalLM.update_router_biases (rate 0: off)."""
+        if not self.config.moe_bias_update_rate:
+            return
+        for layer in self.sublayers():
+            if hasattr(layer, "update_correction_bias"):
+                layer.update_correction_bias(self.config.moe_bias_update_rate)
+
     def _segment_network_for_interleave(self, seg_method):
         if not isinstance(seg_method, ChunkBoundaries):
             return super()._segment_network_for_interleave(seg_method)
@@ -271,7 +356,9 @@ class CausalLMPipeline(PipelineLayer):
         for layer in self.sublayers():
             if isinstance(layer, Embeddings):
                 prefix = "embeddings."
-            elif isinstance(layer, DecoderLayer):
+            elif isinstance(layer, MTPLayer):  # (its block, a DecoderLayer, is named under it)
+                prefix = "mtp."
+            elif isinstance(layer, DecoderLayer) and layer.layer_index < self.config.num_hidden_layers:
                 prefix = f"layers.{layer.layer_index}."
             elif isinstance(layer, FinalNorm):
                 prefix = ""

@@ -338,8 +338,8 @@ MUTATIONS = [
     Mutation("document_ids_not_passed_between_stages",
              "pipeline with document masks: a decoder layer does not pass the document ids on (the next stage runs "
              "without the mask)", "models/pipeline.py",
-             "return join(super().forward(hidden, documents), document_ids, carry)",
-             "return join(super().forward(hidden, documents), None, carry)",
+             "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), document_ids, carry)",
+             "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), None, carry)",
              (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
               f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
     Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
@@ -474,6 +474,18 @@ MUTATIONS = [
              "    return replicated_linear(in_features, out_features, bias, partial_grads=_sequence_parallel(config))",
              "    return replicated_linear(in_features, out_features, bias)",
              ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    # DeepSeek-V3 under pp2: the next tokens' embeddings riding to the last stage's MTP module without their gradient
+    # (the first stage's embedding never learns from MTP); the pipeline's step without the bias update
+    Mutation("deepseek_pp_mtp_embedding_grad_dropped", "under the pipeline the next tokens' embeddings reach the last "
+             "stage's MTP module detached: no MTP gradient returns to the first stage's embedding",
+             "models/pipeline.py", "pl.split_sequence(self.config, self.word_embeddings(labels.clip(min=0)))",
+             "pl.split_sequence(self.config, self.word_embeddings(labels.clip(min=0))).detach()",
+             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+    Mutation("deepseek_pp_biases_not_updated", "the pipeline's training step without DeepSeek-V3's router-bias update",
+             "llm_pretrain/run/trainer.py", "            schedule.step()\n            update_router_biases(model)\n"
+             "        grad_norm = clip_grad_norm() if clip_grad_norm else None",
+             "            schedule.step()\n        grad_norm = clip_grad_norm() if clip_grad_norm else None",
+             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
              "shape = [metrics.config.router_count, metrics.config.num_experts]",

@@ -330,8 +330,7 @@ def _arguments(corpus, tmp_path, **overrides):
     return args
 
 
-@pytest.mark.parametrize("key, value", [("pipeline_parallel_degree", 2),
-                                        ("sep_parallel_degree", 2), ("context_parallel_degree", 2),
+@pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2),
                                         ("expert_parallel_degree", 2), ("sharding", "stage3")])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
@@ -352,14 +351,34 @@ def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
     assert layout.data_parallel_degree == 2 and config.moe_bias_update_rate == 0.01
 
 
-def test_tensor_parallelism_with_and_without_sp_is_accepted(embedded_corpus, tmp_path):
-    """tp2 and tp2 + SP are proven: tests/test_parallel_parity.py test_tensor_parallel trains deepseek-v3-short."""
+def test_tensor_and_pipeline_parallelism_alone_are_accepted(embedded_corpus, tmp_path):
+    """tp2, tp2 + SP and pp2 (1F1B) are proven: tests/test_parallel_parity.py test_tensor_parallel and
+    test_pipeline_parallel train deepseek-v3-short."""
     from llm_pretrain.parallel.layout import check_layout_and_model
 
     for sp in (False, True):
         args = _arguments(embedded_corpus, tmp_path, tensor_parallel_degree=2, sequence_parallel=sp)
         layout, config, _, _ = check_layout_and_model(args, 2, "cpu")
         assert layout.tensor_parallel_degree == 2 and config.sequence_parallel == sp
+    layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=2), 2, "cpu")
+    assert layout.pipeline_parallel_degree == 2
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    ({"tensor_parallel_degree": 2}, 4, "data_parallel_degree 2 with tensor_parallel_degree 2 is not supported"),
+    ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
+     "tensor_parallel_degree 2 with pipeline_parallel_degree 2 is not supported"),
+    ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,
+     "virtual_pp_degree: 2 is not supported"),
+    ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
+     "pipeline_layers_per_stage: [1, 3] is not supported")])
+def test_combined_degrees_and_other_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
+                                                                               embedded_corpus, tmp_path):
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    with pytest.raises(UsageError) as raised:
+        check_layout_and_model(_arguments(embedded_corpus, tmp_path, **overrides), world, "cpu")
+    assert "\n" not in str(raised.value) and message in str(raised.value) and "deepseek_v3" in str(raised.value)
 
 
 def test_bias_rate_needs_a_router_bias(embedded_corpus, tmp_path):

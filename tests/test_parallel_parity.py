@@ -416,7 +416,26 @@ def pp2_runs(parity: Parity) -> list[list[str]]:
          for family in FAMILIES + ROPE_SCALED] + [
         parity.run(f"{family}-pp2-uneven", family, **pp, pipeline_layers_per_stage=split)
         for family, split in UNEVEN.items()] + [
-        parity.kernels("pp2-kernels", **pp), parity.kernels("baichuan-pp2-kernels", "baichuan", **pp)]
+        parity.kernels("pp2-kernels", **pp), parity.kernels("baichuan-pp2-kernels", "baichuan", **pp),
+        parity.run(f"{DEEPSEEK_SHORT}-pp2", DEEPSEEK_SHORT, **pp)]
+
+
+def check_deepseek_pp2(parity: Parity) -> None:
+    """deepseek-v3-short under pp2 (1F1B): losses, grad norms, weights and AdamW moments as one process's, the
+    embedding's among them (its gradient from the last stage's MTP block, through the embeddings that rode with
+    the hidden states); layer 0 on the first stage, layer 1 and the MTP module's block on the last; the MTP loss logged
+    by the last stage and the router metrics (the MTP block's router among them) as one process's; the biases
+    moved as one process's (each stage moved its own)."""
+    name = f"{DEEPSEEK_SHORT}-pp2"
+    reference = parity.references[DEEPSEEK_SHORT]
+    parity.check([(name, DEEPSEEK_SHORT)])
+    schedule = run_record(parity.out(name))["built"]["schedule"]
+    # (decoder layer 2: the MTP module's block, built with the last stage)
+    assert schedule["class"] == "PipelineParallel" and schedule["chunk_layers"] == [[[0]], [[1, 2]]], schedule
+    ref, got = train_records(reference), train_records(parity.out(name))
+    assert all(abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 for a, b in zip(ref, got, strict=True)), (ref, got)
+    assert_same_router_metrics(reference, parity.out(name))
+    assert_same_router_biases(reference, parity.out(name))
 
 
 def test_pipeline_parallel(parity, shared_launches):
@@ -435,6 +454,7 @@ def test_pipeline_parallel(parity, shared_launches):
     for family in MOE_SHORT:  # the router statistics of stage 0's layer reach the loss on stage 1
         assert_same_router_metrics(parity.references[family], parity.out(f"{family}-pp2-uneven"))
     assert_same_evaluation(parity.references["llama"], parity.out("pp2"))
+    check_deepseek_pp2(parity)
     assert_same_evaluation(parity.out("single-recompute-full"), parity.out("pp2-recompute"), predict=False)
     assert run_record(parity.out("pp2"))["strategy"] == "pp2"
     for family in FAMILIES + ROPE_SCALED:  # fleet's 1F1B built, half the layers a stage (the built PipelineLayer)

@@ -207,8 +207,8 @@ def gather_router_metrics(router_metrics, layout) -> dict:
     """A mixture-of-experts model's router metrics (models.moe.RouterMetrics) over every rank's tokens, as
     one process reports them: taken from the last pipeline stage (its loss sees every stage's layers,
     models/pipeline.py RouterCarry), then the expert picks per layer, the pairs dropped and the aux losses
-    summed over the data replicas (the aux loss: their mean). At logging steps only: one broadcast and one
-    all-reduce of [layers x experts + 3] numbers."""
+    summed over the data replicas (the aux loss and DeepSeek-V3's MTP loss: their mean). At logging steps only:
+    one broadcast and one all-reduce of [layers x experts + 5] numbers."""
     metrics = router_metrics
     if layout.distributed:
         import paddle.distributed as dist
@@ -220,6 +220,9 @@ def gather_router_metrics(router_metrics, layout) -> dict:
         shape = [metrics.config.router_count, metrics.config.num_experts]
         picks = metrics.picks if metrics.forwards else paddle.zeros(shape, dtype="float32")
         scalars = [metrics.dropped, metrics.balance] if metrics.forwards else [paddle.zeros([]), paddle.zeros([])]
+        # the MTP loss (computed by the last stage only) and its forwards
+        scalars += [metrics.mtp_loss if metrics.mtp_forwards else paddle.zeros([]),
+                    paddle.full([1], metrics.mtp_forwards, dtype="float64")]
         packed = paddle.concat([picks.reshape([-1]).astype("float64")] + [v.reshape([1]).astype("float64") for v in scalars]
                                + [paddle.full([1], metrics.forwards, dtype="float64")])
         if layout.pipeline_parallel_degree > 1:
@@ -232,10 +235,13 @@ def gather_router_metrics(router_metrics, layout) -> dict:
         values = packed.numpy()
         replicas = layout.data_replicas
         metrics.forwards = int(round(values[-1] / replicas))
+        metrics.mtp_forwards = int(round(values[-2] / replicas))
+        if metrics.mtp_forwards:
+            metrics.mtp_loss = paddle.to_tensor(values[-3] / replicas, dtype="float32")
         if metrics.forwards:
-            metrics.picks = paddle.to_tensor(values[:-3].reshape(shape).astype("float32"))
-            metrics.dropped = paddle.to_tensor(int(round(values[-3])), dtype="int64")
-            metrics.balance = paddle.to_tensor(values[-2] / replicas, dtype="float32")
+            metrics.picks = paddle.to_tensor(values[:-5].reshape(shape).astype("float32"))
+            metrics.dropped = paddle.to_tensor(int(round(values[-5])), dtype="int64")
+            metrics.balance = paddle.to_tensor(values[-4] / replicas, dtype="float32")
     return metrics.summary()
 
 

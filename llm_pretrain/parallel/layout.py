@@ -630,24 +630,38 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process
     (tests/test_deepseek_v3.py), under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
-    and the router biases, their load summed over the replicas, equal one process's) and under tensor parallelism
+    and the router biases, their load summed over the replicas, equal one process's), under tensor parallelism
     with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
-    replicated): every other parallel degree above 1 is refused, as are the switches they ignore."""
+    replicated) and under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage): each alone. Every
+    other parallel degree above 1, their combinations and the pipeline's other schedules are refused, as are the
+    switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    degrees = {"pipeline_parallel_degree": layout.pipeline_parallel_degree, "sharding_degree": layout.sharding_degree,
-               "sep_parallel_degree": layout.sep_parallel_degree,
+    degrees = {"sharding_degree": layout.sharding_degree, "sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree,
                "expert_parallel_degree": _degree(args.expert_parallel_degree)}
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process and under data and tensor parallelism only; "
+                             f"bias and MTP are proven in one process and under data, tensor or pipeline parallelism only; "
                              f"allowed: 1)")
+    proven = {"data_parallel_degree": layout.data_parallel_degree,
+              "tensor_parallel_degree": layout.tensor_parallel_degree,
+              "pipeline_parallel_degree": layout.pipeline_parallel_degree}
+    above = [f"{name} {degree}" for name, degree in proven.items() if degree > 1]
+    if len(above) > 1:
+        raise UsageError(f"{' with '.join(above)} is not supported for {config.family} yet (each is proven alone; "
+                         f"allowed: one of them above 1)")
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.pipeline_layers_per_stage):
+        key, value = (("virtual_pp_degree", layout.virtual_pp_degree) if layout.virtual_pp_degree > 1
+                      else ("pipeline_layers_per_stage", list(layout.pipeline_layers_per_stage)))
+        raise UsageError(f"{key}: {value} is not supported for {config.family} yet (its pipeline with MTP on the "
+                         f"last stage is proven under 1F1B with an even split; allowed: virtual_pp_degree 1, no "
+                         f"pipeline_layers_per_stage)")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")

@@ -297,12 +297,13 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
         # (outside autocast: pipeline_parallel.py train_batch), so the check comes after the update:
         # a non-finite step stops the run before any save. The forwards run under the run's
         # autocast, as paddlenlp/trainer/trainer.py training_pipeline_step.
-        inputs, labels = pipeline_data(micro_batches)
+        inputs, labels = pipeline_data(micro_batches, with_labels=predicts_next_tokens(model))
         with precision.autocast():
             loss = model.train_batch([inputs, labels], optimizer, scaler=precision.scaler)
         stepped = precision.optimizer_was_run()
         if stepped:
             schedule.step()
+            update_router_biases(model)
         grad_norm = clip_grad_norm() if clip_grad_norm else None
         norm = grad_norm if grad_norm is not None else paddle.zeros([], dtype="float32")
         host, nonfinite = agree_on_step(loss.astype("float32"), norm.reshape([]), stop_requested, check_grads,
@@ -340,11 +341,16 @@ def train_step(model, optimizer, schedule, precision: Precision, micro_batches, 
     optimizer.clear_grad()
     if stepped:
         schedule.step()
-        # DeepSeek-V3's auxiliary-loss-free balancing: the routers' biases move after the update (models/deepseek_moe.py)
-        update_biases = getattr(getattr(model, "_layers", model), "update_router_biases", None)
-        if update_biases is not None:
-            update_biases()
+        update_router_biases(model)
     return StepResult(loss_value, grad_norm, None, stop, stepped, agreed_loss, pending)
+
+
+def update_router_biases(model) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: the routers' biases move after the update (models/deepseek_moe.py;
+    under the pipeline each stage moves its own layers')."""
+    update_biases = getattr(getattr(model, "_layers", model), "update_router_biases", None)
+    if update_biases is not None:
+        update_biases()
 
 
 class DivergenceGuard:
@@ -369,13 +375,20 @@ class DivergenceGuard:
                 f"({self.in_a_row} of at most {self.allowed} in a row, skip_nan_inf_steps)")
 
 
-def pipeline_data(micro_batches):
+def pipeline_data(micro_batches, with_labels: bool = False):
     """(inputs, labels) of fleet's train_batch / eval_batch: the micro-batches concatenated (fleet cuts them
     again); with document masks the inputs are (input_ids, document_ids), a tuple fleet's
-    _load_micro_batch_impl cuts tensor by tensor (the first stage gets both: models/pipeline.py)."""
+    _load_micro_batch_impl cuts tensor by tensor (the first stage gets both: models/pipeline.py).
+    `with_labels` (DeepSeek-V3's MTP): the labels end the inputs too, for the first stage to embed the next
+    tokens (models/pipeline.py PipelineEmbeddings)."""
     columns = [paddle.concat(list(column)) for column in zip(*micro_batches)]
-    inputs = columns[0] if len(columns) == 2 else (columns[0], columns[2])
-    return inputs, columns[1]
+    inputs = (columns[0], *columns[2:]) + ((columns[1],) if with_labels else ())
+    return (inputs if len(inputs) > 1 else inputs[0]), columns[1]
+
+
+def predicts_next_tokens(model) -> bool:
+    """The pipeline runs DeepSeek-V3's multi-token prediction (its first stage needs the labels)."""
+    return bool(getattr(model, "_layers", model).config.num_nextn_predict_layers)
 
 
 def rows_of(inputs, start: int, end: int):
@@ -402,7 +415,7 @@ def evaluate(model, dataset, plan: BatchPlan, iterations: int, vocab_size: int, 
     if is_pipeline(model):
         # As PaddleNLP's training_pipeline_step does for training: set the pipeline's micro-batch
         # count for this call and restore it afterwards.
-        inputs, labels = pipeline_data(batches)
+        inputs, labels = pipeline_data(batches, with_labels=predicts_next_tokens(model))
         calls, per_call = pipeline_calls
         samples = labels.shape[0] // calls
         saved = model.accumulate_steps
