@@ -480,12 +480,18 @@ MUTATIONS = [
              "stage's MTP module detached: no MTP gradient returns to the first stage's embedding",
              "models/pipeline.py", "pl.split_sequence(self.config, self.word_embeddings(labels.clip(min=0)))",
              "pl.split_sequence(self.config, self.word_embeddings(labels.clip(min=0))).detach()",
-             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+             ("tests/test_deepseek_v3.py::test_pipeline_stages_chained_give_the_one_process_loss_and_gradients_with_"
+              "mtp_on_the_last_stage", "tests/test_parallel_parity.py::test_pipeline_parallel")),
     Mutation("deepseek_pp_biases_not_updated", "the pipeline's training step without DeepSeek-V3's router-bias update",
              "llm_pretrain/run/trainer.py", "            schedule.step()\n            update_router_biases(model)\n"
              "        grad_norm = clip_grad_norm() if clip_grad_norm else None",
              "            schedule.step()\n        grad_norm = clip_grad_norm() if clip_grad_norm else None",
              ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+    Mutation("deepseek_bias_load_not_summed_over_sharding", "the routers' load of the bias update summed over the "
+             "data-parallel ranks only, not the sharding ranks", "models/parallel_layers.py",
+             "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
+             "    for group in (hcg.get_data_parallel_group(),):",
+             ("tests/test_parallel_parity.py::test_sharding_stages",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
              "shape = [metrics.config.router_count, metrics.config.num_experts]",

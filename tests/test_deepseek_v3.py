@@ -318,6 +318,42 @@ def test_mtp_predicts_the_token_after_next_with_shared_embedding_and_head():
         np.testing.assert_allclose(float(model(ids, labels)), main + TINY.mtp_loss_weight * extra, rtol=1e-5)
 
 
+def test_pipeline_stages_chained_give_the_one_process_loss_and_gradients_with_mtp_on_the_last_stage():
+    """models/pipeline.py's layers chained in one process as fleet's stages run them (each gets what the one before
+    returned, the tuple sent between stages): the first embeds the labels too and [hidden; next embeddings] ride
+    through the decoder layers to PipelineMTP after the last one, the head gives both logits, the loss adds the
+    MTP loss and every router's losses (the MTP block's row in the carry). Loss and gradients (the embedding's from
+    the MTP module, the MTP block's router's) are one process's."""
+    from models.moe import RouterMetrics
+    from models.pipeline import CausalLMLoss, FinalNorm, MoEDecoderLayer, PipelineEmbeddings, PipelineLMHead, PipelineMTP
+
+    model = tiny_model()
+    config = model.config
+    rng = np.random.default_rng(8)
+    ids = paddle.to_tensor(rng.integers(0, 256, [2, 12]))
+    labels = paddle.to_tensor(rng.integers(0, 256, [2, 12]))
+    expected = model(ids, labels)
+    expected.backward()
+    layers = ([PipelineEmbeddings(config)] + [MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+              + [PipelineMTP(config), FinalNorm(config), PipelineLMHead(config)])
+    prefixes = ["embeddings."] + [f"layers.{i}." for i in range(config.num_hidden_layers)] + ["mtp.", "", "lm_head."]
+    state = model.state_dict()
+    for layer, prefix in zip(layers, prefixes):
+        layer.set_state_dict({key: state[prefix + key] for key in layer.state_dict()})
+    carried = (ids, labels)
+    for layer in layers:
+        carried = layer(carried)
+    loss = CausalLMLoss(config, RouterMetrics(config))(carried, labels)
+    loss.backward()
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-6)
+    mine = {prefix + name: p for layer, prefix in zip(layers, prefixes) for name, p in layer.named_parameters()}
+    for name in ("embeddings.word_embeddings.weight", "mtp.eh_proj.weight", "mtp.block.mlp.gate.weight",
+                 "layers.1.mlp.gate.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        want = dict(model.named_parameters())[name].grad.numpy()
+        assert np.abs(want).max() > 0, name
+        np.testing.assert_allclose(mine[name].grad.numpy(), want, rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 # ----------------------------------------------------------------------------- layouts, arguments, training
 def _arguments(corpus, tmp_path, **overrides):
     from llm_pretrain.arguments import parse_arguments
@@ -331,7 +367,7 @@ def _arguments(corpus, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2),
-                                        ("expert_parallel_degree", 2), ("sharding", "stage3")])
+                                        ("expert_parallel_degree", 2)])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
 
@@ -351,9 +387,9 @@ def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
     assert layout.data_parallel_degree == 2 and config.moe_bias_update_rate == 0.01
 
 
-def test_tensor_and_pipeline_parallelism_alone_are_accepted(embedded_corpus, tmp_path):
-    """tp2, tp2 + SP and pp2 (1F1B) are proven: tests/test_parallel_parity.py test_tensor_parallel and
-    test_pipeline_parallel train deepseek-v3-short."""
+def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(embedded_corpus, tmp_path):
+    """tp2, tp2 + SP, pp2 (1F1B) and sharding stage 1 are proven: tests/test_parallel_parity.py test_tensor_parallel,
+    test_pipeline_parallel and test_sharding_stages train deepseek-v3-short."""
     from llm_pretrain.parallel.layout import check_layout_and_model
 
     for sp in (False, True):
@@ -362,6 +398,8 @@ def test_tensor_and_pipeline_parallelism_alone_are_accepted(embedded_corpus, tmp
         assert layout.tensor_parallel_degree == 2 and config.sequence_parallel == sp
     layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=2), 2, "cpu")
     assert layout.pipeline_parallel_degree == 2
+    layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, sharding="stage1"), 2, "cpu")
+    assert layout.sharding_degree == 2 and layout.sharding_stage == 1
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -371,8 +409,12 @@ def test_tensor_and_pipeline_parallelism_alone_are_accepted(embedded_corpus, tmp
     ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,
      "virtual_pp_degree: 2 is not supported"),
     ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
-     "pipeline_layers_per_stage: [1, 3] is not supported")])
-def test_combined_degrees_and_other_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
+     "pipeline_layers_per_stage: [1, 3] is not supported"),
+    ({"sharding": "stage2"}, 2, "sharding: stage2 is not supported"),
+    ({"sharding": "stage3"}, 2, "sharding: stage3 is not supported"),
+    ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
+     "data_parallel_degree 2 with sharding_degree 2 is not supported")])
+def test_combined_degrees_other_sharding_stages_and_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
                                                                                embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
 

@@ -3,7 +3,7 @@
 References run once in one plain process (the tiny preset of every family record: LLaMA with 8 layers,
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
-uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2 and tp2 + SP). Each
+uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2, tp2 + SP, pp2 and sd2 stage 1). Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
 train in the session's launch of their degrees, beside other files' runs (tests/shared_launches.py).
@@ -77,10 +77,11 @@ SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe
                   and family.name not in ("qwen3_moe", "deepseek_v3", "ernie4_5_moe"))  # mixtral-, qwen2-moe-short
-# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2 and tp2 (+ SP) only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
+# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2, tp2 (+ SP), pp2 and sd2 stage 1 only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
 # llm_pretrain/parallel/layout.py refuses their other layouts)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
-# DeepSeek-V3 (issue 35) in dp2 and tp2 (+ SP, check_deepseek_tp2): its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
+# DeepSeek-V3 (issue 35) in dp2, tp2 (+ SP, check_deepseek_tp2), pp2 (check_deepseek_pp2) and sd2 stage 1
+# (check_deepseek_sd2): its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
 # rule on, 2 steps: the routers' biases after them equal one process's (the load summed over the replicas,
 # models/deepseek_moe.py update_correction_bias) and every rank's copy is the same (the replica check)
 DEEPSEEK_SHORT = "deepseek-v3-short"
@@ -482,7 +483,24 @@ def sd2_runs(parity: Parity) -> list[list[str]]:
     for family, stages in MOE_SHARDING.items():  # each granularity once
         runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
                             recompute_granularity=GRANULARITIES[stage % 3], **sd) for stage in stages]
+    runs += [parity.run(f"{DEEPSEEK_SHORT}-sd2-stage1", DEEPSEEK_SHORT, sharding="stage1", **sd)]
     return runs + [parity.kernels(f"sd2-stage{stage}-kernels", sharding=f"stage{stage}", **sd) for stage in (1, 2, 3)]
+
+
+def check_deepseek_sd2(parity: Parity, observed: dict) -> None:
+    """deepseek-v3-short under sharding stage 1 (2 ranks, 2 micro-batches each): losses, grad norms, weights and
+    AdamW moments as one process's, the optimizer states split between the ranks (fleet's
+    DygraphShardingOptimizer), every replica equal; the routers' load summed over the sharding ranks too
+    (sum_over_data_replicas), so the biases moved as one process's and the router metrics are over both ranks'."""
+    name = f"{DEEPSEEK_SHORT}-sd2-stage1"
+    parity.check([(name, DEEPSEEK_SHORT)])
+    # as mechanism_sharding, but the two routers' correction biases (8 experts each) take no gradient: no state
+    seen = observations(observed, name)
+    assert all("DygraphShardingOptimizer" in s["optimizer_classes"] for s in seen), [s["optimizer_classes"] for s in seen]
+    held, total = [s["optimizer_state_elements"] for s in seen], seen[0]["model_parameters"]
+    assert sum(held) == total - 2 * 8 and max(held) < 0.6 * total, (held, total)
+    assert_same_router_metrics(parity.references[DEEPSEEK_SHORT], parity.out(name))
+    assert_same_router_biases(parity.references[DEEPSEEK_SHORT], parity.out(name))
 
 
 def test_sharding_stages(parity, shared_launches):
@@ -510,6 +528,7 @@ def test_sharding_stages(parity, shared_launches):
         if family in MOE_SHORT:
             assert_same_router_metrics(parity.references[family], parity.out(name))
     assert run_record(parity.out("sd2-stage2"))["strategy"] == "sd2_stage2"
+    check_deepseek_sd2(parity, observed)
 
 
 @shared("dp2tp2", 4)  # beside the elastic test's first part (tests/test_elastic.py)

@@ -632,24 +632,27 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     (tests/test_deepseek_v3.py), under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
     and the router biases, their load summed over the replicas, equal one process's), under tensor parallelism
     with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
-    replicated) and under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage): each alone. Every
-    other parallel degree above 1, their combinations and the pipeline's other schedules are refused, as are the
-    switches they ignore."""
+    replicated), under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage) and under sharding stage 1
+    (test_sharding_stages): each alone. Every other parallel degree above 1, their combinations, the other sharding
+    stages and the pipeline's other schedules are refused, as are the switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    degrees = {"sharding_degree": layout.sharding_degree, "sep_parallel_degree": layout.sep_parallel_degree,
+    degrees = {"sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree,
                "expert_parallel_degree": _degree(args.expert_parallel_degree)}
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process and under data, tensor or pipeline parallelism only; "
-                             f"allowed: 1)")
-    proven = {"data_parallel_degree": layout.data_parallel_degree,
+                             f"bias and MTP are proven in one process and under data, tensor or pipeline parallelism or sharding "
+                             f"stage 1 only; allowed: 1)")
+    if layout.sharding_degree > 1 and layout.sharding_stage != 1:
+        raise UsageError(f"sharding: stage{layout.sharding_stage} is not supported for {config.family} yet (proven under "
+                         f"stage1 only; allowed: stage1)")
+    proven = {"data_parallel_degree": layout.data_parallel_degree, "sharding_degree": layout.sharding_degree,
               "tensor_parallel_degree": layout.tensor_parallel_degree,
               "pipeline_parallel_degree": layout.pipeline_parallel_degree}
     above = [f"{name} {degree}" for name, degree in proven.items() if degree > 1]
