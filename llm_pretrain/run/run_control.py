@@ -176,6 +176,21 @@ def describe_first_stopped(log_dir: str, exit_codes: dict[int, int], since: floa
     return f"error: rank {first} stopped first ({how}); {last}; the other ranks' failures follow from it"
 
 
+# What a rank's log shows when a collective failed because a peer's process is gone (its connections
+# closed): gloo's transport errors (third_party/gloo/gloo/transport/tcp/pair.cc, e.g. "Read error
+# [127.0.0.1]:28818: Connection reset by peer"; the rank then aborts from C++, SIGABRT). A peer that vanishes
+# without closing them (a host powered off) is not seen here: its ranks wait until hang_timeout_minutes.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_gone_line(log_tail: str) -> str | None:
+    """The line of a rank's log saying a peer's connection closed under its collective, or None."""
+    for line in reversed(log_tail.splitlines()):
+        if any(marker in line for marker in PEER_GONE):
+            return line.strip()[-160:]
+    return None
+
+
 def read_heartbeats(log_dir: str, world_size: int) -> dict[int, dict]:
     beats = {}
     for rank in range(world_size):
