@@ -388,7 +388,7 @@ def stop(signum, frame):
 signal.signal(signal.SIGTERM, stop)
 with open(os.path.join(out, "attempts"), "a") as f:
     f.write(f"{os.getpid()} {' '.join(sys.argv[2:])}\\n")
-time.sleep(60)
+time.sleep(30)
 sys.exit(1)  # not stopped: a failed attempt (the supervisor would restart it)
 """
 
