@@ -44,6 +44,13 @@ or, on one machine, the killed process's core), and the elastic preflight goes b
 file's layout with the same global batch. Not restarted: exit 0 (finished or stopped), exit 2 (bad
 input: the elastic preflight's "no layout holds the run on N ranks; the smallest number of ranks that
 holds it is M"), a stop by SIGTERM/SIGINT, or no count of ranks holding the run.
+
+Two nodes (`--nnodes 2 --master HOST:PORT`, one supervisor per node): when every rank of this node that failed
+first says a peer's connection closed under its collective (run_control.peer_gone_line: gloo's "Connection reset
+by peer"), the other node is gone, and this one restarts alone (`--nnodes 1`, no `--master`: Paddle's rendezvous
+of two would wait for the lost node with no deadline, paddle/distributed/launch/controllers/master.py:146-181, and
+the lost node may have held its HTTP master, master.py:83-93). A node whose own rank stopped first leaves the job.
+A stop signal that arrives while an attempt starts is forwarded once the child exists.
 """
 
 import json
