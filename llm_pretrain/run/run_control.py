@@ -176,11 +176,11 @@ def describe_first_stopped(log_dir: str, exit_codes: dict[int, int], since: floa
     return f"error: rank {first} stopped first ({how}); {last}; the other ranks' failures follow from it"
 
 
-# What a rank's log shows when a collective failed because a peer's process is gone (its connections
-# closed): gloo's transport errors (third_party/gloo/gloo/transport/tcp/pair.cc, e.g. "Read error
-# [127.0.0.1]:28818: Connection reset by peer"; the rank then aborts from C++, SIGABRT). A peer that vanishes
-# without closing them (a host powered off) is not seen here: its ranks wait until hang_timeout_minutes.
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# What a rank's log shows when a collective failed because a peer's process is gone: gloo's transport errors
+# (third_party/gloo/gloo/transport/tcp/pair.cc, e.g. "Read error [127.0.0.1]:28818: Connection reset by peer",
+# or, seen when the killed node held rank 0, "pair.cc:584] TIMEOUT self_rank = 1 pair_rank = 0 peer_str = ...",
+# a few seconds after the kill), raised as a RuntimeError (exit 1) or aborting from C++ (SIGABRT).
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "] TIMEOUT self_rank = ")
 
 
 def peer_gone_line(log_tail: str) -> str | None:
