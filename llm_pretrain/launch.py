@@ -44,6 +44,13 @@ or, on one machine, the killed process's core), and the elastic preflight goes b
 file's layout with the same global batch. Not restarted: exit 0 (finished or stopped), exit 2 (bad
 input: the elastic preflight's "no layout holds the run on N ranks; the smallest number of ranks that
 holds it is M"), a stop by SIGTERM/SIGINT, or no count of ranks holding the run.
+
+Two nodes (`--nnodes 2 --master HOST:PORT`, one supervisor per node): when every rank of this node that failed
+first says a peer's connection closed under its collective (run_control.peer_gone_line: gloo's "Connection reset
+by peer"), the other node is gone, and this one restarts alone (`--nnodes 1`, no `--master`: Paddle's rendezvous
+of two would wait for the lost node with no deadline, paddle/distributed/launch/controllers/master.py:146-181, and
+the lost node may have held its HTTP master, master.py:83-93). A node whose own rank stopped first leaves the job.
+A stop signal that arrives while an attempt starts is forwarded once the child exists.
 """
 
 import json
@@ -90,7 +97,7 @@ def install_dead_rank_report() -> None:
     from paddle.distributed.launch.job.pod import Pod
     from paddle.distributed.launch.job.status import Status
 
-    from llm_pretrain.run.run_control import describe_first_stopped
+    from llm_pretrain.run.run_control import describe_first_stopped, peer_gone_line
 
     launched_at = time.time()
     paddle_deploy, paddle_finalize = Pod.deploy, ControllerBase.finalize
@@ -117,8 +124,26 @@ def install_dead_rank_report() -> None:
             print(line, file=sys.stderr, flush=True)
             if os.environ.get(FAILED_RANKS_ENV):
                 with open(os.environ[FAILED_RANKS_ENV], "w") as f:
-                    json.dump({"exit_codes": exited_first, "line": line}, f)
+                    json.dump({"exit_codes": exited_first, "line": line, "peer_gone": peer_gone(self.pod, exited_first)}, f)
         return paddle_finalize(self, exit)
+
+    def peer_gone(pod, exited_first: dict) -> str | None:
+        """When every rank of this pod that had failed first says a peer's connection closed under its
+        collective (the ranks of another launcher, a node, are gone): the first one's rank and line."""
+        lines = {}
+        for container in pod.containers:
+            rank = int(container.env.get("PADDLE_TRAINER_ID", container.rank))
+            if rank in exited_first:
+                try:
+                    with open(container.outfile, errors="replace") as f:
+                        f.seek(max(0, os.path.getsize(container.outfile) - 20000))
+                        lines[rank] = peer_gone_line(f.read())
+                except (OSError, TypeError):
+                    lines[rank] = None
+        if lines and all(lines.values()):
+            rank = min(lines)
+            return f"rank {rank}: {lines[rank]}"
+        return None
 
     Pod.deploy = deploy_watching_for_the_first_failure
     ControllerBase.finalize = finalize_naming_the_rank_that_stopped_first
@@ -156,9 +181,12 @@ def restart_plan(argv: list[str]) -> tuple[int, int, list[str], list[str], objec
         raise UsageError("--max_restarts: no training script (a .py file) in the command")
     options, command = argv[:script_at], argv[script_at:]
     nnodes, _ = _option(options, "--nnodes")
-    if nnodes not in (None, "1"):
-        raise UsageError(f"--max_restarts: --nnodes {nnodes}: restarts on the ranks left are built for one node "
-                         "(see docs/failures.md); run one launcher per node without --max_restarts")
+    if nnodes not in (None, "1", "2"):
+        raise UsageError(f"--max_restarts: --nnodes {nnodes}: restarts are built for one node and for two (the node "
+                         "left continues alone; see docs/failures.md); run one launcher per node without --max_restarts")
+    master = _option(options, "--master")[0]
+    if nnodes == "2" and (not master or master.startswith("etcd://")):
+        raise UsageError("--max_restarts: --nnodes 2 needs --master HOST:PORT (the same on both nodes; not etcd://)")
     nproc, _ = _option(options, "--nproc_per_node")
     if nproc is None:
         raise UsageError("--max_restarts: give --nproc_per_node (the ranks the job starts with)")
@@ -191,32 +219,47 @@ class Attempts:
     """Each attempt is this launcher (Paddle's, patched) in a child process, with nproc ranks; a stop
     signal is forwarded to it, and no attempt follows a stop."""
 
+    launcher = ("-m", "llm_pretrain.launch")  # the child's command before its options (a test's stand-in replaces it)
+
     def __init__(self, options: list[str], command: list[str]):
         log_dir = _option(options, "--log_dir")[0] or "log"
         os.makedirs(log_dir, exist_ok=True)
         self.options, self.command = _option(options, "--nproc_per_node")[1], command
         self.failed_file = os.path.join(log_dir, "failed_ranks.json")
-        self.child, self.stopped = None, False
+        self.child, self.stopped, self.forwarded = None, 0, False  # stopped: the signal's number
         signal.signal(signal.SIGTERM, self.forward)
         signal.signal(signal.SIGINT, self.forward)
 
     def forward(self, signum, frame):
-        self.stopped = True
+        self.stopped = signum
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
+            self.forwarded = True
 
-    def run(self, nproc: int) -> tuple[int, str | None]:
-        """(exit code, the dead-rank report's line naming the rank that stopped first, or None)."""
+    def run(self, nproc: int, alone: bool = False) -> tuple[int, str | None, str | None]:
+        """(exit code, the dead-rank report's line naming the rank that stopped first, and its "rank R: line"
+        when this node's ranks failed because a peer's connection closed; None for each it did not say).
+        alone: this node on its own (--nnodes 1, its own rendezvous: no --master, --rank, --ips)."""
         if os.path.exists(self.failed_file):
             os.remove(self.failed_file)
-        self.child = subprocess.Popen([sys.executable, "-m", "llm_pretrain.launch", *self.options, "--nproc_per_node",
-                                       str(nproc), *self.command], env={**os.environ, FAILED_RANKS_ENV: self.failed_file})
-        code = self.child.wait()
+        options = self.options
+        if alone:
+            for name in ("--nnodes", "--master", "--rank", "--ips"):
+                options = _option(options, name)[1]
+            options = [*options, "--nnodes", "1"]
+        self.child, self.forwarded = None, False
+        child = subprocess.Popen([sys.executable, *self.launcher, *options, "--nproc_per_node", str(nproc),
+                                  *self.command], env={**os.environ, FAILED_RANKS_ENV: self.failed_file})
+        self.child = child
+        if self.stopped and not self.forwarded:  # it came while the child was starting (once: a second is a force quit)
+            child.send_signal(self.stopped)
+        code = child.wait()
         try:
             with open(self.failed_file) as f:
-                return code, json.load(f)["line"]
+                report = json.load(f)
+            return code, report["line"], report.get("peer_gone")
         except (OSError, ValueError, KeyError):
-            return code, None
+            return code, None, None
 
 
 def run_with_restarts(argv: list[str], attempts=Attempts) -> int:
@@ -230,24 +273,46 @@ def run_with_restarts(argv: list[str], attempts=Attempts) -> int:
     except UsageError as error:
         exit_with_usage_error(error)
     attempts = attempts(options, command)
+    two_nodes, alone = _option(options, "--nnodes")[0] == "2", False
     nproc, restarts = configured, 0
     while True:
-        code, first_stopped = attempts.run(nproc)
+        code, first_stopped, peer_gone = attempts.run(nproc, alone)
         if code in (0, 2) or attempts.stopped or restarts >= max_restarts:
             return code
+        if two_nodes and not alone:  # the node whose ranks lost their peer continues alone, the other one leaves
+            if not peer_gone:
+                print(f"launch: {_what(code, first_stopped)}; this node failed first, so it leaves the job: the other "
+                      "node continues alone (no restart here)", file=sys.stderr, flush=True)
+                return code
+            restarts, alone = restarts + 1, True
+            nproc, why = _restart_count(args, configured, device)
+            print(f"launch: the other node is gone ({peer_gone}); restart {restarts} of {max_restarts} on this node "
+                  f"alone (--nnodes 1), {nproc} of its {configured} ranks{why}, from the newest complete checkpoint",
+                  file=sys.stderr, flush=True)
+            continue
         restarts += 1
         # The rank that stopped first is lost (the other ranks' failures followed from it); no rank stopped
         # first (e.g. a collective timed out): all ranks are tried again. Grow back: each restart counts
         # from the configured ranks, not from the previous attempt's.
         lost = 1 if first_stopped and configured > 1 else 0  # a job of one rank restarts on it
-        try:
-            nproc, why = ranks_to_restart_on(args, configured - lost, device)
-        except UsageError as error:
-            exit_with_usage_error(error)
-        what = (first_stopped.removeprefix("error: ").split(";")[0] if first_stopped else
-                f"the attempt failed with exit code {code} and no rank stopped first")
-        print(f"launch: {what}; restart {restarts} of {max_restarts} on {nproc} of the {configured} ranks{why}, "
-              "from the newest complete checkpoint", file=sys.stderr, flush=True)
+        nproc, why = _restart_count(args, configured - lost, device)
+        print(f"launch: {_what(code, first_stopped)}; restart {restarts} of {max_restarts} on {nproc} of the "
+              f"{configured} ranks{why}, from the newest complete checkpoint", file=sys.stderr, flush=True)
+
+
+def _restart_count(args, left: int, device: str) -> tuple[int, str]:
+    """ranks_to_restart_on, its refusal as the one line of bad input (exit 2)."""
+    from llm_pretrain.errors import UsageError, exit_with_usage_error
+
+    try:
+        return ranks_to_restart_on(args, left, device)
+    except UsageError as error:
+        exit_with_usage_error(error)
+
+
+def _what(code: int, first_stopped: str | None) -> str:
+    return (first_stopped.removeprefix("error: ").split(";")[0] if first_stopped else
+            f"the attempt failed with exit code {code} and no rank stopped first")
 
 
 def main() -> None:

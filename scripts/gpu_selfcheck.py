@@ -12,7 +12,7 @@ tp2 + SP, pp2, sd2 stages 1-3, tp2 x sd2 stage 2, sep2 and cp2 (flash attention 
 the ring), tp2 x cp2, the interleaved (pp4 x 2) and uneven (pp3) pipelines, async_save, and a MoE
 (mixtral-real) with its experts over dp2 and over sharding, against one process with the same options;
 bf16 O1; fp16 O2 with loss scaling and an overflow injected on one rank; an O2 checkpoint round
-trip; a kernel table (each fused kernel against the plain path, forward and gradients); memory and
+trip; a loss-spike rollback against the run that skips that data; a kernel table (each fused kernel against the plain path, forward and gradients); memory and
 speed beside the planner's prediction. Every layout run stops with a checkpoint after step 2 and
 resumes. The model is llama-real (hidden 1024, 2 layers, vocabulary 8320: above the sizes where
 sharding stage 3 slices parameters and stage 2 keeps them out of its buffers), 4 steps of 4 x 32
@@ -21,7 +21,7 @@ tokens on the embedded corpus. Processes get IEEE fp32 (no TF32) and determinist
 The one-GPU tier (a node with one visible GPU, or --gpus 1; about 8 minutes on one H100, see
 docs/gpu-verification.md): every model family in bf16 O2 + amp_master_grad + flash + fused kernels
 against its own float32 run; fp16 O2 with an overflow injected in one process; the O2 checkpoint and
-async_save round trips; the kernel table in bf16 and fp16; ring attention's flash blocks as cp2 and cp4
+async_save round trips; the loss-spike rollback; the kernel table in bf16 and fp16; ring attention's flash blocks as cp2 and cp4
 threads on the GPU against one whole attention (causal, grouped kv heads, ALiBi); TinyLlama 1.1B at
 4,096 tokens: tokens/s, MFU and max_memory_allocated beside the planner's prediction.
 

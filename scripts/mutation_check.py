@@ -59,6 +59,9 @@ ELASTIC_RESTART = ("tests/test_elastic.py::test_a_killed_rank_restarts_on_the_ra
                    "batch")
 ELASTIC_RESTART_RULE = "tests/test_elastic.py::test_each_restart_counts_from_the_configured_ranks"
 ELASTIC_GROW_BACK = "tests/test_elastic.py::test_the_ranks_back_return_the_file_layout_with_the_same_global_batch"
+ELASTIC_TWO_NODES = "tests/test_elastic.py::test_a_lost_node_leaves_the_other_to_continue_alone_with_the_same_global_batch"
+ELASTIC_SIGTERM = ("tests/test_elastic.py::test_sigterm_to_the_restarting_launcher_stops_its_attempt_cleanly_and_does_"
+                   "not_restart")
 ELASTIC_CANNOT_HOLD = ("tests/test_elastic.py::test_ranks_left_that_cannot_hold_the_model_name_the_smallest_count_that_"
                        "does")
 
@@ -191,6 +194,10 @@ MUTATIONS = [
              "wait for the other ranks)", "llm_pretrain/run/trainer.py",
              '"own_time": OWN_TIME.seconds()', '"own_time": step_time',
              ("tests/test_resilience.py::test_a_slow_rank_is_named_and_its_own_time_exceeds_the_others_by_the_delay",)),
+    Mutation("rollback_skips_only_the_spike_step", "a rollback skips the data of the spike step on, not from the "
+             "checkpoint on: the steps between are trained again (the self-check's rollback row must fail)",
+             "llm_pretrain/run/trainer.py", "data_skips.add_rollback(first, last)", "data_skips.add_rollback(step, last)",
+             ("tests/test_gpu_selfcheck.py::test_the_rollback_row_equals_the_run_that_skips_the_spikes_data",)),
     Mutation("spike_window_not_restored", "a rollback empties the loss-spike window instead of restoring the "
              "checkpoint's", "llm_pretrain/run/trainer.py",
              'spikes.losses.extend(state.get("loss_spike_window_losses", []))', "pass",
@@ -202,7 +209,7 @@ MUTATIONS = [
     # Restarts on the ranks left (llm_pretrain/launch.py --max_restarts; issue 38).
     Mutation("restart_on_the_full_count", "after a rank dies the launcher restarts on all configured ranks, not "
              "on the ranks left", "llm_pretrain/launch.py",
-             "ranks_to_restart_on(args, configured - lost, device)", "ranks_to_restart_on(args, configured, device)",
+             "_restart_count(args, configured - lost, device)", "_restart_count(args, configured, device)",
              (ELASTIC_RESTART_RULE, ELASTIC_RESTART)),
     Mutation("restart_count_not_fitted", "the launcher restarts on every rank left without asking the elastic "
              "preflight whether that count holds the run (3 ranks cannot split a global batch of 8)",
@@ -210,8 +217,14 @@ MUTATIONS = [
              "            pass\n        except", (ELASTIC_RESTART_RULE,)),
     Mutation("restart_grows_from_the_previous_attempt", "each restart counts from the previous attempt's ranks, "
              "so a job never grows back", "llm_pretrain/launch.py",
-             "ranks_to_restart_on(args, configured - lost, device)", "ranks_to_restart_on(args, nproc - lost, device)",
+             "_restart_count(args, configured - lost, device)", "_restart_count(args, nproc - lost, device)",
              (ELASTIC_RESTART_RULE,)),
+    Mutation("peer_gone_not_seen", "a node's ranks that failed because their peer's connection closed are not "
+             "seen as a lost peer: the node left does not continue alone", "llm_pretrain/run/run_control.py",
+             "        if any(marker in line for marker in PEER_GONE):", "        if False:", (ELASTIC_TWO_NODES,)),
+    Mutation("stop_not_forwarded", "SIGTERM to the --max_restarts launcher is not forwarded to its running attempt",
+             "llm_pretrain/launch.py", "            self.child.send_signal(signum)\n            self.forwarded = True",
+             "            self.forwarded = True", (ELASTIC_SIGTERM,)),
     Mutation("restart_after_bad_input", "the launcher restarts after exit 2 (bad input)", "llm_pretrain/launch.py",
              "if code in (0, 2) or attempts.stopped", "if code == 0 or attempts.stopped", (ELASTIC_RESTART_RULE,)),
     Mutation("elastic_only_when_the_file_does_not_fit", "elastic changes nothing when the file's degrees fit the "

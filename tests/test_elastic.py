@@ -7,6 +7,7 @@ choice at start, llm_pretrain/planner/elastic.py continue_on), with the global b
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -237,7 +238,8 @@ def test_without_a_checkpoint_elastic_only_repairs_degrees_the_ranks_cannot_form
 # the losses of the shared by-hand resume of checkpoint-5 under that layout. Growing back is shown without a
 # launch (the suite's time): test_each_restart_counts_from_the_configured_ranks (the launcher's counts) and
 # test_the_ranks_back_return_the_file_layout_with_the_same_global_batch (the preflight's layout).
-def _start_restarting_launch(nproc: int, run_argv: list[str], log_dir: Path, max_restarts: int = 2):
+def _start_restarting_launch(nproc: int, run_argv: list[str], log_dir: Path, max_restarts: int | None = 2,
+                             options: tuple[str, ...] = ()):
     import os
     import subprocess
     import sys
@@ -249,8 +251,9 @@ def _start_restarting_launch(nproc: int, run_argv: list[str], log_dir: Path, max
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])}
     for key in ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_LOG_DIR"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "llm_pretrain.launch", "--max_restarts", str(max_restarts), "--nproc_per_node",
-               str(nproc), "--log_dir", str(log_dir), str(RUN_PRETRAIN), *run_argv]
+    restarts = ["--max_restarts", str(max_restarts)] if max_restarts else []
+    command = [sys.executable, "-m", "llm_pretrain.launch", *restarts, *options, "--nproc_per_node", str(nproc),
+               "--log_dir", str(log_dir), str(RUN_PRETRAIN), *run_argv]
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -314,6 +317,127 @@ def test_a_killed_rank_restarts_on_the_ranks_left_with_the_same_global_batch(sha
 
 
 
+# 3(b): two "nodes", two launchers on this machine (--nnodes 2, one rank each: dp2, global batch 2 x 2 x 2 = 8).
+# Node b (a plain launcher) is killed with its rank after checkpoint-2; node a's rank fails in its next
+# collective with gloo's "Connection reset by peer", so node a's supervisor (--max_restarts) restarts it
+# alone (--nnodes 1, its own rendezvous): dp1, accumulation 2 -> 4, global batch 8, to step 4, with the
+# losses of a by-hand resume of checkpoint-2 on one process. Cost (idle cores): ~25 s of CPU.
+def test_a_lost_node_leaves_the_other_to_continue_alone_with_the_same_global_batch(embedded_corpus, tmp_path):
+    import socket
+
+    from launch_utils import _kill_session
+    from parity_utils import run_single
+
+    args_file = write_json(tmp_path / "two-nodes.json", base_arguments(
+        embedded_corpus, tmp_path, num_hidden_layers=2, max_steps=4, save_steps=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, elastic=True))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        master = f"127.0.0.1:{free.getsockname()[1]}"
+    out = tmp_path / "out"
+    nodes = {name: _start_restarting_launch(1, argv(args_file, out), tmp_path / f"log-{name}",
+                                            max_restarts=1 if name == "a" else None,
+                                            options=("--nnodes", "2", "--master", master)) for name in "ab"}
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2" / "COMPLETE").exists() or not any(
+                _beat(tmp_path / "log-b", rank)["step"] > 2 for rank in (0, 1)):
+            assert time.monotonic() < deadline and nodes["a"].poll() is None, nodes["a"].poll()
+            time.sleep(0.02)
+        _kill_session(nodes["b"].pid)  # the node: its launcher and its rank, SIGKILL
+        _, err = nodes["a"].communicate(timeout=600)
+    finally:
+        for launcher in nodes.values():
+            _kill_session(launcher.pid)
+    assert nodes["a"].returncode == 0, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("launch: ")]
+    assert len(said) == 1 and said[0].startswith("launch: the other node is gone (rank "), err[-3000:]
+    assert "Connection reset by peer" in said[0] or "Connection closed by peer" in said[0], said
+    assert said[0].endswith("restart 1 of 1 on this node alone (--nnodes 1), 1 of its 1 ranks, from the newest "
+                            "complete checkpoint"), said
+    first, continued = _run_records(out)[0], _run_records(out)[-1]
+    assert first["layout"]["world_size"] == 2 and first["strategy"] == "dp2" and first["global_batch_size"] == 8
+    assert continued["layout"]["world_size"] == 1 and continued["start_step"] == 2
+    assert continued["global_batch_size"] == 8
+    assert continued["elastic"]["changes"] == {"gradient_accumulation_steps": [2, 4]}
+    run_single([argv(args_file, tmp_path / "by-hand", gradient_accumulation_steps=4,
+                     resume_from_checkpoint=str(out / "checkpoint-2"))], tmp_path, "by-hand")
+    got = {r["step"]: r["loss"] for r in train_records(out) if r["step"] > 2}
+    want = {r["step"]: r["loss"] for r in train_records(tmp_path / "by-hand")}
+    assert sorted(got) == sorted(want) == [3, 4]
+    assert all(abs(got[step] - want[step]) < 1e-5 for step in want), (got, want)
+
+
+def _beat(log_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((log_dir / f"heartbeat.{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {"step": 0}
+
+
+# SIGTERM to the `--max_restarts` supervisor. Its attempt is a stand-in for the launcher (a small Python child,
+# no Paddle), which does what `python -m llm_pretrain.launch` does on SIGTERM (test_fault_injection:
+# test_two_process_sigterm_and_launcher_sigkill): saves a checkpoint, then exits 0.
+STAND_IN_LAUNCHER = """
+import os, signal, sys, time
+out = sys.argv[1]
+def stop(signum, frame):
+    os.makedirs(os.path.join(out, "checkpoint-3"))
+    open(os.path.join(out, "checkpoint-3", "COMPLETE"), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+with open(os.path.join(out, "attempts"), "a") as f:
+    f.write(f"{os.getpid()} {' '.join(sys.argv[2:])}\\n")
+time.sleep(30)
+sys.exit(1)  # not stopped: a failed attempt (the supervisor would restart it)
+"""
+
+SUPERVISOR = """
+import sys
+from llm_pretrain import launch
+class StandIn(launch.Attempts):
+    launcher = (sys.argv[1], sys.argv[2])
+sys.exit(launch.run_with_restarts(sys.argv[3:], StandIn))
+"""
+
+
+def test_sigterm_to_the_restarting_launcher_stops_its_attempt_cleanly_and_does_not_restart(embedded_corpus, tmp_path):
+    """The supervisor forwards SIGTERM to its attempt, waits for it (the checkpoint is written), exits with its
+    exit code, 0, and starts no other attempt; nothing it started is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "launcher.py").write_text(STAND_IN_LAUNCHER)
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": True})
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(tmp_path / "launcher.py"), str(out), "--max_restarts", "2",
+         "--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"), "train.py", str(args_file)],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "attempts").exists() or not (out / "attempts").read_text().endswith("\n"):
+            assert time.monotonic() < deadline and supervisor.poll() is None, supervisor.communicate()
+            time.sleep(0.02)
+        supervisor.send_signal(signal.SIGTERM)
+        _, err = supervisor.communicate(timeout=60)
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 0, err
+    attempts = (out / "attempts").read_text().splitlines()
+    assert len(attempts) == 1 and " --nproc_per_node 2 train.py " in attempts[0], attempts
+    assert (out / "checkpoint-3" / "COMPLETE").exists()
+    child = int(attempts[0].split()[0])
+    assert not os.path.exists(f"/proc/{child}"), "the attempt is still running"
+
+
 class _Attempts:
     """llm_pretrain.launch's attempts with their outcomes given (the real ones are the launch test's above)."""
 
@@ -323,9 +447,9 @@ class _Attempts:
     def __call__(self, options, command):
         return self
 
-    def run(self, nproc):
-        self.ranks.append(nproc)
-        return self.outcomes.pop(0)
+    def run(self, nproc, alone=False):
+        self.ranks.append((nproc, "alone") if alone else nproc)
+        return (*self.outcomes.pop(0), None)[:3]
 
 
 KILLED = "error: rank 1 stopped first (killed by SIGKILL); its last step was 7 (host h, pid 1, heartbeat 0.1 s before)"
@@ -361,8 +485,9 @@ def test_each_restart_counts_from_the_configured_ranks(embedded_corpus, tmp_path
 
 @pytest.mark.parametrize("elastic, launcher_options, fragment", [
     (False, [], "error: --max_restarts: the argument file must have elastic: true"),
-    (True, ["--nnodes", "2", "--master", "127.0.0.1:6170"], "error: --max_restarts: --nnodes 2: restarts on the "
-                                                             "ranks left are built for one node"),
+    (True, ["--nnodes", "3", "--master", "127.0.0.1:6170"], "error: --max_restarts: --nnodes 3: restarts are built "
+                                                             "for one node and for two"),
+    (True, ["--nnodes", "2"], "error: --max_restarts: --nnodes 2 needs --master HOST:PORT"),
     (True, ["--max_restarts", "0"], "error: --max_restarts: '0' is not a positive whole number"),
 ])
 def test_max_restarts_bad_input_is_one_line(embedded_corpus, tmp_path, capsys, elastic, launcher_options, fragment):

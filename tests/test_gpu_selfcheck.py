@@ -49,7 +49,7 @@ def test_the_plan_runs_production_options_on_gpus(plan):
 
     assert all(row["device"] == "gpu" and {"layout", "processes", "dtype", "options"} <= set(row) for row in plan.values())
     production = {name.split(":")[1]: row for name, row in plan.items() if name.startswith("bf16-o2:")}
-    assert set(selfcheck.PRODUCTION_LAYOUTS) | {"checkpoint-round-trip"} == set(production)
+    assert set(selfcheck.PRODUCTION_LAYOUTS) | {"checkpoint-round-trip", "loss-spike-rollback"} == set(production)
     for name, row in production.items():
         options = row["options"]
         assert options["bf16"] and options["fp16_opt_level"] == "O2" and row["dtype"] == "bf16"
@@ -62,7 +62,8 @@ def test_the_plan_runs_production_options_on_gpus(plan):
     assert plan["bf16-o1:tp2"]["options"]["fp16_opt_level"] == "O1"
     fp16 = plan["fp16-o2-overflow:sd2_stage1"]
     assert fp16["kind"] == "overflow" and fp16["options"]["fp16"] and fp16["options"]["fp16_opt_level"] == "O2"
-    assert {row["kind"] for row in plan.values()} == {"parity", "overflow", "checkpoint", "kernels", "memory", "speed"}
+    assert {row["kind"] for row in plan.values()} == {"parity", "overflow", "checkpoint", "rollback", "kernels", "memory",
+                                                       "speed"}
     assert {name.split(":")[1] for name, row in plan.items() if row["dtype"] == "fp32"} == set(parity.LAYOUTS)
     # Every row's arguments pass the trainer's own checks for its layout, and on a GPU the model is
     # built with all four fused kernels (swiglu has no key: the device turns it on).
@@ -170,6 +171,7 @@ def test_the_script_launches_every_run_on_the_gpus(tmp_path, monkeypatch):
     launched, single = [], []
     monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.append(
         (nproc, device, runs)))
+    monkeypatch.setattr(selfcheck, "spike_data", lambda args_file, work: "garbage")  # no corpus here
     monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.append((device, runs)))
     monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype="bfloat16": {"device": device, "passed": True, "bound": "-"})
     results = selfcheck.run_rows(selfcheck.plan_rows("gpu"), tmp_path / "args.json", tmp_path, "gpu", gpus=4,
@@ -210,6 +212,7 @@ def test_each_row_reference_runs_with_the_row_options(tmp_path, monkeypatch):
     reference must too. Checked on the command lines run_rows would start (launches recorded, nothing runs)."""
     launched, single = [], []
     monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: launched.extend(runs))
+    monkeypatch.setattr(selfcheck, "spike_data", lambda args_file, work: "garbage")  # no corpus here
     monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: single.extend(runs))
     monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype="bfloat16": {"passed": True, "bound": "-"})
     rows = selfcheck.plan_rows("gpu")
@@ -263,7 +266,7 @@ def test_the_one_gpu_plan_gives_one_gpu_a_real_check():
 
     rows = {row.name: row for row in selfcheck.plan_rows("gpu", tier="one-gpu")}
     assert all(row.processes == 1 and row.device == "gpu" for row in rows.values())
-    assert {row.kind for row in rows.values()} == {"family", "overflow", "checkpoint", "kernels", "ring", "perf"}
+    assert {row.kind for row in rows.values()} == {"family", "overflow", "checkpoint", "rollback", "kernels", "ring", "perf"}
     families = [row for row in rows.values() if row.kind == "family"]
     assert [row.name for row in families] == [f"family:{name}" for name in FAMILY_NAMES]
     base = parity.real_size_arguments({"tokenizer": "t", "input_dir": "d"}, REPO_ROOT, "gpu")
@@ -336,6 +339,7 @@ def test_the_one_gpu_tier_starts_these_command_lines(tmp_path, monkeypatch):
     events = []
     monkeypatch.setattr(selfcheck, "run_launch", lambda nproc, runs, work, name, device, timeout: events.append(
         ("launch", nproc, device, runs)))
+    monkeypatch.setattr(selfcheck, "spike_data", lambda args_file, work: "garbage")  # no corpus here
     monkeypatch.setattr(selfcheck, "run_single", lambda runs, work, name, device, timeout: events.append(
         ("single", name, device, runs)))
     monkeypatch.setattr(selfcheck, "kernel_table", lambda device, dtype: {"table_dtype": dtype, "passed": True,
@@ -411,3 +415,18 @@ def test_the_ring_rows_run_as_threads_on_cpu(tmp_path, monkeypatch):
     broken = ring_check("cpu", "float32", 2)
     assert not broken["passed"] and max(broken["cases"]["causal+gqa"].values()) <= 1e-5
     assert max(broken["cases"]["causal+gqa+alibi"].values()) > 1e-2
+
+
+def test_the_rollback_row_equals_the_run_that_skips_the_spikes_data(embedded_corpus, tmp_path):
+    """The loss-spike rollback row, in float32 on CPU with a tiny model (its GPU rows: llama-real, bf16 O2 and the
+    kernels): the garbage at step 6 is caught, the run reloads checkpoint-4 and skips steps 5-7, and from there
+    it equals the run that skipped that data from the start (1e-5: loss, grad norm, final weights)."""
+    from parity_utils import base_arguments, write_json
+
+    args_file = write_json(tmp_path / "args.json", base_arguments(embedded_corpus, tmp_path, num_hidden_layers=2))
+    [result] = selfcheck.run_rows([selfcheck.rollback_row("fp32", "cpu")], args_file, tmp_path, "cpu", None,
+                                  say=lambda line: None)
+    assert result["status"] == "pass", result
+    assert result["rollbacks"] == [(6, "checkpoint-4", [5, 7])] and result["weights"] <= parity.TOLERANCE, result
+    for tier in selfcheck.TIERS:
+        assert "bf16-o2:loss-spike-rollback" in [r.name for r in selfcheck.plan_rows("gpu", tier=tier)], tier

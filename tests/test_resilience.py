@@ -9,50 +9,17 @@ same data by skip_data_intervals, which must match exactly.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from llm_pretrain.selfcheck.parity import garbage_corpus
 from parity_utils import argv, base_arguments, final_weights, train_records, write_json
 from shared_launches import contribute
 from test_fault_injection import checkpoints, log_lines, one_error_line, run_cli, small_run
 
 STEPS = 20  # save every 5; the garbage sits at steps 12 and 13
-
-
-def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int], first_samples: int | None = None) -> str:
-    """A copy of the corpus whose samples of the given global steps (1-based) are one unused token
-    (only the first `first_samples` of each step's global batch when given)."""
-    from llm_pretrain.data import build_pretraining_datasets
-
-    args = json.loads(args_file.read_text())
-    directory = work / "garbage"
-    directory.mkdir()
-    for path in Path(corpus["input_dir"]).iterdir():
-        if path.suffix in (".bin", ".idx"):
-            shutil.copy(path, directory / path.name)
-    batch = args["per_device_train_batch_size"] * args["gradient_accumulation_steps"]
-    train, _, _ = build_pretraining_datasets(
-        input_dir=str(directory), split=args["split"], seq_length=args["max_seq_length"], seed=args["seed"],
-        num_samples=(args["max_steps"] * batch, 0, 0), data_cache=str(work / "garbage-index"), skip_warmup=True)
-    data = train.data
-    counts = np.bincount(np.asarray(data.tokens), minlength=corpus["vocab_size"])
-    unused = int(np.argmin(counts[:corpus["vocab_size"]]))
-    tokens = np.memmap(next(directory.glob("*.bin")), dtype=data.dtype, mode="r+")
-    for step in steps:
-        start = (step - 1) * batch
-        for i in range(start, start + (first_samples or batch)):  # the spans GPTDataset.__getitem__ reads
-            k = int(train.shuffle_idx[i])
-            (first, start), (last, end) = train.sample_idx[k], train.sample_idx[k + 1]
-            starts, ends = data.document_spans(train.doc_idx[first:last + 1])
-            ends[-1] = starts[-1] + end + 1
-            starts[0] += start
-            for a, b in zip(starts.tolist(), ends.tolist()):
-                tokens[a:b] = unused
-    tokens.flush()
-    return str(directory)
 
 
 def losses(output_dir: Path) -> dict[int, float]:

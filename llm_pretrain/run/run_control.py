@@ -176,6 +176,21 @@ def describe_first_stopped(log_dir: str, exit_codes: dict[int, int], since: floa
     return f"error: rank {first} stopped first ({how}); {last}; the other ranks' failures follow from it"
 
 
+# What a rank's log shows when a collective failed because a peer's process is gone: gloo's transport errors
+# (third_party/gloo/gloo/transport/tcp/pair.cc, e.g. "Read error [127.0.0.1]:28818: Connection reset by peer",
+# or, seen when the killed node held rank 0, "pair.cc:584] TIMEOUT self_rank = 1 pair_rank = 0 peer_str = ...",
+# a few seconds after the kill), raised as a RuntimeError (exit 1) or aborting from C++ (SIGABRT).
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "] TIMEOUT self_rank = ")
+
+
+def peer_gone_line(log_tail: str) -> str | None:
+    """The line of a rank's log saying a peer's connection closed under its collective, or None."""
+    for line in reversed(log_tail.splitlines()):
+        if any(marker in line for marker in PEER_GONE):
+            return line.strip()[-160:]
+    return None
+
+
 def read_heartbeats(log_dir: str, world_size: int) -> dict[int, dict]:
     beats = {}
     for rank in range(world_size):

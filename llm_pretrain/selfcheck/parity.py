@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -437,6 +438,41 @@ def real_size_arguments(corpus: dict, work_dir: Path, device: str = "cpu", **ove
                                                        "per_device_train_batch_size": 1,
                                                        "max_steps": 4, "save_steps": SAVE_STEP, "save_total_limit": 1,
                                                        "weight_decay": 1.0, **overrides})
+
+
+def garbage_corpus(corpus: dict, work: Path, args_file: Path, steps: list[int], first_samples: int | None = None) -> str:
+    """A copy of the corpus whose samples of the given global steps (1-based) are one unused token
+    (only the first `first_samples` of each step's global batch when given): the loss of such a step jumps
+    well above the running mean, a loss spike (tests/test_resilience.py, the self-check's rollback row)."""
+    from llm_pretrain.data import build_pretraining_datasets
+
+    args = json.loads(args_file.read_text())
+    directory = work / "garbage"
+    directory.mkdir(exist_ok=True)
+    for path in Path(corpus["input_dir"]).iterdir():
+        if path.suffix in (".bin", ".idx"):
+            shutil.copy(path, directory / path.name)
+    batch = args["per_device_train_batch_size"] * args["gradient_accumulation_steps"]
+    train, _, _ = build_pretraining_datasets(
+        input_dir=str(directory), split=args["split"], seq_length=args["max_seq_length"], seed=args["seed"],
+        num_samples=(args["max_steps"] * batch, 0, 0), data_cache=str(work / "garbage-index"), skip_warmup=True)
+    data = train.data
+    vocab_size = corpus.get("vocab_size") or int(np.max(data.tokens)) + 2  # without it: an id above every token
+    counts = np.bincount(np.asarray(data.tokens), minlength=vocab_size)
+    unused = int(np.argmin(counts[:vocab_size]))
+    tokens = np.memmap(next(directory.glob("*.bin")), dtype=data.dtype, mode="r+")
+    for step in steps:
+        start = (step - 1) * batch
+        for i in range(start, start + (first_samples or batch)):  # the spans GPTDataset.__getitem__ reads
+            k = int(train.shuffle_idx[i])
+            (first, start), (last, end) = train.sample_idx[k], train.sample_idx[k + 1]
+            starts, ends = data.document_spans(train.doc_idx[first:last + 1])
+            ends[-1] = starts[-1] + end + 1
+            starts[0] += start
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                tokens[a:b] = unused
+    tokens.flush()
+    return str(directory)
 
 
 def summary_records(output_dir: Path) -> list[dict]:

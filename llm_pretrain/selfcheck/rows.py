@@ -13,6 +13,8 @@ rows, on CPU processes too):
                 rank skips that optimizer step and keeps the same loss scale.
     checkpoint  one process, bf16 O2: stopped after SAVE_STEP and resumed (fp32 master weights,
                 moments, loss scaler state) continues like the uninterrupted run.
+    rollback    one process, bf16 O2: a loss spike injected as garbage data rolls back to the checkpoint
+                and skips that data; from there it equals the run that skipped that data (SPIKE).
     kernels     each fused kernel against the plain path on random inputs, forward and
                 gradients, within a bound derived from the dtype (printed).
     memory      the planner's prediction beside max_memory_allocated / max_memory_reserved.
@@ -26,6 +28,7 @@ row one process:
     overflow    fp16 O2 with an infinite gradient injected at step 2 in one launched process
     checkpoint  the O2 round trip, and the same with async_save (the resume reads what the writer
                 thread wrote) against the uninterrupted synchronous run
+    rollback    the loss-spike rollback row, as in the full plan
     kernels     the kernel table in bf16 and in fp16
     ring        cp2 and cp4 as threads on the GPU (llm_pretrain/selfcheck/ring_threads.py): flash blocks
                 against one whole attention, causal with grouped kv heads, without and with ALiBi
@@ -121,6 +124,30 @@ RING_DEGREES = (2, 4)
 PERF_MODEL = {"model_name_or_path": "TinyLlama/TinyLlama_v1.1", "num_hidden_layers": 22, "max_seq_length": 4096,
               "gradient_accumulation_steps": 1, "max_steps": PERF_STEPS, "save_steps": 10 * PERF_STEPS}
 
+# The loss-spike rollback row (one process): garbage data (one unused token) at SPIKE["step"] makes a spike
+# above factor x the mean of the window's losses; the run reloads checkpoint-SPIKE["save_steps"] and skips the
+# data of the steps from it to the spike plus skip_steps, then trains on. Judged against the run that skips
+# that data by skip_data_intervals from the start (tests/test_resilience.py proves both on CPU). The factor is
+# low because the spike comes early: llama-tiny's garbage step is 1.07 x the window's mean at step 6 (float32,
+# tests/test_gpu_selfcheck.py), llama-real's above 1.2; its normal steps fall below the mean.
+SPIKE = {"step": 6, "max_steps": 9, "save_steps": 4, "window": 3, "factor": 1.05, "skip_steps": 1}
+
+
+def rollback_options(dtype_options: dict) -> tuple[dict, dict]:
+    """(the rollback run's options, its reference's): same precision and kernels, same steps and saves; the
+    rollback run's input_dir is set by run_rows (the garbage copy); the reference skips the same data."""
+    steps = {"max_steps": SPIKE["max_steps"], "save_steps": SPIKE["save_steps"], "save_total_limit": 2}
+    skipped = [SPIKE["save_steps"] + 1, SPIKE["step"] + SPIKE["skip_steps"]]
+    return ({**dtype_options, **steps, "loss_spike_factor": SPIKE["factor"], "loss_spike_window": SPIKE["window"],
+             "loss_spike_action": "rollback", "loss_spike_skip_steps": SPIKE["skip_steps"]},
+            {**dtype_options, **steps, "skip_data_intervals": json.dumps([skipped])})
+
+
+def rollback_row(precision: str, device: str) -> Row:
+    return Row(f"{precision}:loss-spike-rollback", "rollback", "single", 1, device, DTYPE_OF[precision],
+               rollback_options(PRECISIONS[precision])[0], precision)
+
+
 KERNEL_FLAGS = {"flash_attention": "use_flash_attention", "fused_rope": "use_fused_rope",
                 "fused_rms_norm": "use_fused_rms_norm", "fused_swiglu": "use_fused_swiglu"}
 
@@ -128,7 +155,7 @@ KERNEL_FLAGS = {"flash_attention": "use_flash_attention", "fused_rope": "use_fus
 @dataclass(frozen=True)
 class Row:
     name: str
-    kind: str                  # parity | overflow | checkpoint | kernels | memory | speed | family | ring | perf
+    kind: str                  # parity | overflow | checkpoint | rollback | kernels | memory | speed | family | ring | perf
     layout: str                # a name of parity.LAYOUTS, or "single"
     processes: int
     device: str
@@ -201,6 +228,7 @@ def one_gpu_rows(device: str) -> list[Row]:
                         [f"{preset} against its float32 run (same options without bf16 and the kernels)"]))
     rows.append(production_row("overflow", "fp16-o2", "single", device, name="fp16-o2-overflow:single"))
     rows.append(production_row("checkpoint", "bf16-o2", "single", device, name="bf16-o2:checkpoint-round-trip"))
+    rows.append(rollback_row("bf16-o2", device))
     async_save = production_row("checkpoint", "bf16-o2", "single", device, name="bf16-o2:async-save-round-trip")
     rows.append(Row(**{**asdict(async_save), "options": {**async_save.options, "async_save": True}}))
     rows += kernel_rows(device)
@@ -236,6 +264,7 @@ def plan_rows(device: str, layouts: list[str] | None = None, dtypes: list[str] |
         rows.append(production_row("overflow", "fp16-o2", OVERFLOW["layout"], device,
                                    name=f"fp16-o2-overflow:{OVERFLOW['layout']}"))
         rows.append(production_row("checkpoint", "bf16-o2", "single", device, name="bf16-o2:checkpoint-round-trip"))
+        rows.append(rollback_row("bf16-o2", device))
         rows += kernel_rows(device)
         for layout in PERF_LAYOUTS:
             rows.append(production_row("memory", "bf16-o2", layout, device, name=f"memory:bf16-o2:{layout}"))
@@ -283,6 +312,27 @@ def reference_name(row: Row) -> str:
 
 def reference_output(work_dir: Path, name: str) -> Path:
     return work_dir / "runs" / "single" / name
+
+
+def spike_data(args_file: Path, work_dir: Path) -> str:
+    """A copy of the row's corpus with garbage at SPIKE["step"] (parity.garbage_corpus), made once."""
+    from llm_pretrain.selfcheck.parity import garbage_corpus, write_json
+
+    work = work_dir / "runs" / "spike-data"
+    if not (work / "garbage").is_dir():
+        args = {**json.loads(Path(args_file).read_text()), "max_steps": SPIKE["max_steps"]}
+        garbage_corpus({"input_dir": args["input_dir"]}, work, write_json(work / "args.json", args), [SPIKE["step"]])
+    return str(work / "garbage")
+
+
+def rollback_options_of(row: Row) -> dict:
+    """The reference of a rollback row: the same run skipping the spike's data from the start."""
+    steps = ("max_steps", "save_steps", "save_total_limit")
+    return rollback_options({k: v for k, v in row.options.items() if not k.startswith("loss_spike_") and k not in steps})[1]
+
+
+def rollback_reference(work_dir: Path, row: Row) -> Path:
+    return reference_output(work_dir, f"{row.precision}+skip-spike-data")
 
 
 def overflow_injection(row: Row) -> dict:
@@ -340,13 +390,16 @@ def run_rows(rows: list[Row], args_file: Path, work_dir: Path, device: str, gpus
             singles += [argv(args_file, out, **row.options, exit_interval=SAVE_STEP), argv(args_file, out, **row.options)]
         elif row.kind == "family":
             singles.append(argv(args_file, out, **row.options))
+        elif row.kind == "rollback":
+            singles += [argv(args_file, out, **row.options, input_dir=spike_data(args_file, work_dir)),
+                        argv(args_file, rollback_reference(work_dir, row), **rollback_options_of(row))]
     if singles:
         try:
             run_single(singles, work_dir, "single", device, timeout=timeout)
         except AssertionError as error:
             failures["single"] = f"the one-process runs failed (see {work_dir / 'single.runs.json'}): {error}"[:2000]
         for row in runnable:
-            if row.kind in ("checkpoint", "family"):
+            if row.kind in ("checkpoint", "family", "rollback"):
                 finish(row)
     # The speed and memory row of one process trains alone: its allocator peak and speed are its own.
     for row in runnable:
@@ -409,7 +462,7 @@ def judge_row(row: Row, work_dir: Path, device: str, failures: dict, launches: d
     try:
         if row.name in failures:
             raise AssertionError(failures[row.name])
-        if "single" in failures and row.kind in ("parity", "checkpoint", "family"):
+        if "single" in failures and row.kind in ("parity", "checkpoint", "family", "rollback"):
             raise AssertionError(failures["single"])
         if row.kind == "kernels":
             measured = kernel_table(device, HALF_DTYPES[row.dtype])
@@ -425,6 +478,8 @@ def judge_row(row: Row, work_dir: Path, device: str, failures: dict, launches: d
             measured = judge_perf(row.kind, row_output(work_dir, f"perf:{row.layout}"))
         elif row.kind == "perf":
             measured = judge_one_gpu_perf(row_output(work_dir, row.name))
+        elif row.kind == "rollback":
+            measured = judge_rollback(rollback_reference(work_dir, row), row_output(work_dir, row.name), row.dtype)
         elif row.kind == "family":
             measured = judge_family(reference_output(work_dir, reference_name(row)), row_output(work_dir, row.name))
         else:
@@ -505,6 +560,31 @@ def judge_overflow(ranks: dict[int, dict], output_dir: str, inject: dict = OVERF
     where = f"on rank {inject['rank']} only" if len(ranks) > 1 else "in the one process"
     return {"stepped": stepped, "scale": scales, "passed": passed,
             "bound": f"step {step} skipped on every rank (inf {where}), same loss scale everywhere"}
+
+
+def judge_rollback(reference: Path, output: Path, dtype: str) -> dict:
+    """The spike was caught at SPIKE["step"] and rolled back to the checkpoint; from then on the run is the one
+    that skipped that data: the loss and grad norm of every step both logged (fp32: 1e-5 absolute, half:
+    HALF_RELATIVE_BOUND relative) and the final weights (reported; judged in fp32)."""
+    events = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    rollbacks = [(r["step"], r["checkpoint"], r["skipped_steps"]) for r in events if r["event"] == "rollback"]
+    skipped = [SPIKE["save_steps"] + 1, SPIKE["step"] + SPIKE["skip_steps"]]
+    caught = rollbacks == [(SPIKE["step"], f"checkpoint-{SPIKE['save_steps']}", skipped)]
+    assert caught, f"{output}: expected one rollback at step {SPIKE['step']} skipping {skipped}, got {rollbacks}"
+    ref = {r["step"]: r for r in train_records(reference)}
+    got = {r["step"]: r for r in train_records(output) if r["step"] in ref}  # the undone steps are not in ref
+    assert sorted(got) == sorted(ref), f"{output}: steps {sorted(got)} against the reference's {sorted(ref)}"
+    fp32 = dtype == "fp32"
+    diffs = {key: max(abs(got[s][key] - ref[s][key]) / (1 if fp32 else abs(ref[s][key])) for s in ref)
+             for key in ("loss", "grad_norm")}
+    ref_weights, got_weights = final_weights(reference, SPIKE["max_steps"]), final_weights(output, SPIKE["max_steps"])
+    diffs["weights"] = max(float(np.abs(got_weights[name].astype(np.float64) - value).max())
+                           for name, value in ref_weights.items())
+    limit = TOLERANCE if fp32 else HALF_RELATIVE_BOUND[dtype]
+    bound = (f"loss, grad norm, weights <= {TOLERANCE:g} against the run skipping that data" if fp32 else
+             f"relative loss, grad norm <= 2**{int(np.log2(limit))} against the run skipping that data; weights reported")
+    judged = [diffs["loss"], diffs["grad_norm"]] + ([diffs["weights"]] if fp32 else [])
+    return {**diffs, "rollbacks": rollbacks, "bound": bound, "passed": bool(max(judged) <= limit)}
 
 
 def judge_family(reference: Path, output: Path) -> dict:
