@@ -362,5 +362,6 @@ def test_document_masks_train_like_one_process_under(launch_name, document_refer
         print(f"{name} vs single process: {assert_same_training(document_references / f'single-{model}', run)}")
         assert run_record(run)["documents"]["document_masks"]
         if name.endswith("-kernels"):
-            assert_stand_ins_ran([runs[name] for _, runs in sorted(observed.items())], run, ("flashmask_attention", "flashmask_attention_grad",
-                                              "fused_rotary_position_embedding"))
+            # the flash branch through FlashMask's stand-ins, named so in the run record (built.kernels)
+            assert_stand_ins_ran([runs[name] for _, runs in sorted(observed.items())], run,
+                                 ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding"))
