@@ -315,12 +315,15 @@ LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
     "dp2": [("dp2", "gpt3", dict(gradient_accumulation_steps=2)),
             ("dp2-kernels", "llama", dict(gradient_accumulation_steps=2, **KERNEL_OPTIONS))],
     "tp2": [("tp2-sp", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True)),
+            # FlashMask's [b, 1, s, 1] row indices for each rank's heads
+            ("tp2-sp-kernels", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True, **KERNEL_OPTIONS)),
             ("tp2-sp-recompute", "gpt3", dict(tensor_parallel_degree=2, sequence_parallel=True, recompute=True,
                                               recompute_granularity="core_attn"))],
     "sd2": [("sd2-stage2", "llama", dict(sharding="stage2", gradient_accumulation_steps=2))],
     # 1F1B over 2 stages of one layer each; GPT-3: learned positions, the tied embedding's two copies and
     # fleet's full recompute of a stage's segment (the ids among its inputs)
     "pp2": [("pp2", "llama", dict(pipeline_parallel_degree=2)),
+            ("pp2-kernels", "llama", dict(pipeline_parallel_degree=2, **KERNEL_OPTIONS)),  # row indices per stage
             ("gpt3-pp2-recompute", "gpt3", dict(pipeline_parallel_degree=2, recompute=True, pp_recompute_interval=1))],
 }
 
