@@ -115,6 +115,18 @@ def document_mask(document_ids):
     return paddle.where(same, paddle.zeros([], "float32"), paddle.full([], float("-inf"), "float32"))
 
 
+def document_row_indices(document_ids):
+    """[batch, 1, seq, 1] int32: for each key, the first query row that must not see it, the first row of the
+    next document (the sequence length for the last one). This is FlashMask's causal `startend_row_indices`
+    with one bound (Paddle 3.3.1 paddle/nn/functional/flash_attention.py flashmask_attention: with causal=True
+    and shape [b, 1 or heads, seq_k, 1], rows >= the value are masked below the diagonal), built as
+    PaddleFormers builds it for packed sequences (paddleformers/datasets/collate.py
+    gen_attn_mask_startend_row_indices: offset + len(document) for each token of a document).
+    The ids are non-decreasing in a row, so the next document's first row is the count of ids <= this one."""
+    ends = paddle.searchsorted(document_ids, document_ids, right=True, out_int32=True)
+    return ends.reshape([document_ids.shape[0], 1, document_ids.shape[1], 1])
+
+
 def document_positions(document_ids):
     """[batch, seq] int64: each token's position within its document."""
     seq = document_ids.shape[1]
@@ -133,6 +145,7 @@ class Documents:
         self.ids = document_ids  # whole sequences: under cp the ring masks each block from them
         self.positions = document_positions(document_ids) if config.reset_position_ids else None
         self._mask = None
+        self._row_indices = None
 
     @property
     def mask(self):
@@ -140,6 +153,13 @@ class Documents:
         if self._mask is None:
             self._mask = document_mask(self.ids)
         return self._mask
+
+    @property
+    def row_indices(self):
+        """[batch, 1, seq, 1] int32 for the flashmask kernel (use_flash_attention), built when first asked."""
+        if self._row_indices is None:
+            self._row_indices = document_row_indices(self.ids)
+        return self._row_indices
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -306,8 +326,8 @@ class Attention(nn.Layer):
         """softmax(q k^T / sqrt(d) + bias + causal mask (+ document mask)) v; [batch, seq, heads, head_dim]
         in and out."""
         if self.config.use_flash_attention:
-            if document_mask is not None:  # never dropped silently (llm_pretrain refuses the combination first)
-                raise ValueError("document masks need the plain attention path (no flashmask path yet)")
+            if document_mask is not None:  # never dropped silently: flash takes documents as row indices
+                raise ValueError("with use_flash_attention the documents go to flashmask_attention as row indices")
             return self.flash_attention(q, k, v)
         batch, seq = q.shape[0], q.shape[1]
         groups = self.attention_kv_heads  # grouped-query attention: each kv head serves num_heads / groups q heads
@@ -356,6 +376,19 @@ class Attention(nn.Layer):
                                              is_causal=mask is None, training=self.training)
         return out.reshape([batch, seq, -1])
 
+    def flashmask_attention(self, q, k, v, row_indices):
+        """Packed documents on the fused kernel (GPU): Paddle 3.3.1's flashmask_attention
+        (paddle/nn/functional/flash_attention.py; kernel paddle/phi/kernels/gpu/flash_attn_kernel.cu
+        FlashMaskKernel) with causal=True and one row bound per key (`document_row_indices`), as
+        PaddleFormers' flashmask_attention_forward (paddleformers/nn/attention/flashmask_attention.py) calls it
+        for use_attn_mask_startend_row_indices. k/v keep their kv heads (the kernel shares them, as flash_attn);
+        [batch, 1, seq, 1] indices serve every head. No additive bias: ALiBi with documents is refused under
+        flash (llm_pretrain/parallel/layout.py)."""
+        batch, seq = q.shape[0], q.shape[1]
+        out = F.flashmask_attention(q, k, v, startend_row_indices=row_indices, causal=True,
+                                    dropout=self.config.attention_probs_dropout_prob, training=self.training)
+        return out.reshape([batch, seq, -1])
+
     def ring_attention(self, q, k, v, document_ids=None):
         """Context parallelism: the attention of this rank's queries over every rank's keys
         (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU;
@@ -369,11 +402,13 @@ class Attention(nn.Layer):
     def forward(self, hidden, documents: Documents | None = None):
         q, k, v = self.project_qkv(hidden, documents.positions if documents is not None else None)
         ring = self.config.context_parallel_degree > 1
-        attention = self.ring_attention if ring else self.core_attention
-        # Packed documents (the plain paths only: the layout refuses flash): the ring takes the ids and masks
-        # its blocks; otherwise the whole sequence's mask (under sep it fits: after the all-to-all this
-        # rank holds every token of its heads).
-        extra = () if documents is None else (documents.ids,) if ring else (documents.mask,)
+        flashmask = documents is not None and self.config.use_flash_attention and not ring
+        attention = self.ring_attention if ring else self.flashmask_attention if flashmask else self.core_attention
+        # Packed documents: the ring takes the ids and masks its blocks (the layout refuses it with flash);
+        # the flash kernel takes each key's row bound; otherwise the whole sequence's mask (under sep both fit:
+        # after the all-to-all this rank holds every token of its heads).
+        extra = (() if documents is None else (documents.ids,) if ring else (documents.row_indices,) if flashmask
+                 else (documents.mask,))
         if self.training and recomputes(self.config, "core_attn", self.layer_index):
             from paddle.distributed.fleet.utils import recompute
 

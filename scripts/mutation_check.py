@@ -357,9 +357,21 @@ MUTATIONS = [
               f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
     Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
              "the mask", "models/decoder.py",
-             "extra = () if documents is None else (documents.ids,) if ring else (documents.mask,)",
-             "extra = () if documents is None or self.config.sep_parallel_degree > 1 else (documents.ids,) if ring "
-             "else (documents.mask,)", (LONG_SEP2,)),
+             "extra = (() if documents is None else",
+             "extra = (() if documents is None or self.config.sep_parallel_degree > 1 else", (LONG_SEP2,)),
+    Mutation("flashmask_row_indices_not_passed", "use_flash_attention with documents: flashmask_attention called "
+             "without the row indices (plain causal flash: documents see earlier ones)", "models/decoder.py",
+             "startend_row_indices=row_indices, causal=True", "startend_row_indices=None, causal=True",
+             (f"{DOCUMENTS}::test_flashmask_path_computes_each_document_on_its_own",)),
+    Mutation("flashmask_row_indices_one_late", "use_flash_attention with documents: each key's row bound one row "
+             "late (a document's first token sees the previous document's last)", "models/decoder.py",
+             "return ends.reshape([", "return (ends + 1).reshape([",
+             (f"{DOCUMENTS}::test_flashmask_path_computes_each_document_on_its_own",
+              "tests/test_kernel_standins.py::test_flashmask_attention_equals_the_dense_document_mask")),
+    Mutation("flashmask_standin_bound_exclusive", "the flashmask stand-in: a key's start row itself left visible",
+             "llm_pretrain/cpu/kernel_standins.py", "masked = rows >= bound[0] if bounds == 1",
+             "masked = rows > bound[0] if bounds == 1",
+             ("tests/test_kernel_standins.py::test_flashmask_attention_equals_the_dense_document_mask",)),
     Mutation("ring_document_mask_off", "cp with document masks: the ring's blocks not masked by the documents",
              "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions, key)\n",
              "    masked = None\n", (RING_DOCUMENTS, LONG_SEP2)),

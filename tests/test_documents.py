@@ -17,7 +17,8 @@ import paddle.nn.functional as F
 import pytest
 
 from models.decoder import CausalLM, document_positions
-from parity_utils import argv, assert_same_training, base_arguments, run_record, run_single, train_records, write_json
+from parity_utils import (KERNEL_OPTIONS, argv, assert_same_training, assert_stand_ins_ran, base_arguments, run_record,
+                          run_single, run_spec, train_records, write_json)
 from shared_launches import contribute
 from models.registry import ARCHITECTURES
 from models.weights import init_weights
@@ -110,6 +111,28 @@ def test_learned_positions_need_the_reset():
     logits, _, alone_logits, _ = packed_and_alone("gpt3-tiny", reset_position_ids=False)
     assert np.abs(logits[0, :7] - alone_logits[0, :7]).max() <= TOLERANCE
     assert np.abs(logits[0, 7:] - alone_logits[0, 7:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "gpt3-tiny"])
+def test_flashmask_path_computes_each_document_on_its_own(name):
+    """use_flash_attention with packed documents: every layer calls Paddle's flashmask_attention (through the
+    CPU stand-in of its kernel) with the documents' row indices, and the packed batch gives each document's
+    own logits and gradients (LLaMA 3: grouped kv heads, rotary restarting per document; GPT-3: learned
+    positions). Wrong or missing row indices let later documents see earlier ones: this fails."""
+    from llm_pretrain.cpu import kernel_standins as ks
+
+    ks.install_kernel_standins()
+    ks.CALLS.clear()
+    try:
+        logits, grads, alone_logits, alone_grads = packed_and_alone(name, reset_position_ids=True,
+                                                                    use_flash_attention=True)
+        calls = dict(ks.CALLS)
+    finally:
+        ks.uninstall_kernel_standins()
+    assert float(np.abs(logits - alone_logits).max()) <= TOLERANCE
+    assert_close_gradients(grads, alone_grads)
+    layers = ARCHITECTURES[name].num_hidden_layers  # the packed forward only: a document alone has no ids
+    assert calls.get("flashmask_attention") == layers and calls.get("flashmask_attention_grad") == layers
 
 
 def test_document_positions_restart_at_every_document():
@@ -246,8 +269,10 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
     (dict(reset_attention_mask=True, pipeline_parallel_degree=2, context_parallel_degree=2,
           gradient_accumulation_steps=4), 4, "cpu",
      "reset_attention_mask with pipeline_parallel_degree 2 and context_parallel_degree 2 together is not supported"),
-    (dict(reset_attention_mask=True, use_flash_attention=True), 1, "gpu",
-     "reset_attention_mask with use_flash_attention is not supported yet"),
+    (dict(reset_attention_mask=True, use_flash_attention=True, model_name_or_path="bloom-tiny"), 1, "gpu",
+     "reset_attention_mask with use_flash_attention is not supported for bloom"),
+    (dict(reset_attention_mask=True, use_flash_attention=True, context_parallel_degree=2), 2, "gpu",
+     "reset_attention_mask with use_flash_attention and context_parallel_degree 2 is not supported yet"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
     (dict(reset_attention_mask=True, reset_position_ids=True, model_name_or_path="gpt3-tiny", continue_training=True,
           max_seq_length=2048), 1, "cpu", "max_seq_length: 2048 exceeds the model's max_position_embeddings 1024"),
@@ -285,14 +310,20 @@ def test_bad_eod_token_is_one_line_exit_2_before_paddle(embedded_corpus, tmp_pat
 
 DOCUMENT_KEYS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
-    "dp2": [("dp2", "gpt3", dict(gradient_accumulation_steps=2))],
+    # dp2-kernels: the GPU branches through the kernel stand-ins (flashmask_attention with the documents' row
+    # indices, GQA; fused rope with the positions restarting per document) against the plain path
+    "dp2": [("dp2", "gpt3", dict(gradient_accumulation_steps=2)),
+            ("dp2-kernels", "llama", dict(gradient_accumulation_steps=2, **KERNEL_OPTIONS))],
     "tp2": [("tp2-sp", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True)),
+            # FlashMask's [b, 1, s, 1] row indices for each rank's heads
+            ("tp2-sp-kernels", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True, **KERNEL_OPTIONS)),
             ("tp2-sp-recompute", "gpt3", dict(tensor_parallel_degree=2, sequence_parallel=True, recompute=True,
                                               recompute_granularity="core_attn"))],
     "sd2": [("sd2-stage2", "llama", dict(sharding="stage2", gradient_accumulation_steps=2))],
     # 1F1B over 2 stages of one layer each; GPT-3: learned positions, the tied embedding's two copies and
     # fleet's full recompute of a stage's segment (the ids among its inputs)
     "pp2": [("pp2", "llama", dict(pipeline_parallel_degree=2)),
+            ("pp2-kernels", "llama", dict(pipeline_parallel_degree=2, **KERNEL_OPTIONS)),  # row indices per stage
             ("gpt3-pp2-recompute", "gpt3", dict(pipeline_parallel_degree=2, recompute=True, pp_recompute_interval=1))],
 }
 
@@ -307,7 +338,7 @@ def document_files(work: Path, corpus: dict) -> dict[str, Path]:
 def layout_runs(launch_name: str):
     def make_runs(work: Path, corpus: dict) -> list[dict]:
         files = document_files(work, corpus)
-        return [{"name": name, "argv": argv(files[model], work / "runs" / name, **keys)}
+        return [run_spec(name, argv(files[model], work / "runs" / name, **keys))
                 for name, model, keys in LAYOUT_RUNS[launch_name]]
     return make_runs
 
@@ -328,8 +359,12 @@ def document_references(shared_launches, embedded_corpus) -> Path:
 def test_document_masks_train_like_one_process_under(launch_name, document_references, shared_launches):
     """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA), pp2 (1F1B;
     LLaMA, GPT-3 with full recompute): the losses, grad norms and weights of one process with the same document masks (1e-5)."""
-    shared_launches.results(launch_name, "documents")
+    observed = shared_launches.results(launch_name, "documents")
     for name, model, _ in LAYOUT_RUNS[launch_name]:
         run = document_references / name
         print(f"{name} vs single process: {assert_same_training(document_references / f'single-{model}', run)}")
         assert run_record(run)["documents"]["document_masks"]
+        if name.endswith("-kernels"):
+            # the flash branch through FlashMask's stand-ins, named so in the run record (built.kernels)
+            assert_stand_ins_ran([runs[name] for _, runs in sorted(observed.items())], run,
+                                 ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding"))

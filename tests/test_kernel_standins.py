@@ -155,6 +155,86 @@ def test_flash_attn_argument_checks(standins, bad, message):
             paddle._C_ops.flash_attn(q, k, v, None, mask, 0.0, causal, False, False, "")
 
 
+# ----------------------------------------------------------------------------- flashmask attention
+def _document_ids():
+    """Two samples of 24 tokens: documents of 7, 10, 7 and of 5, 19 tokens."""
+    return paddle.to_tensor(np.stack([np.repeat([0, 1, 2], [7, 10, 7]), np.repeat([0, 1], [5, 19])]))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_flashmask_attention_equals_the_dense_document_mask(standins, kv_heads):
+    """F.flashmask_attention (Paddle's wrapper, unchanged) with causal=True and the documents' row indices
+    (models/decoder.py document_row_indices) gives the plain path's attention with the dense document mask
+    and the causal mask, forward and gradients, grouped kv heads included."""
+    from models.decoder import document_mask, document_row_indices
+
+    q, k, v = _random(2, 24, 4, 8, seed=1), _random(2, 24, kv_heads, 8, seed=2), _random(2, 24, kv_heads, 8, seed=3)
+    ids = _document_ids()
+    indices = document_row_indices(ids)
+    assert indices.dtype == paddle.int32 and indices.shape == [2, 1, 24, 1]
+    np.testing.assert_array_equal(indices.numpy()[:, 0, :, 0], np.stack([np.repeat([7, 17, 24], [7, 10, 7]),
+                                                                          np.repeat([5, 24], [5, 19])]))
+    out = F.flashmask_attention(q, k, v, startend_row_indices=indices, causal=True)
+    expected, _ = _reference_attention(q, k, v, document_mask(ids), causal=True)
+    _close(out, expected, 2e-6)
+    for got, want in zip(_grads(out, [q, k, v]), _grads(expected, [q, k, v])):
+        _close(got, want, 2e-5)
+    assert dict(standins.CALLS) == {"flashmask_attention": 1, "flashmask_attention_grad": 1}
+    unmasked, _ = _reference_attention(q, k, v, causal=True)
+    assert np.abs(out.numpy() - unmasked.numpy()).max() > 1e-2  # the indices do mask
+
+
+@pytest.mark.parametrize("causal, bounds", [(True, 2), (False, 2), (False, 4)])
+def test_flashmask_row_bounds_mean_what_paddles_docstring_says(standins, causal, bounds):
+    """The other layouts of startend_row_indices (Paddle 3.3.1 flashmask_attention's docstring), per key j and
+    row i: causal [.., 2] hides start <= i < end; non-causal [.., 2] hides i >= start and i < end; [.., 4]
+    hides b0 <= i < b1 and b2 <= i < b3. Checked against a mask written out element by element."""
+    rng = np.random.RandomState(7)
+    seq = 8
+    low = rng.randint(1, seq + 1, size=(1, 1, seq, 1))
+    if bounds == 2 and causal:
+        values = np.concatenate([low, np.minimum(low + rng.randint(0, 4, low.shape), seq)], -1)
+    elif bounds == 2:
+        values = np.concatenate([np.maximum(low, np.arange(seq).reshape(1, 1, seq, 1) + 1),
+                                 np.minimum(rng.randint(0, 3, low.shape), np.arange(seq).reshape(1, 1, seq, 1))], -1)
+    else:
+        up_end = np.minimum(rng.randint(0, 3, low.shape), np.arange(seq).reshape(1, 1, seq, 1))
+        values = np.concatenate([np.maximum(low, np.arange(seq).reshape(1, 1, seq, 1) + 1), np.full(low.shape, seq),
+                                 np.zeros(low.shape, int), up_end], -1)
+    dense = np.zeros([1, 1, seq, seq], "float32")
+    for j in range(seq):
+        for i in range(seq):
+            b = values[0, 0, j]
+            hidden = (b[0] <= i < b[1]) if (causal and bounds == 2) else \
+                (i >= b[0] or i < b[1]) if bounds == 2 else (b[0] <= i < b[1] or b[2] <= i < b[3])
+            dense[0, 0, i, j] = -np.inf if hidden else 0.0
+    q, k, v = _random(1, seq, 2, 8, seed=1), _random(1, seq, 2, 8, seed=2), _random(1, seq, 2, 8, seed=3)
+    out = F.flashmask_attention(q, k, v, startend_row_indices=paddle.to_tensor(values.astype("int32")), causal=causal)
+    expected, _ = _reference_attention(q, k, v, paddle.to_tensor(dense), causal=causal)
+    _close(out, expected, 2e-6)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("int64", "must be paddle.int32"), ("bounds", "last dimension should be either 1 or 2"),
+    ("seq", "must be equal to seqlen_k"), ("heads", "head_num must be equal to 1"), ("rank", "mask_bounds"),
+])
+def test_flashmask_attention_argument_checks(standins, bad, message):
+    """The binding's checks (called without the wrapper, whose asserts are the same)."""
+    q, k, v = _random(2, 8, 4, 8, seed=1), _random(2, 8, 2, 8, seed=2), _random(2, 8, 2, 8, seed=3)
+    shape = {"bounds": [2, 1, 8, 4], "seq": [2, 1, 6, 1], "heads": [2, 3, 8, 1], "rank": [2, 8, 1]}.get(bad, [2, 1, 8, 1])
+    indices = paddle.full(shape, 8, "int64" if bad == "int64" else "int32")
+    with pytest.raises(ks.KernelArgumentError, match=message):
+        paddle._C_ops.flashmask_attention(q, k, v, indices, None, 0.0, True, False, False, "")
+
+
+def test_flashmask_wrapper_reads_gpu_only_flags_through_the_stand_in(standins):
+    """Paddle's wrapper asks paddle.get_flags for FLAGS_cudnn_deterministic and FLAGS_flash_attn_version, which
+    the CPU build does not have; the installed stand-in answers the GPU build's defaults, other flags unchanged."""
+    flags = paddle.get_flags(["FLAGS_cudnn_deterministic", "FLAGS_flash_attn_version", "FLAGS_check_nan_inf"])
+    assert flags["FLAGS_cudnn_deterministic"] is False and flags["FLAGS_flash_attn_version"] == 2
+    assert "FLAGS_check_nan_inf" in flags
+
+
 def test_ring_flash_blocks_run_on_the_stand_in(standins, monkeypatch):
     """The ring (cp2, GQA) with FlashBlocks, as ring_attention.attention_blocks picks them on a GPU when
     the stand-ins are installed, against one attention over the whole sequence; the ring's threads
@@ -187,6 +267,26 @@ def test_fused_rope_equals_apply_rotary(standins, kv_heads):
     _close(fk, pk, 1e-6)
     for got, want in zip(_grads(fq + 0 * fk.sum(), [q]) + _grads(fk, [k]), _grads(pq, [q]) + _grads(pk, [k])):
         _close(got, want, 1e-6)
+
+
+def test_fused_rope_position_ids_pick_each_tokens_row(standins):
+    """position_ids [batch, seq] (positions restarting per document, as models/decoder.py passes them): each
+    token rotated by its own row of the tables, the tables may be longer than the sequence."""
+    from paddle.incubate.nn.functional import fused_rotary_position_embedding
+
+    from models.decoder import document_positions
+
+    q, k = _random(2, 24, 4, 16, seed=1), _random(2, 24, 2, 16, seed=2)
+    positions = document_positions(_document_ids())
+    cos, sin = rotary_cos_sin(32, 16, 10000.0)  # longer than the 24 tokens
+    fq, fk, _ = fused_rotary_position_embedding(q, k, None, sin=sin, cos=cos, position_ids=positions,
+                                                use_neox_rotary_style=False)
+    rows = [paddle.gather(t[0], positions.flatten(), axis=0).reshape([2, 24, 1, 16]) for t in (cos, sin)]
+    _close(fq, apply_rotary(q, *rows), 1e-6)
+    _close(fk, apply_rotary(k, *rows), 1e-6)
+    with pytest.raises(ks.KernelArgumentError, match="position_ids must be the same as those of q"):
+        fused_rotary_position_embedding(q, k, None, sin=sin, cos=cos, position_ids=positions[:, :12],
+                                        use_neox_rotary_style=False)
 
 
 def test_fused_rope_neox_style_rotates_adjacent_pairs(standins):

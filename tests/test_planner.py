@@ -353,6 +353,44 @@ def test_cli_estimate_json_and_invalid_layouts(capsys):
     assert refused.stderr.startswith("error: sharding: stage3 cannot be combined with tensor_parallel_degree")
 
 
+def test_attention_flops_within_documents_closed_form(capsys):
+    """With document masks and documents of mean length L in sequences of s tokens a query attends to L keys
+    instead of s (llm_pretrain/observe/flops.py): per token and layer the forward's q k^T and p v cost
+    4 L (a d) instead of 4 s (a d), training 3x that. llm-plan estimate --mean_document_length counts it
+    (argument file with reset_attention_mask), for model and hardware FLOPs; without reset_attention_mask
+    the option is refused (one line, exit 2)."""
+    from llm_pretrain.observe.flops import model_flops_per_token, training_flops_per_token
+
+    config = ARCHITECTURES["facebook/llama-7b"]
+    layers, q_width, s = config.num_hidden_layers, config.num_attention_heads * config.head_dim, 4096
+    whole = training_flops_per_token(config, s)
+    for length in (1000, 1024, 4096):
+        assert training_flops_per_token(config, s, mean_document_length=length) == pytest.approx(
+            whole - 3 * layers * 4 * q_width * (s - length))
+    assert training_flops_per_token(config, s, mean_document_length=10_000) == whole  # a document ends with its sequence
+    assert model_flops_per_token(config, s, causal_attention=True, mean_document_length=1000) == pytest.approx(
+        model_flops_per_token(config, s, causal_attention=True) - 3 * layers * 2 * q_width * (s - 1000))
+    assert training_flops_per_token(config, s, "core_attn", mean_document_length=1000) == pytest.approx(
+        training_flops_per_token(config, s, mean_document_length=1000) + layers * 4 * q_width * 1000)
+
+    args_file = REPO_ROOT / "configs" / "llama" / "pretrain-llama_7b-tp2sd4_stage2.json"
+    common = (args_file, "--nproc", 8, "--device", "A100-80G", "--json", "--max_seq_length", s)
+    results = {}
+    for length in (None, 1000):
+        extra = ("--reset_attention_mask", "true") + (() if length is None else ("--mean_document_length", length))
+        code, out, err = run_plan(capsys, "estimate", *common, *extra)
+        assert code == 0, err
+        results[length] = json.loads(out)
+    assert results[1000]["mean_document_length"] == 1000
+    flops_per_token = {length: r["tflops_per_card"] * 1e12 / r["tokens_per_card_per_sec"] for length, r in results.items()}
+    assert flops_per_token[None] == pytest.approx(model_flops_per_token(config.replace(seq_length=s), s))
+    assert flops_per_token[1000] == pytest.approx(flops_per_token[None] - 3 * layers * 4 * q_width * (s - 1000))
+    assert results[1000]["tokens_per_card_per_sec"] > results[None]["tokens_per_card_per_sec"]
+    code, out, err = run_plan(capsys, "estimate", *common, "--mean_document_length", 1000)
+    assert code == 2 and err.startswith("error: --mean_document_length: needs reset_attention_mask") \
+        and err.count("\n") == 1
+
+
 def test_cli_search_writes_file(tmp_path, capsys):
     code, out, err = run_plan(capsys, "search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 4,
                               "--seq", 1024, "--global_batch_size", 8, "--top", 3, "--write", str(tmp_path) + "/")

@@ -11,6 +11,8 @@ already differs.
     4 processes -> 2         llama-tiny, tp2 x sd2 stage1 -> pp2     world size, tensor + sharding -> pipeline
     stage2 -> tp2            llama-tiny                              stage-2 owners -> vocab/column/row slices
     dp2 -> 1 process         llama-tiny                              replicas written once; micro-batch 2 -> 4
+    dp2 -> 1 process         llama-tiny, 2 layers, wsd               warmup-stable-decay resumed mid-decay (the
+                                                                     scheduler's step in the checkpoint's index)
     tp2 -> pp2               llama-tiny with fused q|k|v, gate|up    per-part slices of fused projections
                                                                      (every tp2 run with sequence parallelism)
     pp2 -> stage1            gpt3-tiny (tied embeddings)             the last stage's tied copy
@@ -55,6 +57,7 @@ PAIRS = [  # (model, layout A, layout B)
     ("llama", "tp2sd2", "pp2"),
     ("llama", "sd2_stage2", "tp2"),
     ("llama", "dp2", "single_mb4"),
+    ("llama_wsd", "dp2", "single_mb4"),
     ("llama_fused", "tp2", "pp2"),
     ("gpt3", "pp2", "sd2_stage1"),
     ("gpt3", "pp4vpp2", "tp2sd2"),
@@ -70,6 +73,9 @@ MODELS = {
     "llama": {},
     "llama_fused": {"fuse_attention_qkv": True, "fuse_attention_ffn": True},
     "gpt3": {"model_name_or_path": "gpt3-tiny"},
+    # warmup 1 step, held at step 2, 1-sqrt decay over steps 2-4: the stop at step 2 resumes mid-decay
+    "llama_wsd": {"num_hidden_layers": 2, "lr_scheduler_type": "wsd", "wsd_decay_ratio": 0.5,
+                  "wsd_decay_style": "1-sqrt"},
     # Weight decay 0.1 (not the 0.01 of the other models): Paddle's stage 3 renames sliced parameters
     # ("slice@..."), which the decay filter handles (llm_pretrain/parallel/optim.py decays_parameter); missing
     # them would differ from one process by more than the tolerance (3e-4 in loss at decay 1.0).
@@ -183,6 +189,10 @@ def test_resume_under_another_layout(resumed, model, a, b):
     diffs = assert_same_training(references[model], out, step=STEPS)
     print(f"{out.name}: {diffs}")
     assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]
+    if "lr_scheduler_type" in MODELS[model]:  # every step's rate is the closed form, before and after the resume
+        top, bottom = 0.003, 0.0003  # parity.base_arguments' learning_rate and min_learning_rate
+        expected_rates = [top, top, bottom + (1 - math.sqrt(1 / 2)) * (top - bottom), bottom]
+        assert [r["learning_rate"] for r in train_records(out)] == pytest.approx(expected_rates, rel=1e-9)
     run = run_record(out)  # the second run: resumed at step 2, under layout B
     assert run["start_step"] == STOP
     expected = LAYOUTS[b][1]

@@ -87,6 +87,9 @@ def cmd_estimate(argv: list[str]) -> int:
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--intra_node_gbps", type=float, default=None)
     parser.add_argument("--inter_node_gbps", type=float, default=None)
+    parser.add_argument("--mean_document_length", type=int, default=None,
+                        help="with reset_attention_mask: the packed documents' mean length in tokens (attention "
+                             "FLOPs counted within documents)")
     opts, overrides = parser.parse_known_args(argv)
     if opts.nproc < 1:
         raise UsageError(f"--nproc: must be >= 1, got {opts.nproc}")
@@ -95,7 +98,7 @@ def cmd_estimate(argv: list[str]) -> int:
 
     args, _ = parse_arguments([opts.args_file] + overrides)
     result = estimate(args, opts.nproc, opts.device,
-                      dict(_cluster_options(opts), gpus_per_node=opts.gpus_per_node))
+                      dict(_cluster_options(opts), gpus_per_node=opts.gpus_per_node), opts.mean_document_length)
     print(json.dumps(result, indent=1) if opts.json else format_estimate(result))
     return 0
 

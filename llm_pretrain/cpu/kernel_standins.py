@@ -13,6 +13,9 @@ in `paddle._C_ops`, the module those wrappers and models/ring_attention.py call 
     flash_attn, flash_attn_grad         F.scaled_dot_product_attention (models/decoder.py   PyLayer: forward and
                                         Attention.flash_attention), models/ring_attention.py  the grad kernel, written out
                                         FlashBlocks
+    flashmask_attention, _grad          F.flashmask_attention (models/decoder.py            PyLayer: the row indices
+                                        Attention.flashmask_attention: packed documents)   as a dense mask, then
+                                                                                           flash_attn's math
     fused_rotary_position_embedding     paddle.incubate.nn.functional.fused_rotary_position_embedding
                                         (models/decoder.py Attention.project_qkv)          Paddle ops (autograd)
     fused_rms_norm_quant                paddle.incubate.nn.functional.fused_rms_norm
@@ -221,13 +224,147 @@ def flash_attn_grad(q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad,
         return _flash_backward(q, k, v, out, softmax_lse, out_grad, attn_mask, causal)
 
 
+# ----------------------------------------------------------------------------- flashmask attention
+# Paddle 3.3.1 binding (paddle/phi/ops/yaml/ops.yaml `flashmask_attention`, FlashMaskKernel in
+# paddle/phi/kernels/flash_attn_kernel.h; Python caller paddle/nn/functional/flash_attention.py
+# flashmask_attention, its fa_version 2 branch):
+#   out, softmax, softmax_lse, seed_offset = flashmask_attention(q, k, v, startend_row_indices,
+#                                                               fixed_seed_offset, dropout, causal,
+#                                                               return_softmax, is_test, rng_name)
+#   flashmask_attention_grad(q, k, v, startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout,
+#                            causal) -> dq, dk, dv
+# The kernel is flash_attn's (gpu/flash_attn_kernel.cu FlashAttnBaseKernel with the row indices instead of a
+# dense mask): the same q/k/v layouts, scale, outputs and lse as `flash_attn` above; its own checks: the
+# indices 4-D [batch, heads, seq_k, bounds] with bounds in {1, 2, 4} ("flashmask_attention receive
+# startend_row_indices with dim [batch_size, num_heads,seq_len, mask_bounds]"), int32; the wrapper's asserts
+# (batch, seq_k, heads 1 / q heads / kv heads, bounds 1-2 if causal else 2 or 4) are checked here again
+# because the binding can be called without the wrapper. Meaning (the wrapper's docstring), for key j and
+# query row i: causal [.., 1] masks i >= start[j]; causal [.., 2] masks start[j] <= i < end[j]; non-causal
+# [.., 2] masks i >= start[j] (below the diagonal) and i < end[j] (above); non-causal [.., 4] masks
+# b0[j] <= i < b1[j] and b2[j] <= i < b3[j]. The stand-in turns the indices into the equivalent additive
+# mask and runs flash_attn's math (`_flash_forward` / `_flash_backward`).
+
+def _check_flashmask_indices(q, k, startend_row_indices, causal):
+    _enforce(startend_row_indices.ndim == 4, "flashmask_attention receive startend_row_indices with dim "
+                                             "[batch_size, num_heads,seq_len, mask_bounds]")
+    _enforce(startend_row_indices.dtype == paddle.int32,
+             f"startend_row_indices.dtype must be paddle.int32, but got {startend_row_indices.dtype}")
+    b, heads, seq_k, bounds = startend_row_indices.shape
+    _enforce(b == k.shape[0], f"startend_row_indices.shape[0] must be equal to batch_size, but got {b} and "
+                              f"{k.shape[0]}")
+    _enforce(seq_k == k.shape[1], f"startend_row_indices.shape[2] must be equal to seqlen_k, but got {seq_k} and "
+                                  f"{k.shape[1]}")
+    _enforce(heads in (1, q.shape[2], k.shape[2]), "startend_row_indices head_num must be equal to 1(broadcast) or "
+                                                  "head_num_q or head_num_k.")
+    _enforce(bounds in ((1, 2) if causal else (2, 4)),
+             f"Invalid shape of startend_row_indices, when causal is {causal}, the last dimension should be "
+             f"{'either 1 or 2' if causal else 'either 2 or 4'} but got {bounds}")
+
+
+def flashmask_dense_mask(startend_row_indices, seq_q: int, num_heads: int, causal: bool):
+    """The additive float32 mask [batch, num_heads, seq_q, seq_k] (0 / -inf) the row indices stand for (causal
+    part excluded: flash_attn's `causal` adds it). Indices per kv head are repeated for their q heads."""
+    b, heads, seq_k, bounds = startend_row_indices.shape
+    rows = paddle.arange(seq_q, dtype="int32").reshape([1, 1, seq_q, 1])
+    bound = [startend_row_indices[..., i].unsqueeze(2) for i in range(bounds)]  # each [b, heads, 1, seq_k]
+    if causal:
+        masked = rows >= bound[0] if bounds == 1 else (rows >= bound[0]) & (rows < bound[1])
+    elif bounds == 2:
+        masked = (rows >= bound[0]) | (rows < bound[1])
+    else:
+        masked = ((rows >= bound[0]) & (rows < bound[1])) | ((rows >= bound[2]) & (rows < bound[3]))
+    mask = paddle.where(masked, paddle.full([], float("-inf"), "float32"), paddle.zeros([], "float32"))
+    if heads not in (1, num_heads):  # one row of indices per kv head: its q heads share it
+        mask = paddle.repeat_interleave(mask, num_heads // heads, axis=1)
+    return mask
+
+
+class _FlashMaskAttention(PyLayer):
+    """flashmask_attention's forward with flashmask_attention_grad as its backward (ops.yaml
+    flashmask_attention: backward flashmask_attention_grad)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, startend_row_indices, causal):
+        mask = flashmask_dense_mask(startend_row_indices, q.shape[1], q.shape[2], causal)
+        out, lse = _flash_forward(q, k, v, mask, causal)
+        ctx.save_for_backward(q, k, v, startend_row_indices, out, lse)
+        ctx.causal = causal
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, out_grad, _lse_grad=None):
+        q, k, v, startend_row_indices, out, lse = ctx.saved_tensor()
+        dq, dk, dv = flashmask_attention_grad(q, k, v, startend_row_indices, out, lse, _seed_offset(), out_grad, 0.0,
+                                              ctx.causal)
+        return dq, dk, dv, None
+
+
+def flashmask_attention(q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal, return_softmax, is_test,
+                        rng_name):
+    if not _on_cpu(q, k, v, startend_row_indices):
+        return _ORIGINALS["flashmask_attention"](q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal,
+                                                 return_softmax, is_test, rng_name)
+    CALLS["flashmask_attention"] += 1
+    _check_flash_inputs(q, k, v, None, causal)
+    _check_flashmask_indices(q, k, startend_row_indices, causal)
+    _enforce(isinstance(rng_name, str), "flashmask_attention: rng_name must be a str")
+    _enforce(not return_softmax or (dropout > 0.0 and not is_test), "return_softmax is only supported when dropout > 0.0")
+    if dropout > 0.0 and not is_test:
+        raise NotImplementedError(f"flashmask_attention stand-in: attention dropout in training is not implemented "
+                                  f"(dropout {dropout})")
+    out, lse = _FlashMaskAttention.apply(q, k, v, startend_row_indices, bool(causal))
+    return out, paddle.empty([0], q.dtype), lse, _seed_offset()
+
+
+def flashmask_attention_grad(q, k, v, startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout, causal):
+    if not _on_cpu(q, k, v, out_grad):
+        return _ORIGINALS["flashmask_attention_grad"](q, k, v, startend_row_indices, out, softmax_lse, seed_offset,
+                                                      out_grad, dropout, causal)
+    CALLS["flashmask_attention_grad"] += 1
+    _check_flash_inputs(q, k, v, None, causal)
+    _check_flashmask_indices(q, k, startend_row_indices, causal)
+    _enforce(out.shape == q.shape and out_grad.shape == q.shape,
+             f"flashmask_attention_grad: out {out.shape} and out_grad {out_grad.shape} must have q's shape {q.shape}")
+    if dropout > 0.0:
+        raise NotImplementedError(f"flashmask_attention_grad stand-in: dropout {dropout} is not implemented")
+    with paddle.no_grad():
+        mask = flashmask_dense_mask(startend_row_indices, q.shape[1], q.shape[2], causal)
+        return _flash_backward(q, k, v, out, softmax_lse, out_grad, mask, causal)
+
+
+# The flags flashmask_attention's wrapper reads before the binding (paddle.get_flags(["FLAGS_cudnn_deterministic"])
+# and FLAGS_flash_attn_version) exist only in GPU builds; the CPU build raises ValueError for them. While the
+# stand-ins are installed they answer with the GPU build's defaults (paddle/common/flags.cc: cudnn_deterministic
+# false, flash_attn_version 2), so the wrapper runs unchanged and takes its fa_version 2 branch (the binding above).
+GPU_ONLY_FLAGS = {"FLAGS_cudnn_deterministic": False, "FLAGS_flash_attn_version": 2}
+
+
+def _get_flags_on_cpu(original):
+    def get_flags(flags):
+        names = [flags] if isinstance(flags, str) else list(flags)
+        values = {}
+        for name in names:
+            try:
+                values.update(original([name]))
+            except ValueError:  # not in this (CPU) build
+                if name not in GPU_ONLY_FLAGS:
+                    raise
+                values[name] = GPU_ONLY_FLAGS[name]
+        return values
+
+    get_flags.standin_of = original
+    return get_flags
+
+
 # ----------------------------------------------------------------------------- rotary embedding
 # fused_rotary_position_embedding(q, k, v, sin, cos, position_ids, use_neox_rotary_style, time_major,
 # rotary_emb_base) -> out_q, out_k, out_v (paddle/incubate/nn/functional/fused_rotary_position_embedding.py;
 # checks of paddle/phi/kernels/fusion/gpu/fused_rope_kernel.cu FusedRopeKernel; arithmetic of
 # fused_rope_utils.h: in float32, out = x * cos + rotate(x) * sin with rotate(x) = [-x2, x1] over the
 # halves of head_dim (use_neox_rotary_style False) or over adjacent pairs (True); sin/cos read as q's
-# dtype, [seq, head_dim] or [1, seq, 1, head_dim]; k/v may have fewer heads (GQA) that divide q's).
+# dtype, [seq, head_dim] or [1, seq, 1, head_dim]; k/v may have fewer heads (GQA) that divide q's;
+# position_ids [batch, seq] pick each token's row of the tables, which then may be longer than q's seq).
 
 def _rotate(x, neox: bool):
     if neox:  # pairs (x0, x1) -> (-x1, x0)
@@ -247,9 +384,9 @@ def fused_rotary_position_embedding(q, k, v, sin, cos, position_ids, use_neox_ro
     _check_cpu_dtype("fused_rotary_position_embedding q", q)
     head_dim = q.shape[3]
     _enforce(head_dim % 2 == 0, "The head_dim of input must be a multiple of 2.")
-    if time_major or position_ids is not None or sin is None or cos is None:
+    if time_major or sin is None or cos is None:
         raise NotImplementedError("fused_rotary_position_embedding stand-in: only batch-major inputs with sin/cos "
-                                  "tables and no position_ids (what models/decoder.py passes)")
+                                  "tables (what models/decoder.py passes)")
     seq = q.shape[1]
     _enforce(sin.shape == cos.shape, f"The dims of sin and cos must be the same. But received sin's dims is "
                                      f"{sin.shape}, cos's dims is {cos.shape}.")
@@ -257,9 +394,18 @@ def fused_rotary_position_embedding(q, k, v, sin, cos, position_ids, use_neox_ro
     if sin.ndim == 4:
         _enforce(sin.shape[0] == 1 and sin.shape[2] == 1, "The batch_size and num_heads of sin and cos must be 1.")
     seq_axis = 1 if sin.ndim == 4 else 0
-    _enforce(sin.shape[-1] == head_dim and sin.shape[seq_axis] == seq,
-             f"The seq_len and head_dim of sin and cos must be the same as those of q. But received sin's shape is "
-             f"{sin.shape}, q's shape is {q.shape}.")
+    if position_ids is not None:  # each token's row of the tables (positions restarting per document)
+        _enforce(sin.shape[-1] == head_dim and sin.shape[seq_axis] >= seq,
+                 "The seq_len of sin and cos must be greater than or equal to this of q. The head_dim of sin and cos "
+                 f"must be the same as this of q. But received sin's shape is {sin.shape}, q's shape is {q.shape}.")
+        _enforce(position_ids.ndim == 2, f"The dims of position_ids is expected to be 2, but received {position_ids.ndim}.")
+        _enforce(list(position_ids.shape) == [q.shape[0], seq],
+                 "The batch_size and seq_len of position_ids must be the same as those of q. But received "
+                 f"position_ids's shape is {position_ids.shape}, q's shape is {q.shape}.")
+    else:
+        _enforce(sin.shape[-1] == head_dim and sin.shape[seq_axis] == seq,
+                 f"The seq_len and head_dim of sin and cos must be the same as those of q. But received sin's shape "
+                 f"is {sin.shape}, q's shape is {q.shape}.")
     # the kernel reads sin/cos through data<T>() with T q's type: another dtype is an error there
     _enforce(sin.dtype == q.dtype and cos.dtype == q.dtype,
              f"fused_rotary_position_embedding: sin/cos must have q's dtype {q.dtype}, got {sin.dtype}/{cos.dtype}")
@@ -277,7 +423,14 @@ def fused_rotary_position_embedding(q, k, v, sin, cos, position_ids, use_neox_ro
         _enforce(len(heads) < 2 or heads[0] == heads[1],
                  "The num_heads of k must be equal to the num_heads of v when v is not none.")
     compute = paddle.float64 if q.dtype == paddle.float64 else paddle.float32
-    table = (lambda t: t.astype(compute).reshape([1, seq, 1, head_dim]))  # noqa: E731
+    rows = sin.shape[seq_axis]
+
+    def table(t):
+        t = t.astype(compute).reshape([rows, head_dim])
+        if position_ids is None:
+            return t.reshape([1, seq, 1, head_dim])
+        return paddle.gather(t, position_ids.astype("int64").flatten(), axis=0).reshape([-1, seq, 1, head_dim])
+
     sin32, cos32 = table(sin), table(cos)
 
     def rotate(x):
@@ -388,6 +541,7 @@ def _ring_transfers_on_cpu(original):
 
 # ----------------------------------------------------------------------------- install
 STANDIN_BINDINGS = {"flash_attn": flash_attn, "flash_attn_grad": flash_attn_grad,
+                    "flashmask_attention": flashmask_attention, "flashmask_attention_grad": flashmask_attention_grad,
                     "fused_rotary_position_embedding": fused_rotary_position_embedding,
                     "fused_rms_norm_quant": fused_rms_norm_quant}
 
@@ -445,6 +599,8 @@ def install_kernel_standins() -> list[str]:
         ring_attention.transfers_overlap = _ring_transfers_on_cpu(ring_attention.transfers_overlap)
         _ORIGINALS["batch_isend_irecv"] = paddle.distributed.batch_isend_irecv
         paddle.distributed.batch_isend_irecv = batch_isend_irecv
+        _ORIGINALS["get_flags"] = paddle.base.framework.get_flags
+        paddle.get_flags = paddle.base.framework.get_flags = _get_flags_on_cpu(paddle.base.framework.get_flags)
         _ORIGINALS["fast_ln"] = sys.modules.get("fast_ln")
         sys.modules["fast_ln"] = types.ModuleType("fast_ln", "llm_pretrain.cpu.kernel_standins: the CPU stand-in of "
                                                              "PaddleNLP's fast_ln op")
@@ -471,6 +627,7 @@ def uninstall_kernel_standins() -> None:
     ring_attention.attention_blocks = _ORIGINALS["attention_blocks"]
     ring_attention.transfers_overlap = _ORIGINALS["transfers_overlap"]
     paddle.distributed.batch_isend_irecv = _ORIGINALS["batch_isend_irecv"]
+    paddle.get_flags = paddle.base.framework.get_flags = _ORIGINALS["get_flags"]
     if _ORIGINALS["fast_ln"] is None:
         sys.modules.pop("fast_ln", None)
     else:

@@ -26,6 +26,14 @@ Choices, and why:
   the convention of Megatron-LM and of PaddleNLP's own TFLOPs figures, so the
   numbers compare with published tables; `causal_attention=True` gives the
   half that a causal flash-attention kernel really computes.
+* Packed documents with document masks (reset_attention_mask): a query attends only to keys of its own
+  document, so with documents of mean length L the attention work is min(L, s)/s of that without them
+  (documents of equal length L: s/L causal triangles of L^2/2 pairs against one of s^2/2). `mean_document_length`
+  scales the core attention by that ratio (both conventions above), for model and hardware FLOPs alike: the
+  masked pairs are neither useful work nor computed by kernels that skip them (FlashMask skips the tiles a
+  mask removes entirely, the ring its blocks; on GPU tiles of 128 rows, so this is the count for documents
+  much longer than a tile; the plain CPU path computes the whole s x s and only masks). Documents of
+  unequal lengths attend to E[L^2]/E[L] keys on average, more than E[L]: give that for a skewed mix.
 * Per family, only the matrix shapes differ. Biases (GPT-3, Bloom, Qwen's
   q/k/v), norms, rotary/ALiBi/learned positions, softmax, activations and the
   residual adds are O(h) or O(s a) elementwise work per token, below 0.5% of
@@ -78,12 +86,14 @@ def activated_mlp_width(config: ModelConfig) -> int:
     return config.intermediate_size
 
 
-def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False) -> dict[str, float]:
+def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False,
+                                  mean_document_length: int | None = None) -> dict[str, float]:
     """Forward FLOPs of one decoder layer per token, by part (see the module docstring)."""
     h, d = config.hidden_size, config.head_dim
     q_width = config.num_attention_heads * d
     kv_width = config.num_key_value_heads * d
-    core_attention = 2 * 2 * seq_length * q_width
+    keys = seq_length if mean_document_length is None else min(mean_document_length, seq_length)
+    core_attention = 2 * 2 * keys * q_width
     if causal_attention:
         core_attention /= 2
     return {
@@ -94,7 +104,8 @@ def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_a
 
 
 def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_granularity: str | None = None,
-                             recomputed_layers: int | None = None, causal_attention: bool = False) -> float:
+                             recomputed_layers: int | None = None, causal_attention: bool = False,
+                             mean_document_length: int | None = None) -> float:
     """FLOPs of forward + backward (+ recompute, if a granularity is given) per trained token.
 
     recomputed_layers: how many layers recompute (default all; fewer with
@@ -103,7 +114,7 @@ def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_gra
     if recompute_granularity is not None and recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity {recompute_granularity!r}; allowed: {RECOMPUTE_GRANULARITIES}")
     layers = config.num_hidden_layers
-    parts = layer_forward_flops_per_token(config, seq_length, causal_attention)
+    parts = layer_forward_flops_per_token(config, seq_length, causal_attention, mean_document_length)
     head_forward = 2 * config.hidden_size * config.vocab_size
     forward = layers * sum(parts.values()) + head_forward
     total = 3 * forward  # forward + backward (2x: input and weight gradients)
@@ -118,9 +129,11 @@ def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_gra
     return float(total)
 
 
-def model_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False) -> float:
+def model_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False,
+                          mean_document_length: int | None = None) -> float:
     """The FLOPs per token that count for MFU: forward + backward, never the recompute."""
-    return training_flops_per_token(config, seq_length, None, causal_attention=causal_attention)
+    return training_flops_per_token(config, seq_length, None, causal_attention=causal_attention,
+                                    mean_document_length=mean_document_length)
 
 
 def recompute_flops_args(config: ModelConfig) -> dict:

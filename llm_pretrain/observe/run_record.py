@@ -276,12 +276,15 @@ KERNEL_BRANCHES = {
     "use_fused_swiglu": ("swiglu",),
 }
 
+FLASHMASK_KERNELS = ("flashmask_attention", "flashmask_attention_grad")
 
-def describe_kernels(model) -> dict:
+
+def describe_kernels(model, document_masks: bool = False) -> dict:
     """The fused-kernel branches the built model takes (its config's switches, where its architecture has
     the part: rotary positions, RMSNorm or LayerNorm, SwiGLU) and which of their kernels are CPU stand-ins
     in this process (llm_pretrain/cpu/kernel_standins.py, LLM_PRETRAIN_KERNEL_STANDINS=1); the others run
-    Paddle's own kernel (swiglu on CPU, everything on a GPU)."""
+    Paddle's own kernel (swiglu on CPU, everything on a GPU). With document masks (reset_attention_mask) the
+    flash branch calls FlashMask's kernels (models/decoder.py Attention.flashmask_attention)."""
     from llm_pretrain.cpu import kernel_standins
 
     config = unwrap_model(model).config
@@ -289,7 +292,8 @@ def describe_kernels(model) -> dict:
                "use_fused_rms_norm": config.norm_type == "rmsnorm",
                "use_fast_layer_norm": config.norm_type == "layernorm", "use_fused_swiglu": config.uses_swiglu}
     taken = sorted(option for option in KERNEL_BRANCHES if getattr(config, option) and applies[option])
-    called = [kernel for option in taken for kernel in KERNEL_BRANCHES[option]]
+    branches = dict(KERNEL_BRANCHES, **({"use_flash_attention": FLASHMASK_KERNELS} if document_masks else {}))
+    called = [kernel for option in taken for kernel in branches[option]]
     standins = set(kernel_standins.installed_kernel_standins())
     return {"fused_branches": taken, "stand_ins": sorted(k for k in called if k in standins),
             "paddle_kernels": sorted(k for k in called if k not in standins)}
@@ -310,7 +314,7 @@ def describe_runtime() -> dict:
     return runtime
 
 
-def describe_built_run(model, optimizer, precision=None) -> dict:
+def describe_built_run(model, optimizer, precision=None, document_masks: bool = False) -> dict:
     """This rank's view of the built run, merged over ranks where it differs (pipeline stages).
 
     Collective when distributed (one all_gather_object): call it on every rank."""
@@ -322,7 +326,7 @@ def describe_built_run(model, optimizer, precision=None) -> dict:
              "context_parallel": describe_context_parallel(model),
              "precision": describe_precision(model, optimizer, precision),
              "expert_states": describe_expert_states(optimizer),
-             "kernels": describe_kernels(model)}
+             "kernels": describe_kernels(model, document_masks)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = []

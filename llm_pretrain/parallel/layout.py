@@ -690,8 +690,16 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
     if not args.reset_attention_mask:
         return
     if args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device)):  # the flash branch runs
-        raise UsageError("reset_attention_mask with use_flash_attention is not supported yet (the flashmask "
-                         "attention path is not built); set use_flash_attention false")
+        # Documents go to Paddle's flashmask_attention as row indices (models/decoder.py
+        # Attention.flashmask_attention), which takes no additive bias, and the ring's flash blocks take none.
+        if config.position_embedding == "alibi":
+            raise UsageError(f"reset_attention_mask with use_flash_attention is not supported for {config.family} "
+                             "(ALiBi needs an additive bias, flashmask_attention takes none); set "
+                             "use_flash_attention false")
+        if layout.context_parallel_degree > 1:
+            raise UsageError(f"reset_attention_mask with use_flash_attention and context_parallel_degree "
+                             f"{layout.context_parallel_degree} is not supported yet (the ring masks documents on its "
+                             "plain blocks only); set use_flash_attention false")
     # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
     # sequences of its heads) run the same attention with the same mask; under the pipeline the document ids
     # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared

@@ -103,6 +103,9 @@ class Setup:
     cp: int = 1  # context parallelism: 1/cp of the tokens per rank, ring attention
     layers_per_stage: tuple[int, ...] | None = None  # explicit pipeline split (layout.pipeline_split)
     dualpipev: bool = False  # fleet's DualPipeV schedule (two chunks per stage in a V)
+    # packed documents with document masks (reset_attention_mask): their mean length, which bounds the keys a
+    # query attends to (llm_pretrain/observe/flops.py); None: every token attends to the whole sequence
+    mean_document_length: int | None = None
 
     def stage_parameters(self, stage: int) -> list[Param]:
         if self.dualpipev:  # the embedding and the head are both on stage 0 (the V starts and ends there)

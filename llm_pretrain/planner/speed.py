@@ -119,7 +119,8 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     tokens_mb = b * s // split  # this rank's tokens of a micro-batch
     act_bytes = p.activation_bytes
 
-    hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c))
+    documents = setup.mean_document_length  # document masks: attention within documents only
+    hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c), mean_document_length=documents)
     flops_rate = peak * 1e12 * matmul_efficiency(c.hidden_size / tp)
     # The slowest stage sets the pace: the one with the most decoder layers (layout.pipeline_split; an even
     # split gives every stage num_hidden_layers / pp, the calibrated case).
@@ -186,7 +187,7 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
 
     world = setup.world_size
     tokens_per_card = b * m * dp * sd * s / world / total
-    model_flops = model_flops_per_token(c, s)
+    model_flops = model_flops_per_token(c, s, mean_document_length=documents)
     terms = {
         "compute": m * compute_mb,
         "tensor-parallel communication": m * tp_mb,

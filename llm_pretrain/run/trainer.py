@@ -533,7 +533,8 @@ def _train(plan: RunPlan, stop: StopRequest, run: contextlib.ExitStack) -> dict:
                             start_step=start_step, disable_tqdm=args.disable_tqdm,
                             fresh=args.overwrite_output_dir and not resume_from)
     run.callback(metrics.close)
-    built = run_record.describe_built_run(model, optimizer, precision)  # what the wrappers and layers are
+    built = run_record.describe_built_run(model, optimizer, precision,  # what the wrappers and layers are
+                                          document_masks=bool(args.reset_attention_mask))
     name = run_record.built_strategy_name(built)
     metrics.write({
         "event": "run", "model": args.model_name_or_path, "family": config.family, "args_file": args_file,

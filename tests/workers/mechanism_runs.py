@@ -242,7 +242,7 @@ def watch_data_parallel():
 def catch_built_run():
     original = run_record.describe_built_run
 
-    def describe(model, optimizer, precision=None):
+    def describe(model, optimizer, precision=None, **options):
         probe["built"] = (model, optimizer)
         inner = run_record.unwrap_model(model)
         if isinstance(inner, CausalLM):
@@ -253,7 +253,7 @@ def catch_built_run():
                 return original_step(*args, **kwargs)
 
             optimizer.step = step
-        return original(model, optimizer, precision)
+        return original(model, optimizer, precision, **options)
 
     run_record.describe_built_run = describe
 
