@@ -398,6 +398,25 @@ MUTATIONS = [
              "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
              "    if True:\n        return stats\n",
              ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
+    # Issue 34's layouts: the picks of global-batch balancing not summed over the data-parallel ranks (only over
+    # sharding); under the pipeline a dense layer of a mixture of experts built as a MoE layer (ERNIE 4.5 MoE's
+    # layer 0, which has no router statistics to add to the carry); sharding stages 2 and 3 accepted for the
+    # families proven in stage 1 only.
+    Mutation("qwen3_global_batch_balance_dp_skipped", "moe_global_batch_balance's picks not summed over the "
+             "data-parallel group", "models/parallel_layers.py",
+             "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):\n",
+             "    for group in (hcg.get_sharding_parallel_group(),):\n",
+             ("tests/test_expert_parallel.py::test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process",)),
+    Mutation("pipeline_dense_layer_as_moe", "under the pipeline every layer of a mixture of experts built as a MoE "
+             "layer (the dense ones too)", "models/pipeline.py",
+             "LayerDesc(MoEDecoderLayer if config.is_moe_layer(i) else PipelineDecoderLayer",
+             "LayerDesc(MoEDecoderLayer if config.is_moe else PipelineDecoderLayer",
+             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+    Mutation("unproven_sharding_stages", "sharding stages 2 and 3 accepted for the families proven in stage 1 only",
+             "llm_pretrain/parallel/layout.py",
+             "    if layout.sharding_degree > 1 and layout.sharding_stage not in PROVEN_SHARDING_STAGES:\n",
+             "    if False:\n",
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
     Mutation("selfcheck_reference_options_differ", "the self-check's one-process references built with their "
              "precision's options, not the row's (dp2 and sd2 stage 3 bf16 rows without master_grad, references with it)",
              "llm_pretrain/selfcheck/rows.py",
@@ -441,7 +460,7 @@ MUTATIONS = [
              '    pairs = "rope_pairs_transpose" if transpose else "rope_pairs"\n',
              '    pairs = "transpose" if transpose else "same"\n',
              ("tests/test_ernie4_5.py::test_exported_q_and_k_give_their_interleaved_rope_our_attention_scores",)),
-    Mutation("ernie4_5_unproven_layouts", "ERNIE 4.5's unproven layouts (pp, sharding, dp, sep, cp) accepted",
+    Mutation("ernie4_5_unproven_layouts", "issue 34's unproven layouts (ERNIE 4.5: pp, sharding, dp, sep, cp) accepted",
              "llm_pretrain/parallel/layout.py",
              '        if value > 1 and key not in allowed:\n',
              '        if False:\n',

@@ -118,25 +118,57 @@ def test_moe_published_counts_are_the_model_cards():
     assert moe_layers(PUBLISHED["baidu/ERNIE-4.5-300B-A47B-Base-PT"]) == list(range(3, 54))
 
 
-@pytest.mark.parametrize("preset, family", [("ernie4_5-tiny", "ernie4_5"), ("ernie4_5_moe-tiny", "ernie4_5_moe")])
-@pytest.mark.parametrize("degrees, key", [
-    ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
-    ({"sharding_degree": 2, "sharding_stage": 1}, "sharding_parallel_degree"),
-    ({"data_parallel_degree": 2}, "data_parallel_degree"),
-    ({"sep_parallel_degree": 2}, "sep_parallel_degree"),
-    ({"context_parallel_degree": 2}, "context_parallel_degree"),
-])
-def test_layouts_not_proven_are_refused_in_one_line(degrees, key, preset, family):
-    """ERNIE 4.5 and ERNIE 4.5 MoE: tp2 and tp2 + SP train like one process (tests/test_parallel_parity.py
-    TP_ONLY); every other degree is refused in one line."""
+DP, PP, SD1 = {"data_parallel_degree": 2}, {"pipeline_parallel_degree": 2}, {"sharding_degree": 2, "sharding_stage": 1}
+TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"context_parallel_degree": 2}
+# preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
+# tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stage 1: LAYOUT_SHORT; sep2, cp2:
+# test_long_context (Qwen3); ep2 over dp2: test_expert_parallel (Qwen3-MoE)
+PROVEN_AND_REFUSED = {
+    "ernie4_5-tiny": ([TP], [(PP, "pipeline_parallel_degree"), (SD1, "sharding_parallel_degree"),
+                             (DP, "data_parallel_degree"), (SEP, "sep_parallel_degree"), (CP, "context_parallel_degree")]),
+    "ernie4_5_moe-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree"),
+                                              ({**DP, "ep": 2}, "expert_parallel_degree")]),
+    "qwen3-tiny": ([TP, DP, PP, SEP, CP], [(SD1, "sharding_parallel_degree")]),
+    "qwen3-moe-tiny": ([DP, PP, SD1, {**DP, "ep": 2}], [(TP, "tensor_parallel_degree"), (SEP, "sep_parallel_degree"),
+                                                        (CP, "context_parallel_degree")]),
+}
+# every one with sharding stage 1 (pp2) proven: sharding stages 2 and 3 (the pipeline's virtual stages) and the pipeline's virtual stages are not proven
+NOT_PROVEN_ANYWHERE = [({"sharding_degree": 2, "sharding_stage": 2}, "sharding: stage2"),
+                       ({"sharding_degree": 2, "sharding_stage": 3}, "sharding: stage3"),
+                       ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "world_size": 2},
+                        "virtual_pp_degree: 2")]
+
+
+@pytest.mark.parametrize("preset", PROVEN_AND_REFUSED)
+def test_layouts_not_proven_are_refused_in_one_line(preset):
+    """Issue 34's families: the layouts a test trains against one process are accepted, every other is refused
+    in one line naming the key (llm_pretrain/parallel/layout.py PROVEN_DEGREES)."""
     from llm_pretrain.parallel.layout import Layout, check_proven_layout
 
-    with pytest.raises(RunUsageError) as error:
-        check_proven_layout(ARCHITECTURES[preset], Layout(world_size=2, **degrees))
-    message = str(error.value)
-    assert message.startswith(f"{key}: 2 is not proven for {family}") and "\n" not in message
-    check_proven_layout(ARCHITECTURES[preset], Layout(world_size=2, tensor_parallel_degree=2))
-    check_proven_layout(ARCHITECTURES["qwen3-tiny"], Layout(world_size=2, **degrees))  # other families: elsewhere
+    config = ARCHITECTURES[preset]
+    proven, refused = PROVEN_AND_REFUSED[preset]
+    for degrees in proven:
+        degrees = dict(degrees)
+        ep = degrees.pop("ep", 1)
+        check_proven_layout(config, Layout(world_size=2, **degrees), ep)
+    beyond = [(d, key) for d, key in NOT_PROVEN_ANYWHERE  # (else refused by the degree already)
+              if (SD1 if key.startswith("sharding") else PP) in proven]
+    for degrees, key in [(d, f"{key}: 2") for d, key in refused] + beyond:
+        degrees = dict(degrees)
+        ep = degrees.pop("ep", 1)
+        with pytest.raises(RunUsageError) as error:
+            check_proven_layout(config, Layout(**{"world_size": 2, **degrees}), ep)
+        message = str(error.value)
+        assert message.startswith(f"{key} is not proven for {config.family}") and "\n" not in message, message
+    check_proven_layout(ARCHITECTURES["llama-tiny"], Layout(world_size=2, sharding_degree=2, sharding_stage=3))
+    if len(proven) > 1:  # each degree alone: two together are refused
+        with pytest.raises(RunUsageError, match=f"^pipeline_parallel_degree 2 with data_parallel_degree 2 together is "
+                                                f"not proven for {config.family}"):
+            check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, pipeline_parallel_degree=2))
+    if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel ranks only
+        for degrees in (SD1, PP):
+            with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with sharding or the pipeline"):
+                check_proven_layout(config, Layout(world_size=2, **degrees), 2)
 
 
 def test_tiny_trains_through_run_pretrain(embedded_corpus, tmp_path):

@@ -43,6 +43,12 @@ STEPS, STOP = 4, 2
 # not the steps, are what it is here for (its matrices and embedding above Paddle's thresholds).
 REAL = {"model_name_or_path": "mixtral-real", "max_steps": 2, "save_steps": 2}
 QWEN_CAPPED = {"model_name_or_path": "qwen2-moe-tiny", "moe_capacity_factor": 0.5, "router_z_loss_coef": 0.001}
+# Qwen3-MoE (issue 34; 16 experts top 4, 2 layers, 2 steps) under ep2 over dp2 with Qwen's global-batch balancing:
+# each rank one micro-batch of 4 (its half of the global batch), its picks summed with the other rank's before the
+# load-balancing loss, against one process with one micro-batch of all 8 samples (the same f_e over the same
+# tokens; without the balancing the ranks' own halves give another loss, ~3e-4 off here)
+QWEN3_GLOBAL = {"model_name_or_path": "qwen3-moe-tiny", "max_steps": 2, "save_steps": 2,
+                "moe_global_batch_balance": True}
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
 
@@ -61,13 +67,17 @@ def trained(tmp_path_factory, embedded_corpus):
     run_single([argv(args_file, work / "single"), argv(args_file, work / "single-to-ep2", exit_interval=STOP),
                 argv(args_file, work / "single-to-sd4", exit_interval=STOP),
                 argv(args_file, work / "single-real", **REAL),
-                argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED)], work, "single")
+                argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED),
+                argv(args_file, work / "single-qwen3-global", **QWEN3_GLOBAL, per_device_train_batch_size=8,
+                     gradient_accumulation_steps=1)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
                               argv(args_file, work / "ep2-real", **REAL, **ep2),
                               argv(args_file, work / "ep2-recompute-full_attn", **ep2, recompute=True,
-                                   recompute_granularity="full_attn")]}
+                                   recompute_granularity="full_attn"),
+                              argv(args_file, work / "qwen3-global-ep2", **QWEN3_GLOBAL, expert_parallel_degree=2,
+                                   per_device_train_batch_size=4, gradient_accumulation_steps=1)]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
@@ -150,6 +160,21 @@ def test_ep2_trains_like_one_process(trained):
     for name in ("ep2", "ep2tp2", "ep2dp4"):  # router metrics over every rank's tokens (metrics.gather_router_metrics)
         assert_same_router_metrics(work / "single", work / name)
     assert run_record(work / "ep2tp2")["layout"]["tensor_parallel_degree"] == 2
+
+
+def test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process(trained):
+    """Qwen3-MoE under ep2 over dp2 with moe_global_batch_balance: losses (language model + the load-balancing loss
+    over the global batch), grad norms, router metrics and weights equal one process's over all 8 samples at once;
+    each rank wrote its 8 of the 16 experts."""
+    work, _, _ = trained
+    print(assert_same_training(work / "single-qwen3-global", work / "qwen3-global-ep2", step=2))
+    assert_same_router_metrics(work / "single-qwen3-global", work / "qwen3-global-ep2")
+    record = run_record(work / "qwen3-global-ep2")
+    assert record["model_config"]["family"] == "qwen3_moe" and record["layout"]["data_parallel_degree"] == 2
+    index = json.loads((work / "qwen3-global-ep2" / "checkpoint-2" / "tensors.index.json").read_text())
+    for expert, rank in ((0, 0), (7, 0), (8, 1), (15, 1)):
+        slices = index["tensors"][f"layers.1.mlp.experts.{expert}.down_proj.weight"]["slices"]
+        assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
 
 
 def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(trained):

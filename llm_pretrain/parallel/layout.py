@@ -590,14 +590,22 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 
 # ----------------------------------------------------------------------------- the model a layout trains
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
-# against one process by a shared launch (ERNIE 4.5: tp2 and tp2 + SP, tests/test_parallel_parity.py TP_ONLY).
-# Every other layout of these families is refused until a test trains it.
-PROVEN_DEGREES = {"ernie4_5": ("tensor_parallel_degree",),
-                  # tp2 and tp2 + SP (TP_ONLY too), the rest not trained yet (tests/test_ernie4_5_moe.py)
-                  "ernie4_5_moe": ("tensor_parallel_degree",)}
+# against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP;
+# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and, the MoE ones, sharding stage 1) or tests/test_long_context.py
+# (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE: ep2 over dp2 alone). Sharding: stage 1 only
+# (PROVEN_SHARDING_STAGES); the pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
+# (ep over dp aside). Larger degrees of a proven one run the same code. Every other layout of these families is
+# refused until a test trains it.
+_DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
+PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree",
+                            "data_parallel_degree", "pipeline_parallel_degree"),  # (sharding: the suite's budget)
+                  "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
+                  "ernie4_5": ("tensor_parallel_degree",),
+                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD}
+PROVEN_SHARDING_STAGES = (1,)
 
 
-def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
+def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
     allowed = PROVEN_DEGREES.get(config.family)
     if allowed is None:
         return
@@ -605,11 +613,28 @@ def check_proven_layout(config: ModelConfig, layout: Layout) -> None:
                "pipeline_parallel_degree": layout.pipeline_parallel_degree,
                "sharding_parallel_degree": layout.sharding_degree, "data_parallel_degree": layout.data_parallel_degree,
                "sep_parallel_degree": layout.sep_parallel_degree,
-               "context_parallel_degree": layout.context_parallel_degree}
+               "context_parallel_degree": layout.context_parallel_degree,
+               "expert_parallel_degree": expert_parallel_degree if config.is_moe else 1}  # (dense: refused elsewhere)
     for key, value in degrees.items():
         if value > 1 and key not in allowed:
             raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
                              f"process); allowed above 1: {', '.join(allowed) or 'none'}")
+    above = [f"{key} {value}" for key, value in degrees.items() if value > 1 and key != "expert_parallel_degree"]
+    if len(above) > 1:  # each degree is trained alone (ep over dp is the one pair, test_expert_parallel)
+        raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
+                         "against one process alone); allowed: one of them above 1")
+    if degrees["expert_parallel_degree"] > 1 and (layout.sharding_degree > 1 or layout.pipeline_parallel_degree > 1):
+        raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with sharding or the pipeline is not proven "
+                         f"for {config.family} yet (no test trains it against one process); allowed: expert parallelism "
+                         "over data-parallel ranks only")
+    if layout.sharding_degree > 1 and layout.sharding_stage not in PROVEN_SHARDING_STAGES:
+        raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
+                         f"it against one process); allowed: {', '.join(f'stage{s}' for s in PROVEN_SHARDING_STAGES)}")
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
+        schedule = "pipeline_parallel_config: use_dualpipev" if layout.dualpipev else \
+            f"virtual_pp_degree: {layout.virtual_pp_degree}"
+        raise UsageError(f"{schedule} is not proven for {config.family} yet (no test trains it against one process); "
+                         "allowed: the 1F1B schedule (virtual_pp_degree 1)")
 
 
 def check_layout_and_model(args: Arguments, world_size: int, device: str
@@ -619,7 +644,7 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     config, weights_file, notes = build_model_config(args, layout, device)
     config = with_moe_options(args, config)
     check_model_fits_layout(config, layout)
-    check_proven_layout(config, layout)
+    check_proven_layout(config, layout, _degree(args.expert_parallel_degree))
     check_mixture_of_experts(args, config, layout)
     check_deepseek_v3(args, config, layout)
     check_strategy(args, config, layout)
