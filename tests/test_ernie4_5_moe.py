@@ -1,8 +1,9 @@
 """ERNIE 4.5 MoE (issue 34, model_type ernie4_5_moe): the published counts as the registry and the planner count
 them, which layers are MoE (start, interval, end), the router (softmax, the correction bias only chooses) and the
-ungated shared experts against transformers' formula, bad input, the refused layouts (all but tp2, which
-tests/test_parallel_parity.py TP_ONLY trains against one process, with and without SP), and 12 steps of
-run_pretrain on the tiny preset in this process.
+ungated shared experts against transformers' formula, bad input, and 12 steps of run_pretrain on the tiny preset in
+this process. Its layouts: tp2 (+ SP), dp2, pp2 and sharding stage 1 train against one process in
+tests/test_parallel_parity.py (TP_ONLY, LAYOUT_SHORT); the others are refused
+(tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line).
 
 Same function as transformers' Ernie4_5_MoeForCausalLM (4.57.6 and 5.24.0): scripts/verify_hf_import.py, case
 ernie4_5_moe (tests/test_hf_import_verification.py checks its report). Not against PaddleFormers: its MoE layer has
