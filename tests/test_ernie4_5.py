@@ -128,7 +128,7 @@ PROVEN_AND_REFUSED = {
                              (DP, "data_parallel_degree"), (SEP, "sep_parallel_degree"), (CP, "context_parallel_degree")]),
     "ernie4_5_moe-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree"),
                                               ({**DP, "ep": 2}, "expert_parallel_degree")]),
-    "qwen3-tiny": ([TP, DP, PP, SEP, CP], [(SD1, "sharding_parallel_degree")]),
+    "qwen3-tiny": ([TP, DP, PP, SD1, SEP, CP], []),
     "qwen3-moe-tiny": ([DP, PP, SD1, {**DP, "ep": 2}], [(TP, "tensor_parallel_degree"), (SEP, "sep_parallel_degree"),
                                                         (CP, "context_parallel_degree")]),
 }

@@ -591,14 +591,13 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # ----------------------------------------------------------------------------- the model a layout trains
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
 # against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP;
-# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and, the MoE ones, sharding stage 1) or
+# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stage 1) or
 # tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE: ep2 over dp2 alone). Sharding: stage 1 only
 # (PROVEN_SHARDING_STAGES); the pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
 # (ep over dp aside). Larger degrees of a proven one run the same code. Every other layout of these families is
 # refused until a test trains it.
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
-PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree",
-                            "data_parallel_degree", "pipeline_parallel_degree"),  # (sharding: the suite's budget)
+PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
                   "ernie4_5": ("tensor_parallel_degree",),
                   "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD}
