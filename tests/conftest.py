@@ -28,28 +28,33 @@ use_test_device_in_this_process()
 
 @pytest.fixture(scope="session")
 def embedded_corpus(tmp_path_factory):
-    """The embedded corpus, built once per test session (about 3 s)."""
+    """The embedded corpus, built once per test session (about 3 s): under xdist one directory for both workers
+    (ensure_embedded_corpus renames a finished build into place), so the argument files either worker writes for a
+    shared launch are the same."""
     from llm_pretrain.data import ensure_embedded_corpus
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from shared_launches import locked
+
+        session = tmp_path_factory.getbasetemp().parent
+        with locked(session / "embedded.lock"):  # the second worker waits and finds it built
+            return ensure_embedded_corpus(str(session / "embedded"))
     return ensure_embedded_corpus(str(tmp_path_factory.mktemp("embedded")))
 
 
 @pytest.fixture(scope="session")
 def shared_launches(tmp_path_factory, embedded_corpus):
-    """One launch per fleet layout for the session's test files (tests/shared_launches.py)."""
-    from shared_launches import SharedLaunches
+    """One launch per fleet layout for the session's test files (tests/shared_launches.py), shared by the
+    xdist workers: each launch runs once, on the worker that asks first."""
+    from shared_launches import SharedLaunches, session_root
 
-    return SharedLaunches(tmp_path_factory.mktemp("shared_launches"), embedded_corpus)
+    return SharedLaunches(session_root(tmp_path_factory), embedded_corpus)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command), a test file runs whole on one worker
-    (its module-scoped fixtures train once), and every file asking for the session's shared launches runs on
-    the same worker (each launch trains once, with every file's runs: tests/shared_launches.py). The two workers
-    overlap launches whose processes wait on each other's collectives half the time (a 2-process launch keeps
-    about one of the two cores busy). Without xdist the marks do nothing."""
-    sharing = {item.module.__name__ for item in items if "shared_launches" in item.fixturenames}
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command), a test file runs whole on one worker:
+    its module-scoped fixtures train once. The shared launches are shared by the workers (each runs once,
+    tests/shared_launches.py), so the files asking for them spread over both. Without xdist the marks do nothing."""
     for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared-launches" if module in sharing else module))
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -22,10 +22,20 @@ its own file's observations, {rank: {run name: observations}}; a launch that res
 in other shared launches names them (`after=`), and they run first. A launch that failed fails
 every test asking for it, without running again. A file collected alone (one test, a mutation
 check) launches its runs alone: nothing else is imported.
+
+Under pytest-xdist both workers share one root (the session's base directory, `session_root`): a launch runs
+once per session on whichever worker asks for it first, under a file lock, and its observations (or its
+failure) are files there that the other worker reads. Test files therefore need not share a worker, and the
+launches spread over both. Work a make_runs or a fixture does once for several launches (a file's
+single-process first parts) goes through `once` (the same lock and a marker file).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -58,11 +68,39 @@ def contribute(launch_name: str, nproc: int, owner: str, make_runs: Callable[[Pa
         contributions.append(Contribution(owner, make_runs, last, tuple(after)))
 
 
+def session_root(tmp_path_factory) -> Path:
+    """The shared launches' directory: one per pytest session, the same for every xdist worker (their base
+    directories are popen-gw0, popen-gw1 ... under the session's); a plain session's own otherwise."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "shared_launches"
+        root.mkdir(exist_ok=True)
+        return root
+    return tmp_path_factory.mktemp("shared_launches")
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock on `path` between the session's processes (both xdist workers)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def once(marker: Path, work: Callable[[], None]) -> None:
+    """Run `work` once per session whichever worker asks first; the others wait for it to end."""
+    with locked(marker.with_name(marker.name + ".lock")):
+        if not marker.exists():
+            work()
+            marker.write_text("")
+
+
 class SharedLaunches:
     def __init__(self, root: Path, corpus: dict):
         self.root, self.corpus = root, corpus
         self._results: dict[str, dict[str, dict[int, dict]]] = {}  # launch -> owner -> rank -> {name: seen}
-        self._failed: dict[str, AssertionError] = {}  # launch -> why (not run again for the next test)
 
     def work_dir(self, owner: str) -> Path:
         path = self.root / owner
@@ -72,24 +110,31 @@ class SharedLaunches:
     def results(self, launch_name: str, owner: str, timeout: int = 1800) -> dict[int, dict]:
         """The observations of `owner`'s runs in the launch, running it first if it has not run."""
         if launch_name not in self._results:
-            self._run(launch_name, timeout)
+            self._ensure(launch_name, timeout, ())
         return self._results[launch_name][owner]
 
-    def _run(self, launch_name: str, timeout: int, waiting: tuple[str, ...] = ()) -> None:
-        if launch_name in self._failed:
-            raise AssertionError(f"shared launch {launch_name} failed earlier:\n{self._failed[launch_name]}")
-        try:
-            self._run_once(launch_name, timeout, waiting)
-        except AssertionError as error:
-            self._failed[launch_name] = error
-            raise
+    def _ensure(self, launch_name: str, timeout: int, waiting: tuple[str, ...]) -> None:
+        """The launch's observations, from its file if it ran (on either worker), else by running it now."""
+        done, failed = self.root / f"{launch_name}.results.json", self.root / f"{launch_name}.failed"
+        with locked(self.root / f"{launch_name}.lock"):
+            if not (done.exists() or failed.exists()):
+                try:
+                    per_owner = self._run_once(launch_name, timeout, waiting)
+                except AssertionError as error:
+                    failed.write_text(str(error))
+                    raise
+                done.write_text(json.dumps(per_owner))
+        if failed.exists():
+            raise AssertionError(f"shared launch {launch_name} failed earlier:\n{failed.read_text()}")
+        self._results[launch_name] = {owner: {int(rank): seen for rank, seen in ranks.items()}
+                                      for owner, ranks in json.loads(done.read_text()).items()}
 
-    def _run_once(self, launch_name: str, timeout: int, waiting: tuple[str, ...]) -> None:
+    def _run_once(self, launch_name: str, timeout: int, waiting: tuple[str, ...]) -> dict:
         nproc, contributions = LAUNCHES[launch_name]
         for first in dict.fromkeys(name for c in contributions for name in c.after):
             assert first not in waiting + (launch_name,), f"shared launches wait for each other: {waiting}"
             if first not in self._results:
-                self._run(first, timeout, waiting + (launch_name,))
+                self._ensure(first, timeout, waiting + (launch_name,))
         ordered = sorted(contributions, key=lambda c: c.last)  # stable: the order of contribution otherwise
         specs, owner_of = [], {}
         for contribution in ordered:
@@ -105,4 +150,4 @@ class SharedLaunches:
         for rank, observed in result.results().items():
             for name, seen in observed.items():
                 per_owner[owner_of[name]][rank][name.split("/", 1)[1]] = seen
-        self._results[launch_name] = per_owner
+        return per_owner

@@ -36,7 +36,7 @@ import pytest
 
 from parity_utils import argv, assert_same_training, base_arguments, run_launch, run_record, run_single, \
     train_records, write_json
-from shared_launches import contribute
+from shared_launches import contribute, once
 
 STEPS, STOP = 4, 2
 SD2 = {"sharding": "stage1", "gradient_accumulation_steps": 2}
@@ -131,11 +131,9 @@ def launch_runs(index: int, work, corpus) -> list[list[str]]:
 
 
 def first_launch(work, corpus) -> None:
-    """Launch 0 (one process: the references and the first parts under one process), once."""
-    done = work / "launch0.done"
-    if not done.exists():
-        run_single(launch_runs(0, work, corpus), work, "launch0-single")
-        done.write_text("")
+    """Launch 0 (one process: the references and the first parts under one process), once per session
+    (a shared launch needing it may run on the other xdist worker)."""
+    once(work / "launch0.done", lambda: run_single(launch_runs(0, work, corpus), work, "launch0-single"))
 
 
 # Launches of LAUNCH_ORDER that train in the session's shared launch of their degrees

@@ -41,10 +41,18 @@ def peak_memory_mb(device: str) -> dict[str, float]:
 
 def reset_peak_memory(device: str) -> None:
     """Start the allocator's peak afresh (several runs in one process each report their own peak);
-    the tensors of an earlier run are collected first."""
+    the tensors of an earlier run are collected first.
+
+    The first time (before the process's first model), what survives that collection (Paddle's and the
+    package's modules, fleet's groups: about 130,000 objects) is frozen out of the collector's passes
+    (gc.freeze): each full pass then walks only what training created, 3 ms instead of 0.2 s here and in
+    every automatic pass during training. Nothing of a run (model, optimizer, tensors) exists yet when it
+    freezes; objects that become garbage later without a cycle are still freed at once."""
     import gc
 
     gc.collect()
+    if not gc.get_freeze_count():
+        gc.freeze()
     if device == "gpu":
         paddle.device.cuda.reset_max_memory_allocated()
         paddle.device.cuda.reset_max_memory_reserved()

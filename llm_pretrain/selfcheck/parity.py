@@ -284,8 +284,12 @@ def base_arguments(corpus: dict, work_dir: Path, device: str = "cpu", **override
 
 
 def write_json(path: Path, data) -> Path:
+    """Written whole or not at all (a new file renamed over the old): the tests' two workers may write the same
+    argument file while a launch of the other reads it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)
     return path
 
 
