@@ -410,6 +410,7 @@ def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(
      "virtual_pp_degree: 2 is not supported"),
     ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
      "pipeline_layers_per_stage: [1, 3] is not supported"),
+    ({"pipeline_parallel_degree": 2, "recompute": True}, 2, "recompute: true under pipeline_parallel_degree 2"),
     ({"sharding": "stage2"}, 2, "sharding: stage2 is not supported"),
     ({"sharding": "stage3"}, 2, "sharding: stage3 is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,

@@ -689,6 +689,12 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
         raise UsageError(f"{key}: {value} is not supported for {config.family} yet (its pipeline with MTP on the "
                          f"last stage is proven under 1F1B with an even split; allowed: virtual_pp_degree 1, no "
                          f"pipeline_layers_per_stage)")
+    if layout.pipeline_parallel_degree > 1 and args.recompute:
+        # fleet's recompute segments of a PipelineLayer would take in the MTP block (models/pipeline.py PipelineMTP),
+        # which no test has run recomputed
+        raise UsageError(f"recompute: true under pipeline_parallel_degree {layout.pipeline_parallel_degree} is not "
+                         f"supported for {config.family} yet (its pipeline with MTP is proven without recompute; "
+                         f"allowed: false)")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")
