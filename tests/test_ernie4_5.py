@@ -165,6 +165,12 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         with pytest.raises(RunUsageError, match=f"^pipeline_parallel_degree 2 with data_parallel_degree 2 together is "
                                                 f"not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, pipeline_parallel_degree=2))
+    if preset == "qwen3-tiny":  # one pair proven: cp2 x sharding stage 2 (test_long_context, every dense family)
+        check_proven_layout(config, Layout(world_size=4, context_parallel_degree=2, sharding_degree=2,
+                                           sharding_stage=2))
+        with pytest.raises(RunUsageError, match="^sharding: stage3 is not proven for qwen3 yet .* allowed: stage2$"):
+            check_proven_layout(config, Layout(world_size=4, context_parallel_degree=2, sharding_degree=2,
+                                               sharding_stage=3))
     if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel ranks only
         for degrees in (SD1, PP):
             with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with sharding or the pipeline"):

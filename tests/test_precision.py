@@ -267,6 +267,7 @@ class _FakePipeline(paddle.nn.Layer):
         self.precision, self.seen = precision, []
         self.w = self.create_parameter([1])
         self.accumulate_steps = 2  # fleet's PipelineParallel attribute, set per evaluation call
+        self.config = SimpleNamespace(num_nextn_predict_layers=0)  # the model's (no MTP block to feed)
 
     def train_batch(self, data, optimizer, scaler=None):
         self.seen.append(("train_batch", self.precision.inside))

@@ -602,6 +602,9 @@ PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "co
                   "ernie4_5": ("tensor_parallel_degree",),
                   "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD}
 PROVEN_SHARDING_STAGES = (1,)
+# Two degrees together where a test trains them (degree keys -> the sharding stages proven with them): Qwen3 is
+# one of tests/test_long_context.py's MODELS, trained under cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding).
+PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -619,16 +622,18 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
             raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
                              f"process); allowed above 1: {', '.join(allowed) or 'none'}")
     above = [f"{key} {value}" for key, value in degrees.items() if value > 1 and key != "expert_parallel_degree"]
-    if len(above) > 1:  # each degree is trained alone (ep over dp is the one pair, test_expert_parallel)
+    pair_stages = PROVEN_PAIRS.get(config.family, {}).get(frozenset(a.split()[0] for a in above))
+    if len(above) > 1 and pair_stages is None:  # each degree is trained alone (ep over dp: test_expert_parallel)
         raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
                          "against one process alone); allowed: one of them above 1")
     if degrees["expert_parallel_degree"] > 1 and (layout.sharding_degree > 1 or layout.pipeline_parallel_degree > 1):
         raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with sharding or the pipeline is not proven "
                          f"for {config.family} yet (no test trains it against one process); allowed: expert parallelism "
                          "over data-parallel ranks only")
-    if layout.sharding_degree > 1 and layout.sharding_stage not in PROVEN_SHARDING_STAGES:
+    stages = pair_stages or PROVEN_SHARDING_STAGES
+    if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
-                         f"it against one process); allowed: {', '.join(f'stage{s}' for s in PROVEN_SHARDING_STAGES)}")
+                         f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
     if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
         schedule = "pipeline_parallel_config: use_dualpipev" if layout.dualpipev else \
             f"virtual_pp_degree: {layout.virtual_pp_degree}"
