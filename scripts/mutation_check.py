@@ -546,6 +546,10 @@ MUTATIONS = [
              "    if any(name.startswith(prefix) for name in names):  # the weights' tensor names\n",
              "    if True:  # the weights' tensor names\n",
              ("tests/test_hf_export.py::test_deepseek_v3_directory_without_its_mtp_layer_trains_without_mtp",)),
+    Mutation("shared_launch_unlocked", "the shared launches' lock between the xdist workers taken by neither: both "
+             "workers run a launch the other is running", "tests/shared_launches.py",
+             "        fcntl.flock(handle, fcntl.LOCK_EX)\n", "        pass\n",
+             ("tests/test_shared_launches.py",)),
 ]
 
 
