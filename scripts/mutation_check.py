@@ -414,7 +414,7 @@ MUTATIONS = [
              ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
     Mutation("unproven_sharding_stages", "sharding stages 2 and 3 accepted for the families proven in stage 1 only",
              "llm_pretrain/parallel/layout.py",
-             "    if layout.sharding_degree > 1 and layout.sharding_stage not in PROVEN_SHARDING_STAGES:\n",
+             "    if layout.sharding_degree > 1 and layout.sharding_stage not in stages:\n",
              "    if False:\n",
              ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
     Mutation("selfcheck_reference_options_differ", "the self-check's one-process references built with their "
