@@ -20,8 +20,9 @@ FP8 files (deepseek-ai/DeepSeek-V3's: config.json quantization_config {"quant_me
 "weight_block_size": [128, 128]}, checked by models/families/hf_config_keys.py) are dequantized as they are
 read, as DeepSeek's own inference/fp8_cast_bf16.py does (github.com/deepseek-ai/DeepSeek-V3): every F8_E4M3
 tensor W has a float32 W_scale_inv of one value per 128 x 128 block, and W = W_fp8 * scale_inv block by
-block (inference/kernel.py weight_dequant; transformers' integrations/finegrained_fp8.py dequantizes the same
-way when it cannot run FP8). The result is float32 (exact: an e4m3 code times a float32 scale rounded once),
+block (inference/kernel.py weight_dequant; transformers' integrations/finegrained_fp8.py Fp8Dequantize is the
+same float32 product but needs whole blocks, whereas DeepSeek's kernel takes partial ones, as here:
+kv_a_proj_with_mqa's 576 rows are 4.5 blocks). The result is float32 (exact: an e4m3 code times a float32 scale rounded once),
 cast to the run's dtype by the load as every other tensor; a _scale_inv is part of its weight, not a tensor
 of its own.
 """
