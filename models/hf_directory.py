@@ -15,6 +15,16 @@ Before any tensor is read, the file headers are checked against the model: a ten
 and no file holds, or one the files hold and the model has no place for, is one line naming it;
 a tensor of the wrong shape names itself and both shapes when it is read (before any training).
 safetensors holds no code: a header is JSON, the rest raw numbers.
+
+FP8 files (deepseek-ai/DeepSeek-V3's: config.json quantization_config {"quant_method": "fp8", "fmt": "e4m3",
+"weight_block_size": [128, 128]}, checked by models/families/hf_config_keys.py) are dequantized as they are
+read, as DeepSeek's own inference/fp8_cast_bf16.py does (github.com/deepseek-ai/DeepSeek-V3): every F8_E4M3
+tensor W has a float32 W_scale_inv of one value per 128 x 128 block, and W = W_fp8 * scale_inv block by
+block (inference/kernel.py weight_dequant; transformers' integrations/finegrained_fp8.py Fp8Dequantize is the
+same float32 product but needs whole blocks, whereas DeepSeek's kernel takes partial ones, as here:
+kv_a_proj_with_mqa's 576 rows are 4.5 blocks). The result is float32 (exact: an e4m3 code times a float32 scale rounded once),
+cast to the run's dtype by the load as every other tensor; a _scale_inv is part of its weight, not a tensor
+of its own.
 """
 
 from __future__ import annotations
@@ -25,13 +35,17 @@ import os
 
 import numpy as np
 
-from models.dtypes import bfloat16_bits_to_float32
+from models.dtypes import bfloat16_bits_to_float32, float8_e4m3fn_to_float32
 from models.errors import UsageError
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # safetensors dtypes -> numpy (BF16: its bits, widened to float32 exactly on reading)
 NUMPY_TYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-               "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+               "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+               "F8_E4M3": np.uint8}  # numpy has no float8: its codes, decoded and scaled on reading
+# DeepSeek-V3's FP8 blocks, the only size allowed (hf_config_keys.py quantization_config refuses others)
+FP8_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
 # Buffers older transformers versions saved that are no weights (recomputed from config.json here).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -66,9 +80,20 @@ class SafetensorsFiles:
             header, start = _read_header(path)
             for name, entry in header.items():
                 self.entries[name] = (path, start, entry)
+        self.scales = {name + SCALE_SUFFIX: name for name, (_, _, e) in self.entries.items() if e["dtype"] == "F8_E4M3"}
+        for scale, name in self.scales.items():  # checked from the headers, before anything is read
+            shape = self.shape(name)
+            blocks = [-(-n // b) for n, b in zip(shape, FP8_BLOCK)]
+            if scale not in self.entries:
+                raise UsageError(f"{weights_file}: FP8 tensor {name} has no {scale} (its per-block scales)")
+            if len(shape) != 2 or self.entries[scale][2]["dtype"] != "F32" or list(self.shape(scale)) != blocks:
+                raise UsageError(f"{weights_file}: {scale} is {self.entries[scale][2]['dtype']} "
+                                 f"{list(self.shape(scale))}; the FP8 matrix {name} {list(shape)} needs F32 {blocks} "
+                                 f"(one scale per {FP8_BLOCK[0]} x {FP8_BLOCK[1]} block)")
 
     def names(self) -> list[str]:
-        return list(self.entries)
+        """The tensors (an FP8 weight's _scale_inv is part of that weight, not one of them)."""
+        return [name for name in self.entries if name not in self.scales]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name][2]["shape"])
@@ -80,7 +105,23 @@ class SafetensorsFiles:
             f.seek(start + begin)
             data = f.read(end - begin)
         array = np.frombuffer(data, dtype=NUMPY_TYPES[entry["dtype"]]).reshape(entry["shape"])
+        if entry["dtype"] == "F8_E4M3":
+            weight = float8_e4m3fn_to_float32(array)
+            if np.isnan(weight).any():  # e4m3fn's only non-finite code: a quantizer never writes it
+                raise UsageError(f"{path}: FP8 tensor {name} holds the NaN code (0x7f/0xff) at "
+                                 f"{np.argwhere(np.isnan(weight))[0].tolist()}")
+            return dequantize_fp8_blocks(weight, self.read(name + SCALE_SUFFIX))
         return bfloat16_bits_to_float32(array) if entry["dtype"] == "BF16" else array.copy()
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=FP8_BLOCK) -> np.ndarray:
+    """weight (the decoded e4m3 values, float32 [M, N]) times its block's scale, in place: block (i, j) of
+    block[0] x block[1] values (the last ones partial) by scale_inv[i, j] (DeepSeek-V3 inference/kernel.py
+    weight_dequant_kernel: y = x * s, s = s_ptr[pid_m * cdiv(N, BLOCK) + pid_n])."""
+    rows, columns = block
+    for i in range(scale_inv.shape[0]):  # a block row at a time: no scale array as large as the weight
+        weight[i * rows:(i + 1) * rows] *= np.repeat(scale_inv[i], columns)[: weight.shape[1]]
+    return weight
 
 
 def _read_header(path: str) -> tuple[dict, int]:
@@ -119,11 +160,23 @@ def plan_hf_tensors(config, raw: dict, files: SafetensorsFiles, source: str) -> 
         raise UsageError(f"{source}: no tensor {missing[0]!r} ({len(missing)} missing), which a "
                          f"{raw.get('model_type')} model with this config.json needs")
     needed = {r.theirs for r in rules}
+    for copy, main in _published_copies(config).items():  # the same values twice: checked, not read
+        if copy in files.entries and main in files.entries and files.shape(copy) != files.shape(main):
+            raise UsageError(f"{source}: {copy} has shape {list(files.shape(copy))}; as a copy of {main} it "
+                             f"needs {list(files.shape(main))}")
+        needed.add(copy)
     unused = [n for n in names if n not in needed and not n.endswith(IGNORED_SUFFIXES)]
     if unused:
         raise UsageError(f"{source}: tensor {unused[0]!r} ({len(unused)} such) has no place in a "
                          f"{raw.get('model_type')} model with this config.json (is config.json the weights' own?)")
     return rules
+
+
+def _published_copies(config) -> dict:
+    from models.families import get_family
+
+    hugging_face = get_family(config.family).hugging_face
+    return hugging_face.published_copies(config) if hugging_face else {}
 
 
 def hf_config_for_weights(config, names):

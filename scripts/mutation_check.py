@@ -269,6 +269,20 @@ MUTATIONS = [
     Mutation("hf_unused_tensors_accepted", "a Hugging Face directory's tensors the model has no place for are "
              "ignored", "models/hf_directory.py", "    if unused:\n", "    if False:\n",
              ("tests/test_hf_directory.py::test_bad_directories_are_one_line_naming_the_tensor_or_key",)),
+    Mutation("fp8_scale_per_row_not_per_block", "DeepSeek-V3's FP8 weights dequantized with one scale per 128 rows "
+             "(the block row's first) instead of one per 128 x 128 block", "models/hf_directory.py",
+             "weight[i * rows:(i + 1) * rows] *= np.repeat(scale_inv[i], columns)[: weight.shape[1]]",
+             "weight[i * rows:(i + 1) * rows] *= scale_inv[i, 0]",
+             ("tests/test_hf_directory.py::test_float8_e4m3fn_codes_and_block_dequantization",
+              "tests/test_hf_directory.py::test_published_fp8_deepseek_v3_files_are_dequantized_and_the_mtp_copies_ignored")),
+    Mutation("fp8_other_block_size_accepted", "a quantization_config with another weight_block_size is read as "
+             "DeepSeek-V3's 128 x 128 blocks", "models/families/hf_config_keys.py",
+             'value.get("weight_block_size") == [128, 128]', "True",
+             ("tests/test_hf_directory.py::test_bad_directories_are_one_line_naming_the_tensor_or_key",)),
+    Mutation("deepseek_mtp_copies_unused", "the published MTP layer's copies of the embedding and the head are "
+             "reported as tensors with no place (the published DeepSeek-V3 files refused)", "models/hf_directory.py",
+             "        needed.add(copy)\n", "        pass\n",
+             ("tests/test_hf_directory.py::test_published_fp8_deepseek_v3_files_are_dequantized_and_the_mtp_copies_ignored",)),
     Mutation("hf_continue_training_not_implied", "a Hugging Face directory without continue_training starts from "
              "a random initialization", "llm_pretrain/parallel/layout.py", "        continue_training = True\n",
              "        continue_training = False\n",

@@ -42,6 +42,8 @@ class HuggingFaceClass:
     requires / check: as PaddleNLPClass: what the class can express.
     remote_code: the class is not in transformers but in the model repository's own code
     (trust_remote_code; config.json "auto_map" names it).
+    published_copies(config): {name: the name it copies} of tensors published files hold twice (DeepSeek-V3's
+    MTP layer); the import checks each copy's shape from the headers and reads none (models/hf_directory.py).
     """
 
     class_name: str
@@ -51,6 +53,7 @@ class HuggingFaceClass:
     config_json: Callable
     check: Callable[[ModelConfig], Optional[str]] = lambda config: None
     remote_code: bool = False
+    published_copies: Callable[[ModelConfig], dict] = lambda config: {}
 
 
 @dataclass(frozen=True)

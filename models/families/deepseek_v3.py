@@ -192,6 +192,21 @@ def hf_deepseek_v3_table(config) -> list:
     return rules
 
 
+def hf_published_copies(config) -> dict:
+    """The MTP layer's embed_tokens and shared_head.head in the published files: copies of model.embed_tokens
+    and lm_head ("Shares parameters with the Embedding layer / the output Head of the Main Model",
+    deepseek-ai/DeepSeek-V3 README_WEIGHTS.md), as ours are shared. Ignored as transformers ignores the whole
+    layer (DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected) and DeepSeek's inference/convert.py skips
+    it ("model.layers.61" not read); their shapes are checked, their values not read (2 x 0.9B values)."""
+    if not config.num_nextn_predict_layers:
+        return {}
+    n = config.num_hidden_layers
+    copies = {f"model.layers.{n}.embed_tokens.weight": "model.embed_tokens.weight"}
+    if not config.tie_word_embeddings:
+        copies[f"model.layers.{n}.shared_head.head.weight"] = "lm_head.weight"
+    return copies
+
+
 def import_table(raw: dict, config, names=()) -> list:
     from models.families.qwen3 import is_hugging_face_layout
 
@@ -243,6 +258,7 @@ HF_DEEPSEEK_V3_CLASS = HuggingFaceClass(
     class_name="DeepseekV3ForCausalLM", model_type="deepseek_v3",
     requires=dict(router_score="sigmoid", shared_expert_gate=False, linear_bias=False),
     table=hf_deepseek_v3_table, config_json=hf_deepseek_v3_config, check=check_paddleformers_class,
+    published_copies=hf_published_copies,
 )
 
 FAMILY = Family(

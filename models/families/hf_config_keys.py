@@ -78,6 +78,20 @@ TOKEN_ID = "a special token's id: the tokenizer's and the data's business, not t
 CLASSIFICATION = "sequence classification heads only (a causal LM has none)"
 BOOKKEEPING = "written by save_pretrained to describe the file, not the model's function"
 
+FP8_ALLOWED = ('absent, or DeepSeek-V3\'s block FP8 {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": '
+               '[128, 128], "activation_scheme": "dynamic"}, dequantized on import')
+
+
+def _published_fp8(value) -> bool:
+    """DeepSeek-V3's fine-grained FP8 (transformers' FineGrainedFP8Config writes no fmt; modules_to_not_convert
+    names layers left unquantized, which are read as they are stored)."""
+    return value is None or (isinstance(value, dict) and value.get("quant_method") == "fp8"
+                             and value.get("fmt", "e4m3") == "e4m3" and value.get("weight_block_size") == [128, 128]
+                             and value.get("activation_scheme", "dynamic") == "dynamic"
+                             and set(value) <= {"quant_method", "fmt", "weight_block_size", "activation_scheme",
+                                                "modules_to_not_convert"})
+
+
 # PreTrainedConfig's own keys: 5.x fields (configuration_utils.py@008e574) and what 4.x's to_dict writes.
 COMMON_KEYS = {
     "model_type": NoEffect("chooses the family (models/families); checked by models/registry.py"),
@@ -115,6 +129,10 @@ COMMON_KEYS = {
         "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
         "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens")},
     "use_cache": NoEffect("the key/value cache of generation"),
+    # deepseek-ai/DeepSeek-V3's config.json: {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+    # "weight_block_size": [128, 128]}; its F8_E4M3 weights are dequantized as read (models/hf_directory.py)
+    "quantization_config": Refused(FP8_ALLOWED, lambda value, raw: _published_fp8(value),
+                                   {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]}),
 }
 
 # The keys the rotary families share (LlamaConfig's, which Qwen2, Mixtral and Qwen2-MoE repeat).
