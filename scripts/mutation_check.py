@@ -467,6 +467,23 @@ MUTATIONS = [
              "llm_pretrain/planner/speed.py", "    return layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
              "    return 0.0 * layers * reads * mask_bytes / (cluster.hbm_gbps() * 1e9)\n",
              ("tests/test_planner.py::test_paddlenlp_published_speeds_and_the_alibi_mask_reads",)),
+    # Issue 36: the planner with packed documents (the cp ring's skipped blocks, search --mean_document_length).
+    Mutation("ring_skipped_blocks_hide_their_transfer", "the planner's cp ring counts every block as computed "
+             "with documents (a skipped step's transfer hidden behind a block that never runs)",
+             "llm_pretrain/planner/speed.py",
+             "    kept = ring_steps_kept(c.seq_length, degree, setup.micro_batch, setup.mean_document_length)\n",
+             "    kept = [1.0] * degree\n",
+             ("tests/test_planner.py::test_ring_skips_the_blocks_document_masks_remove_closed_form_against_a_count",)),
+    Mutation("ring_kept_distance_off_by_one", "the closed form of the ring's kept blocks counts g chunks between "
+             "a block's key and query chunks instead of g - 1", "llm_pretrain/planner/speed.py",
+             "max(0.0, 1 - ((distance - 1) * chunk + 1) / mean_document_length)",
+             "max(0.0, 1 - (distance * chunk + 1) / mean_document_length)",
+             ("tests/test_planner.py::test_ring_skips_the_blocks_document_masks_remove_closed_form_against_a_count",)),
+    Mutation("search_ignores_documents", "llm-plan search --mean_document_length times its layouts without the "
+             "documents (as if every token attended to the whole sequence)", "llm_pretrain/planner/search.py",
+             "_MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)",
+             "_MemoSetup.of(setup, memo)",
+             ("tests/test_planner.py::test_search_with_documents_times_as_estimate_and_ranks_cp_lower",)),
     # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
     # interleaved pairs; the layouts other than tp accepted for it.
     Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",

@@ -391,6 +391,109 @@ def test_attention_flops_within_documents_closed_form(capsys):
         and err.count("\n") == 1
 
 
+def _ring_blocks_kept_by_brute_force(seq: int, degree: int, length: int, micro_batch: int) -> list[float]:
+    """For each ring step, the fraction of (rank, phases) that compute their block, counted as the ring
+    decides (models/ring_attention.py RingAttention.forward: the block's queries and keys, skipped when no
+    query shares a document with any key in any sequence of the micro-batch), over every place the documents
+    of `length` tokens can be cut (each sequence of the micro-batch cut independently)."""
+    import itertools
+
+    import numpy as np
+
+    from models.ring_attention import chunk_ids
+
+    chunk = seq // (2 * degree)
+    positions = [np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(r, degree)])
+                 for r in range(degree)]
+
+    def ids(phase):
+        starts = (np.arange(seq) + phase) % length == 0
+        starts[0] = True
+        return np.cumsum(starts)
+
+    counts = [0] * degree
+    phases = list(itertools.product(range(length), repeat=micro_batch))
+    for cut in phases:
+        sequences = [ids(phase) for phase in cut]
+        for rank, step in itertools.product(range(degree), range(degree)):
+            owner = (rank - step) % degree
+            queries, keys = positions[rank], positions[owner]
+            if step and owner < rank:
+                keys = keys[:chunk]
+            elif step:
+                queries = queries[chunk:]
+            counts[step] += any(np.isin(doc[queries], doc[keys]).any() for doc in sequences)
+    return [count / (degree * len(phases)) for count in counts]
+
+
+def test_ring_skips_the_blocks_document_masks_remove_closed_form_against_a_count():
+    """With documents of length L the cp ring skips every block no document crosses into
+    (speed.ring_steps_kept): the closed form's fraction of ranks computing each step equals a brute-force
+    count of the ring's own rule over packed sequences (one sequence and a micro-batch of two). A skipped step
+    still passes its (k, v) and gradients on, so its whole transfer is exposed; its plain blocks compute every
+    block kept whole (the hardware FLOPs), flash attention only the keys within documents."""
+    for degree, chunk, length, micro_batch in ((2, 3, 4, 1), (3, 4, 7, 1), (4, 3, 5, 1), (4, 3, 11, 1),
+                                               (4, 2, 40, 1), (3, 3, 5, 2), (4, 2, 7, 2)):
+        seq = 2 * degree * chunk
+        assert speed.ring_steps_kept(seq, degree, micro_batch, length) == pytest.approx(
+            _ring_blocks_kept_by_brute_force(seq, degree, length, micro_batch)), (degree, chunk, length, micro_batch)
+    assert speed.ring_steps_kept(8192, 4, 8, None) == [1.0] * 4
+
+    # Llama (plain attention) on cp4 at 8,192 tokens with 1,000-token documents: chunks of 1,024 tokens, so only
+    # steps at distance 1 keep blocks (3 of 4 ranks at steps 1 and 3, none at step 2).
+    config = ARCHITECTURES["llama-real"].replace(seq_length=8192, num_hidden_layers=2)
+    bf16 = mem.Precision("bf16", "O2", True)
+    cluster = speed.Cluster("A100-80G", intra_node_gbps=200.0)
+    kept = speed.ring_steps_kept(8192, 4, 1, 1000)
+    assert kept == pytest.approx([1, 3 / 4 * (1 - 1 / 1000), 0, 3 / 4 * (1 - 1 / 1000)])
+    whole, documents = (speed.step_time(mem.Setup(config, 1, 1, cp=4, precision=bf16, mean_document_length=length),
+                                        cluster)["terms"]["sep all-to-all / cp ring (exposed)"] for length in (None, 1000))
+    assert whole == 0.0  # every block hides its transfer
+    block = 2048 * 2 * 512  # this rank's tokens x (k, v) width
+    forward, backward = block * 2 / 200e9, block * (2 + 4) / 200e9  # bf16 k, v; backward also their fp32 gradients
+    assert documents == pytest.approx(2 * (sum(1 - k for k in kept[:-1]) * forward + sum(1 - k for k in kept) * backward))
+    # compute: the ring's kept blocks whole; flash attention (no ring) the keys within documents; plain in one piece all
+    assert speed.attention_keys_computed(mem.Setup(config, 1, 1, cp=4, mean_document_length=1000)) == pytest.approx(
+        8192 * sum(kept) / 4)
+    flash = config.replace(use_flash_attention=True)
+    assert speed.attention_keys_computed(mem.Setup(flash, 1, 1, mean_document_length=1000)) == 1000
+    assert speed.attention_keys_computed(mem.Setup(config, 1, 1, mean_document_length=1000)) is None
+
+
+def test_search_with_documents_times_as_estimate_and_ranks_cp_lower(tmp_path, capsys):
+    """llm-plan search --mean_document_length: every row has reset_attention_mask and the numbers `estimate
+    --mean_document_length` gives its written file (the best row and the best cp row). GPT-3 1.3B, 4 A100s,
+    8,192 tokens: without documents a cp layout ranks first (flash ring blocks, nothing exposed); with
+    1,000-token documents the cp layouts run the ring's plain blocks and expose the transfers of the blocks they
+    skip, and a layout without a sequence split ranks first. L < 1 is refused in one line."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.planner.estimate import estimate
+    from llm_pretrain.planner.search import write_arguments
+
+    common = ("search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 4, "--seq", 8192,
+              "--global_batch_size", 8, "--top", 1000, "--json")
+    results = {}
+    for length in (None, 1000):
+        code, out, err = run_plan(capsys, *common, *(() if length is None else ("--mean_document_length", length)))
+        assert code == 0, err
+        results[length] = json.loads(out)["top"]
+    assert results[None][0]["arguments"].get("context_parallel_degree", 1) > 1
+    best = results[1000][0]
+    assert best["arguments"].get("context_parallel_degree", 1) == 1 and best["arguments"]["reset_attention_mask"]
+    ring = next(r for r in results[1000] if r["arguments"].get("context_parallel_degree", 1) > 1)
+    assert ring["tokens_per_card_per_sec"] < 0.95 * best["tokens_per_card_per_sec"]
+    exposed = {row["term"]: row["s"] for row in ring["breakdown"] if row["kind"] == "time"}
+    assert exposed["sep all-to-all / cp ring (exposed)"] > 0 and not ring["arguments"]["use_flash_attention"]
+    for row in (best, ring):
+        assert row["mean_document_length"] == 1000
+        args, _ = parse_arguments([write_arguments(row["arguments"], str(tmp_path / f"{row['strategy']}.json"))])
+        again = estimate(args, 4, "A100-80G", mean_document_length=1000)
+        for key in ("step_time_s", "tokens_per_card_per_sec", "mfu", "peak_mem_reserved_mb"):
+            assert again[key] == pytest.approx(row[key]), (row["strategy"], key)
+    code, out, err = run_plan(capsys, *common, "--mean_document_length", 0)
+    assert code == 2 and err.startswith("error: --mean_document_length: must be >= 1") and err.count("\n") == 1
+
+
 def test_cli_search_writes_file(tmp_path, capsys):
     code, out, err = run_plan(capsys, "search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 4,
                               "--seq", 1024, "--global_batch_size", 8, "--top", 3, "--write", str(tmp_path) + "/")

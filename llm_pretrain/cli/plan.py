@@ -5,6 +5,7 @@
     llm-plan estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
     llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
         --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
+        [--mean_document_length L]
     llm-plan models [--json]
     llm-plan elastic ARGS.json --gpus 64 --gpus_per_node 8 --device A100-80G [--json] [--key value ...]
 
@@ -20,7 +21,9 @@ micro-batch sizes; keeps those under the card's memory minus --headroom; ranks t
 tokens/card/s (layouts whose weights and optimizer states alone exceed the limit are skipped before
 validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an
 argument file (a directory gets the configs/ name pretrain-<model>-<strategy>.json, the strategy
-from llm_pretrain.parallel.layout.strategy_name).
+from llm_pretrain.parallel.layout.strategy_name). --mean_document_length L: packed documents with document
+masks, as estimate's option (every candidate gets reset_attention_mask, its cp candidates the ring's plain
+blocks; the cp ring's skipped blocks expose their transfers, llm_pretrain/planner/speed.py ring_steps_kept).
 
 elastic: for the job of ARGS.json on --gpus GPUs, and for each count left after losing whole nodes one at a
 time (64, 56, 48 ...), the layout it would continue with (same model, sequence length, global batch and device;
@@ -118,6 +121,10 @@ def cmd_search(argv: list[str]) -> int:
     parser.add_argument("--inter_node_gbps", type=float, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--write", default=None, help="write the best layout's argument file (a .json path or a directory)")
+    parser.add_argument("--mean_document_length", type=int, default=None,
+                        help="packed documents of this mean length with document masks: every layout gets "
+                             "reset_attention_mask (its cp layouts the ring's plain blocks) and is timed as "
+                             "estimate --mean_document_length times it")
     opts = parser.parse_args(argv)
     from llm_pretrain.planner import check_device, device_kind
     from llm_pretrain.planner.search import explain, search, write_arguments
@@ -129,9 +136,12 @@ def cmd_search(argv: list[str]) -> int:
     resolve_model(opts.model)  # an unknown model is a usage error before the search
     if opts.gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1:
         raise UsageError("--gpus, --seq and --global_batch_size must be positive")
+    if opts.mean_document_length is not None and opts.mean_document_length < 1:
+        raise UsageError(f"--mean_document_length: must be >= 1, got {opts.mean_document_length}")
     result = search(opts.model, opts.device, opts.gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
                     opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp,
-                    progress=not opts.json)  # a bar on stderr after 2 s; none with --json
+                    progress=not opts.json,  # a bar on stderr after 2 s; none with --json
+                    mean_document_length=opts.mean_document_length)
     written = None
     if opts.write and result["top"]:
         written = write_arguments(result["top"][0]["arguments"], opts.write)
@@ -141,7 +151,9 @@ def cmd_search(argv: list[str]) -> int:
         skipped = (f"{result['not_validated']} over the memory limit by their weights and optimizer states alone "
                    "(not validated), " if result["not_validated"] else "")
         print(f"{result['examined']} layouts examined, {skipped}{result['refused_by_trainer']} refused by the "
-              f"trainer's validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom")
+              f"trainer's validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom"
+              + (f"; documents of {opts.mean_document_length} tokens with document masks"
+                 if opts.mean_document_length else ""))
         print("| rank | strategy | micro-batch | acc | SP | recompute | reserved MB | step s | tokens/card/s | MFU | bottleneck |")
         print("|---:|---|---:|---:|---|---|---:|---:|---:|---:|---|")
         for i, r in enumerate(result["top"], 1):

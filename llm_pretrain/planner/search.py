@@ -84,14 +84,19 @@ def layout_degrees(gpus: int, gpus_per_node: int, layers: int, allow_inter_node_
 
 
 def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch: int, device: str,
-               allow_inter_node_tp: bool = False, max_micro_batch: int = 8):
+               allow_inter_node_tp: bool = False, max_micro_batch: int = 8, documents: bool = False):
     """Arguments dicts of every combination (validity is checked by `search`): each layout of
     `layout_degrees` x recompute choices x micro-batch sizes, and with mixture-of-experts models the same
-    with the experts split over the data-parallel ranks."""
+    with the experts split over the data-parallel ranks. documents: every candidate with reset_attention_mask
+    (the trainer's checks then refuse the layouts that cannot honour document masks), its cp layouts on the
+    ring's plain blocks (use_flash_attention false: the ring's flash blocks take no document mask, layout.py
+    check_document_keys)."""
     from models.registry import resolve_model
 
     config = resolve_model(model)[0]
     base = base_arguments(model, seq, device)
+    if documents:
+        base["reset_attention_mask"] = True
     for tp, split_key, split, pp, vpp, stage, sd, dp, sp in layout_degrees(
             gpus, gpus_per_node, config.num_hidden_layers, allow_inter_node_tp):
         replicas = dp * sd
@@ -100,6 +105,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
         tail = dict(sharding=f"stage{stage}", sharding_parallel_degree=sd) if stage else {}
         if split_key:
             tail[split_key] = split
+            if documents and split_key == "context_parallel_degree":
+                tail["use_flash_attention"] = False
         # the experts split over the data-parallel ranks (models/moe.py)
         experts = config.is_moe and not stage and not split_key and dp > 1 and config.num_experts % dp == 0
         for recompute, micro in itertools.product(RECOMPUTE_CHOICES,
@@ -175,10 +182,15 @@ def _state_floor_mb(values: dict, gpus: int, device: str, memo: dict) -> float |
 
 def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus_per_node: int = 8,
            top: int = 5, headroom: float = DEFAULT_HEADROOM, cluster_options: dict | None = None,
-           allow_inter_node_tp: bool = False, closest: int = 5, progress: bool = False) -> dict:
+           allow_inter_node_tp: bool = False, closest: int = 5, progress: bool = False,
+           mean_document_length: int | None = None) -> dict:
     """The fitting layouts, fastest first; and why the others were left out: `refusals` (the trainer's
     reasons, counted) and `closest` (the `closest` layouts that validate but miss the memory limit by the
     least: reserved and limit in MiB).
+
+    mean_document_length: packed documents of that mean length with document masks: every candidate has
+    reset_attention_mask (`candidates`) and is timed as `estimate` times it with --mean_document_length (the
+    attention FLOPs within documents, the cp ring's skipped blocks); each row says the length.
 
     Pruning by memory before validation and timing, exact (the same `top` and `closest` as estimating every
     candidate): a layout whose memory floor already misses the limit by more than the `closest` misses kept so
@@ -205,7 +217,8 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
             return False
         return not too_large or floor_mb - limit > -too_large[0][0]
 
-    every = list(candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp))
+    every = list(candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp,
+                            documents=mean_document_length is not None))
     for values in tqdm(every, desc="search", unit=" layouts", delay=PROGRESS_DELAY_S, file=sys.stderr,
                        disable=not progress, dynamic_ncols=True, leave=False):
         examined += 1
@@ -225,7 +238,7 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
             reason = reasons.setdefault(refusal_reason(str(error)), {"count": 0, "example": str(error)})
             reason["count"] += 1
             continue
-        setup = _MemoSetup.of(setup, memo)
+        setup = _MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)
         if limit is not None and out_of_reach(_first_rank_memory(setup).peak_bytes / MB):
             continue  # valid and over the limit (counted in too_large)
         result = estimate_setup(setup, device, options)
@@ -240,6 +253,7 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
         result["strategy"] = layout.strategy + (f"ep{values['expert_parallel_degree']}"
                                                 if values.get("expert_parallel_degree", 1) > 1 else "")
         result["arguments"] = values
+        result["mean_document_length"] = mean_document_length
         fitting.append(result)
     # Fastest first; among equally fast layouts the one with the most memory left.
     fitting.sort(key=lambda r: (-r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"]))

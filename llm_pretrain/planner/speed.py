@@ -13,8 +13,9 @@ data-parallel / sharding gradient traffic.
                       output back) and 4 backward, not overlapped; context parallelism (cp): per layer
                       cp - 1 ring steps forward (k, v) and cp backward (k, v, dk, dv; dk, dv home), each
                       step's transfer overlapping the attention of the block in hand (exposed: only
-                      what a step's transfer takes beyond that block's compute). Each rank computes
-                      1/(sep x cp) of the tokens.
+                      what a step's transfer takes beyond that block's compute; with document masks
+                      the blocks they remove entirely are skipped and their steps expose the whole
+                      transfer, `ring_steps_kept`). Each rank computes 1/(sep x cp) of the tokens.
     additive mask     ALiBi under flash attention: the kernel reads its [b, heads, s, s] mask from device
                       memory in forward, backward and a recomputed forward (`additive_mask_time`).
     optimizer step    neglected (AdamW reads/writes ~16 bytes per parameter: ~1 % of a step at the
@@ -120,7 +121,8 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     act_bytes = p.activation_bytes
 
     documents = setup.mean_document_length  # document masks: attention within documents only
-    hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c), mean_document_length=documents)
+    hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c),
+                                              mean_document_length=attention_keys_computed(setup))
     flops_rate = peak * 1e12 * matmul_efficiency(c.hidden_size / tp)
     # The slowest stage sets the pace: the one with the most decoder layers (layout.pipeline_split; an even
     # split gives every stage num_hidden_layers / pp, the calibrated case).
@@ -254,12 +256,74 @@ def sequence_split_time(setup: Setup, cluster: Cluster, tokens: int, flops_rate:
         volume = tokens * (2 * q_width + 2 * kv_width) * a * (degree - 1) / degree
         return layers * (forwards + 1) * volume / (link * 1e9)
     # Ring: a step moves one k/v block (forward) or k, v and their float32 gradients (backward) to the
-    # neighbour while the block in hand is computed: 1/cp of the layer's attention (2x in backward).
+    # neighbour while the block in hand is computed: 1/cp of the layer's attention (2x in backward). A block
+    # that document masks remove entirely is skipped (models/ring_attention.py DocumentBlocks) but its transfer
+    # still runs (the ring passes every block on): a skipped step exposes its whole transfer.
     block = tokens * 2 * kv_width
     attention_step = 2 * 2 * tokens * tokens * q_width / 2 / flops_rate  # causal: half of a (local x local) block
-    forward = (degree - 1) * max(0.0, block * a / (link * 1e9) - attention_step)
-    backward = degree * max(0.0, block * (a + 4) / (link * 1e9) - 2 * attention_step)
+    kept = ring_steps_kept(c.seq_length, degree, setup.micro_batch, setup.mean_document_length)
+    forward_transfer, backward_transfer = block * a / (link * 1e9), block * (a + 4) / (link * 1e9)
+    # forward: the transfers of steps 0 .. cp - 2 overlap those steps' blocks; backward: cp steps (k, v and the
+    # gradients of the block in hand)
+    # (written so that without documents, every k = 1, the sums add exact zeros to the full-ring terms)
+    exposed_forward = max(0.0, forward_transfer - attention_step)
+    exposed_backward = max(0.0, backward_transfer - 2 * attention_step)
+    forward = (degree - 1) * exposed_forward + sum((1 - k) * (forward_transfer - exposed_forward) for k in kept[:-1])
+    backward = degree * exposed_backward + sum((1 - k) * (backward_transfer - exposed_backward) for k in kept)
     return layers * (forwards * forward + backward)
+
+
+def attention_keys_computed(setup: Setup) -> float | None:
+    """The keys per query the attention kernels compute with document masks (the `mean_document_length` that
+    training_flops_per_token's hardware count takes; None: the whole sequence). Model FLOPs count the mean
+    document length whatever the path; the hardware computes:
+    - flash attention (Paddle's flashmask_attention, also after sep's all-to-all): the mean document length;
+    - the cp ring's plain blocks (flash + documents under cp is refused, layout.py): every block it does not
+      skip, whole (its partial blocks take the mask as a bias): s x (blocks kept / blocks), `ring_steps_kept`;
+    - the plain path in one piece: the whole sequence (a dense mask, every score computed)."""
+    c = setup.config
+    if setup.mean_document_length is None:
+        return None
+    if setup.cp > 1 and not c.use_flash_attention:
+        kept = ring_steps_kept(c.seq_length, setup.cp, setup.micro_batch, setup.mean_document_length)
+        return c.seq_length * sum(kept) / setup.cp
+    return setup.mean_document_length if c.use_flash_attention else None
+
+
+def ring_steps_kept(seq_length: int, degree: int, micro_batch: int = 1,
+                    mean_document_length: int | None = None) -> list[float]:
+    """For each of the cp ring's steps (0 .. cp - 1), the expected fraction of ranks that compute their block
+    (the others skip it: document masks remove it entirely); all 1.0 without documents.
+
+    The ring (models/ring_attention.py) cuts each sequence of s tokens into 2 cp chunks of C = s / (2 cp);
+    rank r holds chunks r and 2 cp - 1 - r; at step t it holds the k/v of owner o = (r - t) mod cp. Step 0
+    (its own chunks, causal) is never skipped. At a later step the block is: owner o < r, both its query
+    chunks against the owner's first chunk o; owner o > r, its second query chunk 2 cp - 1 - r against both
+    the owner's chunks. In either case the nearest chunk pair is g = |r - o| chunks apart (the others lie
+    further), and the block is computed iff some document crosses from the key chunk into the query chunk of
+    that pair: iff none of the (g - 1) C + 1 positions from the key chunk's end (exclusive) to the query
+    chunk's start (inclusive) starts a document. Documents of length L cut at a uniform place:
+
+        p(g) = max(0, 1 - ((g - 1) C + 1) / L)
+
+    and a micro-batch of b sequences cut independently skips a block only if all of them do:
+    P(g) = 1 - (1 - p(g))^b. Step t is at distance t on the ranks r >= t (cp - t of them) and cp - t on the
+    others (t of them):
+
+        kept(t) = ((cp - t) P(t) + t P(cp - t)) / cp,    kept(0) = 1
+
+    so the ring's blocks kept in total (forward, every rank) are cp + sum_t cp kept(t) of cp^2. Skewed lengths
+    differ (a long document keeps more blocks than its mean says); tests/test_planner.py checks the formula
+    against a brute-force count over packed sequences."""
+    if mean_document_length is None or degree == 1:
+        return [1.0] * degree
+    chunk = seq_length / (2 * degree)
+
+    def kept_at(distance: int) -> float:
+        p = max(0.0, 1 - ((distance - 1) * chunk + 1) / mean_document_length)
+        return 1 - (1 - p) ** micro_batch
+
+    return [1.0] + [((degree - t) * kept_at(t) + t * kept_at(degree - t)) / degree for t in range(1, degree)]
 
 
 def bottleneck(terms: dict[str, float]) -> str:
