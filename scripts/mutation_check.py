@@ -349,6 +349,14 @@ MUTATIONS = [
              "NCCL path never runs on CPU)", "llm_pretrain/cpu/kernel_standins.py",
              'return True if str(getattr(group, "backend", "GLOO")).upper() == "GLOO" else original(group)',
              "return original(group)", ("tests/test_long_context.py::test_sep2_every_family_and_resume",)),
+    Mutation("ring_overlapped_pass_reversed", "the ring's overlapped (NCCL) pass sends to the previous rank and "
+             "receives from the next: the same at cp2, blocks from the wrong owner at cp4 (only the cp4 kernels run "
+             "takes this branch there)", "models/ring_attention.py",
+             "    ops = [dist.P2POp(dist.isend, t.contiguous(), following, group) for t in tensors]\n"
+             "    ops += [dist.P2POp(dist.irecv, r, previous, group) for r in received]",
+             "    ops = [dist.P2POp(dist.isend, t.contiguous(), previous, group) for t in tensors]\n"
+             "    ops += [dist.P2POp(dist.irecv, r, following, group) for r in received]",
+             ("tests/test_long_context.py::test_cp4",)),
     Mutation("ring_lse_unsliced", "the ring keeps flash_attn's padded softmax_lse (seqlen_q rounded up to 128)",
              "models/ring_attention.py", "return out, lse[:, :, :q.shape[1]]", "return out, lse", (RING_FLASH,)),
     Mutation("wsd_not_held", "wsd: the stable phase dropped (the decay formula from the end of the warmup on)",

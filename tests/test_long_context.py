@@ -33,7 +33,10 @@ accumulation steps of one process).
                         document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
                         skipped, ALiBi, cp4)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
-                        cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins
+                        cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
+                        LLaMA also under sep2 x tp2 + SP, cp2 x sharding stage 2, cp4 (the ring's overlapped
+                        pass between different neighbours), pp2 x cp2 and pp2 x sep2, each rank's stand-in
+                        calls checked (the launch worker's "kernel_calls")
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per
@@ -53,8 +56,8 @@ import json
 from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch,
-    run_record, run_single, run_spec, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, assert_stand_ins_ran,
+    base_arguments, run_launch, run_record, run_single, run_spec, train_records, write_json,
 )
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
@@ -72,6 +75,9 @@ STOP = 3  # resume pairs stop after this step
 # Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
 KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
                ("bloom-cp2-kernels", "bloom", CP2), ("mixtral-cp2-kernels", "mixtral", CP2))
+# LLaMA's kernels with the options on: the flash pair (sdpa's after sep's all-to-all, the ring's FlashBlocks under
+# cp), the fused rotary embedding and RMSNorm (swiglu is Paddle's own CPU kernel, not a stand-in)
+LLAMA_KERNELS = ("flash_attn", "flash_attn_grad", "fused_rotary_position_embedding", "fused_rms_norm_quant")
 # Two evaluations of 2 batches of 4 (the pipeline runs each as 4 training-sized micro-batches of 2).
 EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
 
@@ -112,6 +118,16 @@ class Runs:
     def run(self, name: str, model: str = "llama", **overrides) -> list[str]:
         return argv(self.files[model], self.out(name), **overrides)
 
+    def kernels(self, name: str, model: str = "llama", **overrides) -> dict:
+        """A launch's run with the kernel options on, through the CPU stand-ins (run_spec sets the switch)."""
+        return run_spec(name, self.run(name, model, **overrides, **KERNEL_OPTIONS))
+
+    def check_stand_ins(self, result, name: str, kernels: tuple[str, ...] = LLAMA_KERNELS) -> None:
+        """Every rank of a parity-worker launch called `kernels` in run `name` (its "kernel_calls")."""
+        out = str(self.out(name))
+        assert_stand_ins_ran([seen["observations"][out] for _, seen in sorted(result.results().items())]
+                             if DEVICE == "cpu" else [], self.out(name), kernels)
+
     def check(self, names_and_models) -> None:
         for name, model in names_and_models:
             diffs = assert_same_training(self.reference(model), self.out(name))
@@ -147,7 +163,7 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
 
 
 def test_sep2_every_family_and_resume(runs):
-    run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in MODELS] + [
+    result = run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in MODELS] + [
         runs.run("llama-sep2-recompute", recompute=True, recompute_granularity="core_attn", **SEP2),
         runs.run("bloom-sep2-recompute", "bloom", recompute=True, **SEP2),
         runs.run("qwen2-sep2-recompute-full_attn", "qwen2", recompute=True, recompute_granularity="full_attn", **SEP2),
@@ -183,6 +199,7 @@ def test_sep2_every_family_and_resume(runs):
         rope = ["fused_rotary_position_embedding"] if model != "bloom" else []
         norm = ["fast_ln"] if model == "bloom" else ["fused_rms_norm_quant"]
         assert DEVICE != "cpu" or stand_ins == sorted(["flash_attn", "flash_attn_grad"] + rope + norm), (name, stand_ins)
+        runs.check_stand_ins(result, name, tuple(["flash_attn", "flash_attn_grad"] + rope + norm))  # on every rank
         if "cp2" in name:  # the ring's transfers overlap its blocks, as on NCCL (gloo: the batch_isend_irecv stand-in)
             assert run_record(runs.out(name))["built"]["context_parallel"]["transfers"] == "overlapped", name
     record = run_record(runs.out("gpt3-cp2"))
@@ -213,17 +230,22 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     stages 1, 2 and 3 (and the same with cp2)."""
     tp2 = {**SEP2, "tensor_parallel_degree": 2}
     cp2tp2 = {**CP2, "tensor_parallel_degree": 2}
-    run_launch(4, [runs.run("llama-sep2tp2-sp", **tp2, sequence_parallel=True),
-                   runs.run("bloom-sep2tp2", "bloom", **tp2),
-                   runs.run("gpt3-sep2tp2-sp", "gpt3", **tp2, sequence_parallel=True),
-                   runs.run("llama-cp2tp2-sp", **cp2tp2, sequence_parallel=True),
-                   runs.run("bloom-cp2tp2", "bloom", **cp2tp2),
-                   runs.run("mixtral-capped-sep2tp2-sp", "mixtral-capped", **tp2, sequence_parallel=True),
-                   runs.run("qwen2_moe-cp2tp2-sp", "qwen2_moe", **cp2tp2, sequence_parallel=True)],
-               runs.work, "sep2tp2", timeout=1800)
+    # the kernel runs last: once installed, the stand-ins stay in the process (and open the ring's overlap)
+    sep2tp2 = run_launch(4, [runs.run("llama-sep2tp2-sp", **tp2, sequence_parallel=True),
+                             runs.run("bloom-sep2tp2", "bloom", **tp2),
+                             runs.run("gpt3-sep2tp2-sp", "gpt3", **tp2, sequence_parallel=True),
+                             runs.run("llama-cp2tp2-sp", **cp2tp2, sequence_parallel=True),
+                             runs.run("bloom-cp2tp2", "bloom", **cp2tp2),
+                             runs.run("mixtral-capped-sep2tp2-sp", "mixtral-capped", **tp2, sequence_parallel=True),
+                             runs.run("qwen2_moe-cp2tp2-sp", "qwen2_moe", **cp2tp2, sequence_parallel=True),
+                             # sdpa's flash on the heads of tp, then of sep; the fused RMSNorm on SP's sequence slices
+                             runs.kernels("llama-sep2tp2-sp-kernels", **tp2, sequence_parallel=True)],
+                         runs.work, "sep2tp2", timeout=1800)
     runs.check([("llama-sep2tp2-sp", "llama"), ("bloom-sep2tp2", "bloom"), ("gpt3-sep2tp2-sp", "gpt3"),
                 ("llama-cp2tp2-sp", "llama"), ("bloom-cp2tp2", "bloom"),
-                ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe")])
+                ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe"),
+                ("llama-sep2tp2-sp-kernels", "llama")])
+    runs.check_stand_ins(sep2tp2, "llama-sep2tp2-sp-kernels")
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
     assert run_record(runs.out("bloom-sep2tp2"))["strategy"] == "tp2sep2"
     run_launch(4, [runs.run("llama-sep2dp2", **SEP2, gradient_accumulation_steps=2),
@@ -240,16 +262,20 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     # stage 3's slices are summed in tests/test_real_size.py (cp2sd2_stage2, sep2sd2_stage3).
     sharded = {"gradient_accumulation_steps": 2}
     stage2, stage3 = {**sharded, "sharding": "stage2"}, {**sharded, "sharding": "stage3"}
-    run_launch(4, [runs.run("llama-sep2sd2", **SEP2, sharding="stage1", **sharded),
-                   runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
-                   runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
-                   *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
-                   runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
-                   runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3)],
-               runs.work, "sep2sd2", timeout=1800)
+    sep2sd2 = run_launch(4, [runs.run("llama-sep2sd2", **SEP2, sharding="stage1", **sharded),
+                             runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
+                             runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
+                             *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
+                             runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
+                             runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3),
+                             # the ring's FlashBlocks under GroupShardedStage2 (its gradient buffer, our sep-group sum)
+                             runs.kernels("llama-cp2sd2-stage2-kernels", **CP2, **stage2)],
+                         runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
-                ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom")])
+                ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom"),
+                ("llama-cp2sd2-stage2-kernels", "llama")])
+    runs.check_stand_ins(sep2sd2, "llama-cp2sd2-stage2-kernels")
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
     for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
                                   ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),
@@ -266,9 +292,12 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
 def test_cp4(runs):
     """4 processes of ring attention: 8 chunks of 4 tokens, rank i holding chunks i and 7-i."""
     cp4 = {"context_parallel_degree": 4}
-    run_launch(4, [runs.run(f"{model}-cp4", model, **cp4) for model in ("llama", "bloom", "gpt3", "qwen2")],
-               runs.work, "cp4", timeout=1800)
-    runs.check([(f"{model}-cp4", model) for model in ("llama", "bloom", "gpt3", "qwen2")])
+    result = run_launch(4, [runs.run(f"{model}-cp4", model, **cp4) for model in ("llama", "bloom", "gpt3", "qwen2")]
+                        + [runs.kernels("llama-cp4-kernels", **cp4)],  # the ring of 4: 3 passes of k/v a layer
+                        runs.work, "cp4", timeout=1800)
+    runs.check([(f"{model}-cp4", model) for model in ("llama", "bloom", "gpt3", "qwen2")]
+               + [("llama-cp4-kernels", "llama")])
+    runs.check_stand_ins(result, "llama-cp4-kernels")
     assert run_record(runs.out("llama-cp4"))["strategy"] == "cp4"
     assert run_record(runs.out("llama-sep2sd2"))["strategy"] == "sep2sd2_stage1"
 
@@ -376,7 +405,11 @@ def test_pipeline_with_cp2_and_sep2(runs):
             {"name": "bloom-cp2pp2", "argv": runs.run("bloom-cp2pp2", "bloom-pp", **CP2, **pp2)},
             {"name": "gpt3-cp2pp2-recompute", "argv": runs.run("gpt3-cp2pp2-recompute", "gpt3-pp", **CP2, **pp2,
                                                                   recompute=True, pp_recompute_interval=2)},
-            {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", "llama-pp", **SEP2, **pp2)}]
+            {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", "llama-pp", **SEP2, **pp2)},
+            # the ring's FlashBlocks and sdpa's flash after the all-to-all on both stages of the 1F1B pipeline,
+            # through the CPU stand-ins (last: once installed, the stand-ins stay in the process)
+            runs.kernels("llama-cp2pp2-kernels", "llama-pp", **CP2, **pp2),
+            runs.kernels("llama-sep2pp2-kernels", "llama-pp", **SEP2, **pp2)]
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 4,
                     [str(write_json(runs.work / "pp2.runs.json", spec))], log_dir=runs.work / "pp2.log",
                     timeout=1800).check()
@@ -404,7 +437,9 @@ def test_pipeline_with_cp2_and_sep2(runs):
         to_heads = observed["llama-sep2pp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
     runs.check([("llama-cp2pp2", "llama-pp"), ("bloom-cp2pp2", "bloom-pp"), ("gpt3-cp2pp2-recompute", "gpt3-pp"),
-                ("llama-sep2pp2", "llama-pp")])
+                ("llama-sep2pp2", "llama-pp"), ("llama-cp2pp2-kernels", "llama-pp"), ("llama-sep2pp2-kernels", "llama-pp")])
+    for name in ("llama-cp2pp2-kernels", "llama-sep2pp2-kernels"):
+        assert_stand_ins_ran([observed[name] for _, observed in sorted(ranks.items())], runs.out(name), LLAMA_KERNELS)
     ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
     assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
     assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)

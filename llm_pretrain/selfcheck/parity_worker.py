@@ -8,10 +8,12 @@ runs.json is a list of runs, each an argument list for llm_pretrain/run_pretrain
 {"argv": [...], "inject_overflow": {"rank": 1, "step": 2}}: that rank alone gets an infinite
 gradient (a hook on its first parameter) in that step of the run, the fp16 self-check's overflow;
 {"argv": [...], "env": {name: value}}: set in this process for that run only (the tests'
-LLM_PRETRAIN_KERNEL_STANDINS=1: the GPU kernels' branches through their CPU stand-ins).
+LLM_PRETRAIN_KERNEL_STANDINS=1: the GPU kernels' branches through their CPU stand-ins; such a run's stand-in
+calls on this rank, llm_pretrain/cpu/kernel_standins.py CALLS, are observed as "kernel_calls").
 Every run of one launch must have the same parallel layout (fleet is initialized once).
 Under llm_pretrain.selfcheck.parity.launch each rank writes what it observed in the runs with an injection:
-whether each step's optimizer step ran and the loss scale after it (keyed by output_dir). Only
+whether each step's optimizer step ran and the loss scale after it, and in the stand-in runs their kernel
+calls (keyed by output_dir). Only
 those runs import the trainer before run_pretrain does: the others keep run_pretrain's order
 (its CPU defaults are set before Paddle loads, llm_pretrain/cpu/threads.py).
 """
@@ -75,6 +77,9 @@ def main(runs_file: str) -> int:
         run = run if isinstance(run, dict) else {"argv": run}
         argv = [str(a) for a in run["argv"]]
         restore = None
+        stand_ins = "LLM_PRETRAIN_KERNEL_STANDINS" in run.get("env", {})
+        if stand_ins and "llm_pretrain.cpu.kernel_standins" in sys.modules:  # (imported by an earlier run)
+            sys.modules["llm_pretrain.cpu.kernel_standins"].CALLS.clear()
         if run.get("inject_overflow"):
             observed = observations.setdefault(argv[argv.index("--output_dir") + 1], {})
             restore = observe_steps(run["inject_overflow"], observed)
@@ -89,6 +94,10 @@ def main(runs_file: str) -> int:
                 restore()
         if code:
             return code
+        if stand_ins:  # which stand-ins this rank called (tests: every rank took the GPU branches)
+            from llm_pretrain.cpu.kernel_standins import CALLS
+
+            observations.setdefault(argv[argv.index("--output_dir") + 1], {})["kernel_calls"] = dict(CALLS)
         # fleet.distributed_optimizer keeps the run's optimizer (and through it every weight, gradient
         # and moment) in fleet's singleton until the next call: drop it, so that the next run's
         # allocator peak (metrics.peak_memory_mb) is its own.
