@@ -575,6 +575,12 @@ MUTATIONS = [
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
              "    for group in (hcg.get_data_parallel_group(),):",
              ("tests/test_parallel_parity.py::test_sharding_stages",)),
+    # Issue 35: DeepSeek-V3 under ep2 over dp2 with each rank's bias moved by the load of its own tokens only
+    Mutation("deepseek_ep_bias_load_not_summed", "under expert parallelism the routers' load of the bias update "
+             "counted over this rank's tokens only, not summed over the expert (data-parallel) group",
+             "models/deepseek_moe.py", "        load, _ = pl.sum_over_data_replicas(self.step_load)\n",
+             "        load = self.step_load if self.ep_degree > 1 else pl.sum_over_data_replicas(self.step_load)[0]\n",
+             ("tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
              "shape = [metrics.config.router_count, metrics.config.num_experts]",

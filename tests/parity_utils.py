@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from launch_utils import device_under_test
 from llm_pretrain.selfcheck import parity
 from llm_pretrain.selfcheck.parity import (  # noqa: F401
@@ -52,6 +54,18 @@ def assert_same_router_metrics(reference: Path, other: Path, tolerance: float = 
         assert (ratio is None) == (expected is None), (other, got, ref)
         assert expected is None or abs(ratio - expected) <= tolerance, (other, got, ref)
 
+
+
+def assert_same_router_biases(reference: Path, other: Path, step: int = 2) -> None:
+    """DeepSeek-V3's router biases (the main MoE layer's and the MTP block's) moved by the bias rule, and after the
+    last step equal one process's: each a whole number of steps of the rate, so a rank that counted only its own
+    half of the batch would differ by at least 2 x rate in some expert (the weights' check sees the rest)."""
+    ref, got = final_weights(reference, step), final_weights(other, step)
+    names = sorted(name for name in ref if name.endswith("e_score_correction_bias"))
+    assert names == ["layers.1.mlp.e_score_correction_bias", "mtp.block.mlp.e_score_correction_bias"], names
+    for name in names:
+        assert np.abs(ref[name]).max() > 0, f"{name}: the bias never moved"
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-7, err_msg=name)
 
 # The GPU kernels' branches through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py): a run with
 # the four kernel options on, trained with LLM_PRETRAIN_KERNEL_STANDINS=1 (tests/workers/mechanism_runs.py

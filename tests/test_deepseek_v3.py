@@ -366,8 +366,7 @@ def _arguments(corpus, tmp_path, **overrides):
     return args
 
 
-@pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2),
-                                        ("expert_parallel_degree", 2)])
+@pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2)])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
 
@@ -402,6 +401,15 @@ def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(
     assert layout.sharding_degree == 2 and layout.sharding_stage == 1
 
 
+def test_expert_parallelism_over_data_parallel_ranks_is_accepted(embedded_corpus, tmp_path):
+    """ep2 over dp2 is proven: tests/test_expert_parallel.py trains deepseek-v3-tiny so, with the bias rule on."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    layout, config, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, expert_parallel_degree=2,
+                                                             moe_bias_update_rate=0.01), 2, "cpu")
+    assert layout.data_parallel_degree == 2 and config.expert_parallel_degree == 2
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     ({"tensor_parallel_degree": 2}, 4, "data_parallel_degree 2 with tensor_parallel_degree 2 is not supported"),
     ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
@@ -414,7 +422,9 @@ def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(
     ({"sharding": "stage2"}, 2, "sharding: stage2 is not supported"),
     ({"sharding": "stage3"}, 2, "sharding: stage3 is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
-     "data_parallel_degree 2 with sharding_degree 2 is not supported")])
+     "data_parallel_degree 2 with sharding_degree 2 is not supported"),
+    ({"sharding": "stage1", "expert_parallel_degree": 2}, 2,
+     "expert_parallel_degree: 2 is supported for deepseek_v3 over data-parallel ranks only")])
 def test_combined_degrees_other_sharding_stages_and_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
                                                                                embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model

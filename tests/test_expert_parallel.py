@@ -6,6 +6,7 @@ and stops an ep2 run at step 2 for one process to resume; then it watches the me
     each rank holds E/ep experts (0-3 and 4-7), and its dispatching all-to-all carries its
     k x tokens (token, expert) pairs per layer in forward and their gradients in backward;
     its loss and its experts' gradients equal the whole model's on both ranks' tokens.
+The same launch trains Qwen3-MoE with global-batch balancing and DeepSeek-V3 with its bias rule under ep2 (2 steps).
 A second launch trains ep2 x tp2 (4 processes: the experts split like the dense MLP over the
 tensor-parallel pair, the all-to-all between the data-parallel pair), the same with sequence
 parallelism, and Qwen2-MoE with capacity and z-loss under tp2 x dp2 + SP; a third ep2 within dp4 (two
@@ -34,8 +35,8 @@ import pytest
 
 from launch_utils import REPO_ROOT, launch
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_same_router_metrics, assert_same_training, base_arguments, final_weights,
-    run_launch, run_record, run_single, run_spec, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_same_router_biases, assert_same_router_metrics, assert_same_training,
+    base_arguments, final_weights, run_launch, run_record, run_single, run_spec, train_records, write_json,
 )
 
 STEPS, STOP = 4, 2
@@ -49,6 +50,10 @@ QWEN_CAPPED = {"model_name_or_path": "qwen2-moe-tiny", "moe_capacity_factor": 0.
 # tokens; without the balancing the ranks' own halves give another loss, ~3e-4 off here)
 QWEN3_GLOBAL = {"model_name_or_path": "qwen3-moe-tiny", "max_steps": 2, "save_steps": 2,
                 "moe_global_batch_balance": True}
+# DeepSeek-V3 (issue 35; deepseek-v3-tiny: 1 dense + 1 MoE layer of 8 experts top 2, MTP) under ep2 over dp2 with its
+# auxiliary-loss-free bias rule on, 2 steps: models/deepseek_moe.py's block is models/moe.py's MoE (the same
+# all-to-all dispatch), and each rank's expert load is summed over the data-parallel ranks before the bias moves
+DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "max_steps": 2, "save_steps": 2, "moe_bias_update_rate": 0.01}
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
 
@@ -69,7 +74,8 @@ def trained(tmp_path_factory, embedded_corpus):
                 argv(args_file, work / "single-real", **REAL),
                 argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED),
                 argv(args_file, work / "single-qwen3-global", **QWEN3_GLOBAL, per_device_train_batch_size=8,
-                     gradient_accumulation_steps=1)], work, "single")
+                     gradient_accumulation_steps=1),
+                argv(args_file, work / "single-deepseek", **DEEPSEEK)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
@@ -77,7 +83,8 @@ def trained(tmp_path_factory, embedded_corpus):
                               argv(args_file, work / "ep2-recompute-full_attn", **ep2, recompute=True,
                                    recompute_granularity="full_attn"),
                               argv(args_file, work / "qwen3-global-ep2", **QWEN3_GLOBAL, expert_parallel_degree=2,
-                                   per_device_train_batch_size=4, gradient_accumulation_steps=1)]}
+                                   per_device_train_batch_size=4, gradient_accumulation_steps=1),
+                              argv(args_file, work / "deepseek-ep2", **DEEPSEEK, **ep2)]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
@@ -175,6 +182,25 @@ def test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process(train
     for expert, rank in ((0, 0), (7, 0), (8, 1), (15, 1)):
         slices = index["tensors"][f"layers.1.mlp.experts.{expert}.down_proj.weight"]["slices"]
         assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
+
+
+def test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process(trained):
+    """DeepSeek-V3 under ep2 over dp2 (issue 35): losses (main, MTP), grad norms, router metrics, weights and the
+    routers' correction biases (the main MoE layer's and the MTP block's, moved from the load summed over both
+    ranks) equal one process's; each rank wrote its 4 of the 8 experts of both MoE blocks."""
+    work, _, _ = trained
+    print(assert_same_training(work / "single-deepseek", work / "deepseek-ep2", step=2))
+    assert_same_router_metrics(work / "single-deepseek", work / "deepseek-ep2")
+    assert_same_router_biases(work / "single-deepseek", work / "deepseek-ep2")
+    for a, b in zip(train_records(work / "single-deepseek"), train_records(work / "deepseek-ep2"), strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5)
+    record = run_record(work / "deepseek-ep2")
+    assert record["model_config"]["family"] == "deepseek_v3" and record["layout"]["data_parallel_degree"] == 2
+    index = json.loads((work / "deepseek-ep2" / "checkpoint-2" / "tensors.index.json").read_text())
+    for block in ("layers.1.mlp", "mtp.block.mlp"):
+        for expert, rank in ((0, 0), (3, 0), (4, 1), (7, 1)):
+            slices = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
+            assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
 
 
 def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(trained):

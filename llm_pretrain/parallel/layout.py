@@ -662,7 +662,8 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     and the router biases, their load summed over the replicas, equal one process's), under tensor parallelism
     with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
     replicated), under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage) and under sharding stage 1
-    (test_sharding_stages): each alone. Every other parallel degree above 1, their combinations, the other sharding
+    (test_sharding_stages): each alone; and expert parallelism over the data-parallel ranks (tests/test_expert_parallel.py
+    deepseek-v3-ep2: models/moe.py's all-to-all dispatch, the bias load summed over dp). Every other parallel degree above 1, their combinations, the other sharding
     stages and the pipeline's other schedules are refused, as are the switches they ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
@@ -670,9 +671,13 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
+    ep = _degree(args.expert_parallel_degree)
+    if ep > 1 and layout.data_parallel_degree <= 1:
+        raise UsageError(f"expert_parallel_degree: {ep} is supported for {config.family} over data-parallel ranks only "
+                         f"(proven in tests/test_expert_parallel.py; over sharding ranks not yet; allowed: 1, or a "
+                         f"divisor of data_parallel_degree)")
     degrees = {"sep_parallel_degree": layout.sep_parallel_degree,
-               "context_parallel_degree": layout.context_parallel_degree,
-               "expert_parallel_degree": _degree(args.expert_parallel_degree)}
+               "context_parallel_degree": layout.context_parallel_degree}
     for name, degree in degrees.items():
         if degree > 1:
             raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
