@@ -394,6 +394,11 @@ MUTATIONS = [
              "llm_pretrain/cpu/kernel_standins.py", "masked = rows >= bound[0] if bounds == 1",
              "masked = rows > bound[0] if bounds == 1",
              ("tests/test_kernel_standins.py::test_flashmask_attention_equals_the_dense_document_mask",)),
+    Mutation("flashmask_unmasked_under_sep", "use_flash_attention with documents under sep: flashmask_attention "
+             "after the all-to-all with every row bound at the sequence's end (plain causal flash)",
+             "models/decoder.py", "(documents.row_indices,) if flashmask",
+             "(documents.row_indices if self.config.sep_parallel_degree == 1 else paddle.full_like("
+             "documents.row_indices, documents.ids.shape[1]),) if flashmask", (LONG_SEP2,)),
     Mutation("ring_document_mask_off", "cp with document masks: the ring's blocks not masked by the documents",
              "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions, key)\n",
              "    masked = None\n", (RING_DOCUMENTS, LONG_SEP2)),

@@ -31,11 +31,13 @@ accumulation steps of one process).
                         GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
                         document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
-                        skipped, ALiBi, cp4)
+                        skipped, ALiBi, cp4); LLaMA sep2 with the kernel options (FlashMask's stand-in on the
+                        whole sequence's row indices after the all-to-all)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
-                        LLaMA also under sep2 x tp2 + SP, cp2 x sharding stage 2, cp4 (the ring's overlapped
-                        pass between different neighbours), pp2 x cp2 and pp2 x sep2, each rank's stand-in
+                        LLaMA also under sep2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x sharding stage 2, cp4
+                        (the ring's overlapped pass between different neighbours), pp2 x cp2 and pp2 x sep2,
+                        with packed documents under sep2 (FlashMask's stand-in), each rank's stand-in
                         calls checked (the launch worker's "kernel_calls")
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
@@ -78,6 +80,9 @@ KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "lla
 # LLaMA's kernels with the options on: the flash pair (sdpa's after sep's all-to-all, the ring's FlashBlocks under
 # cp), the fused rotary embedding and RMSNorm (swiglu is Paddle's own CPU kernel, not a stand-in)
 LLAMA_KERNELS = ("flash_attn", "flash_attn_grad", "fused_rotary_position_embedding", "fused_rms_norm_quant")
+# ... and with packed documents FlashMask's pair instead of flash_attn's (models/decoder.py flashmask_attention)
+DOCUMENT_KERNELS = ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding",
+                    "fused_rms_norm_quant")
 # Two evaluations of 2 batches of 4 (the pipeline runs each as 4 training-sized micro-batches of 2).
 EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
 
@@ -179,7 +184,10 @@ def test_sep2_every_family_and_resume(runs):
         runs.run(f"{model}-docs-{name}", f"{model}-docs", **degrees) for model, name, degrees in DOCUMENT_RUNS] + [
         # the GPU kernels' branches through their CPU stand-ins: sdpa's flash after sep's all-to-all, the
         # ring's FlashBlocks (Bloom: ALiBi as the blocks' additive mask), Mixtral's experts under cp
-        run_spec(name, runs.run(name, model, **degrees, **KERNEL_OPTIONS)) for name, model, degrees in KERNEL_RUNS],
+        run_spec(name, runs.run(name, model, **degrees, **KERNEL_OPTIONS)) for name, model, degrees in KERNEL_RUNS] + [
+        # packed documents on the flash path under sep: flashmask_attention on the whole sequence's row indices
+        # after the all-to-all (rotary positions restarting per document, this rank's tokens of them)
+        runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
@@ -191,7 +199,9 @@ def test_sep2_every_family_and_resume(runs):
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
     runs.check([(name, model) for name, model, _ in KERNEL_RUNS])
     # packed documents: the same masked training as one process (test_documents.py proves the masks matter)
-    runs.check([(f"{model}-docs-{name}", f"{model}-docs") for model, name, _ in DOCUMENT_RUNS])
+    runs.check([(f"{model}-docs-{name}", f"{model}-docs") for model, name, _ in DOCUMENT_RUNS]
+               + [("llama-docs-sep2-kernels", "llama-docs")])
+    runs.check_stand_ins(result, "llama-docs-sep2-kernels", DOCUMENT_KERNELS)
     for model, name, _ in DOCUMENT_RUNS:
         assert run_record(runs.out(f"{model}-docs-{name}"))["documents"]["document_masks"], model
     for name, model, _ in KERNEL_RUNS:
@@ -248,11 +258,17 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     runs.check_stand_ins(sep2tp2, "llama-sep2tp2-sp-kernels")
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
     assert run_record(runs.out("bloom-sep2tp2"))["strategy"] == "tp2sep2"
-    run_launch(4, [runs.run("llama-sep2dp2", **SEP2, gradient_accumulation_steps=2),
-                   runs.run("qwen2-sep2dp2", "qwen2", **SEP2, gradient_accumulation_steps=2),
-                   runs.run("llama-cp2dp2", **CP2, gradient_accumulation_steps=2)],
-               runs.work, "sep2dp2", timeout=1800)
-    runs.check([("llama-sep2dp2", "llama"), ("qwen2-sep2dp2", "qwen2"), ("llama-cp2dp2", "llama")])
+    sep2dp2 = run_launch(4, [runs.run("llama-sep2dp2", **SEP2, gradient_accumulation_steps=2),
+                             runs.run("qwen2-sep2dp2", "qwen2", **SEP2, gradient_accumulation_steps=2),
+                             runs.run("llama-cp2dp2", **CP2, gradient_accumulation_steps=2),
+                             # sdpa's flash after the all-to-all and the ring's FlashBlocks, the dp group's sum
+                             runs.kernels("llama-sep2dp2-kernels", **SEP2, gradient_accumulation_steps=2),
+                             runs.kernels("llama-cp2dp2-kernels", **CP2, gradient_accumulation_steps=2)],
+                         runs.work, "sep2dp2", timeout=1800)
+    runs.check([("llama-sep2dp2", "llama"), ("qwen2-sep2dp2", "qwen2"), ("llama-cp2dp2", "llama"),
+                ("llama-sep2dp2-kernels", "llama"), ("llama-cp2dp2-kernels", "llama")])
+    for name in ("llama-sep2dp2-kernels", "llama-cp2dp2-kernels"):
+        runs.check_stand_ins(sep2dp2, name)
     record = run_record(runs.out("llama-sep2dp2"))
     assert record["strategy"] == "sep2dp2" and record["global_batch_size"] == 8
     # Sharding 2 at stages 1, 2 (cp2: every family) and 3. Under stages 2 and 3 the group-sharded wrappers
