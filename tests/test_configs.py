@@ -48,7 +48,7 @@ def world_size(args) -> int:
 
 def test_there_are_files_for_every_family():
     families = {os.path.basename(os.path.dirname(f)) for f in FILES}
-    # Families whose layouts are proven one by one and not under data parallelism (ERNIE 4.5: tp only) have no
+    # Families whose layouts are proven one by one and not under data parallelism have no
     # 8-GPU file: it would be data parallel, which llm_pretrain/parallel/layout.py refuses for them.
     data_parallel = {f for f in FAMILIES if "data_parallel_degree" in PROVEN_DEGREES.get(f, ("data_parallel_degree",))}
     assert families >= data_parallel

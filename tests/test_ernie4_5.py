@@ -124,8 +124,7 @@ TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"conte
 # tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stage 1: LAYOUT_SHORT; sep2, cp2:
 # test_long_context (Qwen3); ep2 over dp2: test_expert_parallel (Qwen3-MoE)
 PROVEN_AND_REFUSED = {
-    "ernie4_5-tiny": ([TP], [(PP, "pipeline_parallel_degree"), (SD1, "sharding_parallel_degree"),
-                             (DP, "data_parallel_degree"), (SEP, "sep_parallel_degree"), (CP, "context_parallel_degree")]),
+    "ernie4_5-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree")]),
     "ernie4_5_moe-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree"),
                                               ({**DP, "ep": 2}, "expert_parallel_degree")]),
     "qwen3-tiny": ([TP, DP, PP, SD1, SEP, CP], []),

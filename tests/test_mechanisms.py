@@ -34,7 +34,7 @@ from models.families import FAMILIES as FAMILY_RECORDS
 
 # every dense family, Qwen2 included; the mixture-of-experts ones have their own (tests/test_expert_parallel.py)
 # Qwen3 (issue 34): its mechanisms under tp2 are checked by its parity runs (test_parallel_parity TP_ONLY); these
-# launches do not train it yet; nor ERNIE 4.5 (tp2 only, llm_pretrain/parallel/layout.py PROVEN_DEGREES)
+# launches do not train it yet; nor ERNIE 4.5 (its dp2 / pp2 / sd2 mechanisms: test_parallel_parity LAYOUT_SHORT)
 FAMILIES = tuple(name for name, family in FAMILY_RECORDS.items()
                  if not family.architectures[family.tiny].is_moe and name not in ("qwen3", "ernie4_5"))
 from parity_utils import argv, base_arguments, run_record, summary_records, write_json

@@ -4,7 +4,7 @@ References run once in one plain process (the tiny preset of every family record
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
 uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2, tp2 + SP, pp2 and sd2
-stage 1; qwen3-moe-tiny, ernie4_5_moe-tiny and qwen3-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
+stage 1; qwen3-moe-tiny, ernie4_5_moe-tiny, qwen3-tiny and ernie4_5-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
 Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
@@ -92,11 +92,10 @@ SHORT_EXTRA = {DEEPSEEK_SHORT: {"moe_bias_update_rate": 0.01}}
 # Issue 34's families in dp2, the 1F1B pp2 (one layer a stage) and sharding stage 1 (with recompute, a granularity
 # each), 2 layers for 2 steps: Qwen3-MoE (every layer sparse, no shared expert),
 # ERNIE 4.5 MoE (layer 0 dense, layer 1 MoE: under the pipeline the dense stage passes the router carry on untouched,
-# models/pipeline.py MoEDecoderLayer), Qwen3 (the q/k norms). Left out for the suite's budget (~1 s a run in these
-# launches on an idle machine): ERNIE 4.5 dense anywhere but tp2 (its layers are ERNIE 4.5 MoE's layer 0); layout.py
-# refuses it.
+# models/pipeline.py MoEDecoderLayer), Qwen3 (the q/k norms), ERNIE 4.5 dense (interleaved rotary pairs; ~1 s a
+# run in these launches on an idle machine).
 LAYOUT_SHORT_MOE = ("qwen3-moe-short", "ernie4_5_moe-short")
-LAYOUT_SHORT = LAYOUT_SHORT_MOE + ("qwen3-short",)
+LAYOUT_SHORT = LAYOUT_SHORT_MOE + ("qwen3-short", "ernie4_5-short")
 SHORT_FILES.update({name: (name.removesuffix("-short"), 2) for name in LAYOUT_SHORT})
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
 # over the sharding ranks in tests/test_expert_parallel.py)
@@ -113,6 +112,7 @@ MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 # 3 eval batches of 4 = 6 micro-batches of 2, not a multiple of the 4 per training step: one pipeline call of 6.
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
+LAYOUT_GRANULARITIES = GRANULARITIES + ("full_attn",)  # LAYOUT_SHORT's under sd2 stage 1 (ernie4_5-short: full_attn)
 # The other dense families train 2 layers where the layout acts inside every layer alike (dp, tp, sharding, pp2:
 # one layer a stage); 8-layer runs of theirs were a sixth of the suite's time. The interleaved pp4 needs 8
 # layers (2 chunks of one layer per stage): "<family>-pp4", the same model with 8.
@@ -487,7 +487,7 @@ def sd2_runs(parity: Parity) -> list[list[str]]:
                             recompute_granularity=GRANULARITIES[stage % 3], **sd) for stage in stages]
     runs += [parity.run(f"{DEEPSEEK_SHORT}-sd2-stage1", DEEPSEEK_SHORT, sharding="stage1", **sd)]
     runs += [parity.run(f"{family}-sd2-stage1", family, sharding="stage1", recompute=True, recompute_granularity=g,
-                        **sd) for family, g in zip(LAYOUT_SHORT, GRANULARITIES)]
+                        **sd) for family, g in zip(LAYOUT_SHORT, LAYOUT_GRANULARITIES)]
     return runs + [parity.kernels(f"sd2-stage{stage}-kernels", sharding=f"stage{stage}", **sd) for stage in (1, 2, 3)]
 
 
@@ -511,7 +511,7 @@ def test_sharding_stages(parity, shared_launches):
     observed = shared_launches.results("sd2", "parity")
     names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute", "-kernels")]
     short = [(family, stage, GRANULARITIES[stage % 3]) for family, stages in MOE_SHARDING.items() for stage in stages]
-    short += [(family, 1, granularity) for family, granularity in zip(LAYOUT_SHORT, GRANULARITIES)]
+    short += [(family, 1, granularity) for family, granularity in zip(LAYOUT_SHORT, LAYOUT_GRANULARITIES)]
     added = [(family, stage, GRANULARITIES[(len(FAMILIES) + stage) % 3], 8, 5) for family in ROPE_SCALED
              for stage in (1, 2, 3)] + [(family, stage, granularity, SHORT_FILES[family][1], SHORT["max_steps"])
                                         for family, stage, granularity in short]
