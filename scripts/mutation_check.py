@@ -600,6 +600,10 @@ MUTATIONS = [
              "workers run a launch the other is running", "tests/shared_launches.py",
              "        fcntl.flock(handle, fcntl.LOCK_EX)\n", "        pass\n",
              ("tests/test_shared_launches.py",)),
+    Mutation("paddlenlp_null_quantization_refused", "PaddleNLP's config.json quantization_config without an algorithm "
+             "(every PaddleNLP config carries one) refused as a quantized model", "models/families/hf_config_keys.py",
+             "    return value is None or _not_quantized(value) or (", "    return value is None or (",
+             ("tests/test_interop.py::test_paddlenlp_config_reads_as_our_config",)),
 ]
 
 

@@ -145,6 +145,11 @@ def _rewrite_safetensors(path, change) -> None:
     (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
                                                           "quantization_config": {"quant_method": "bitsandbytes"}})),
      'quantization_config {"quant_method": "bitsandbytes"} cannot be honoured'),
+    # PaddleNLP's QuantizationConfig with an algorithm set (its null one is read as "not quantized": test_interop)
+    (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
+                                                          "quantization_config": {"weight_quantize_algo": "weight_only_int8",
+                                                                                  "quant_type": None}})),
+     'quantization_config {"weight_quantize_algo": "weight_only_int8"'),
 ])
 def test_bad_directories_are_one_line_naming_the_tensor_or_key(damage, message, tmp_path):
     directory, _ = hf_directory(tmp_path, "qwen2-tiny")

@@ -78,14 +78,22 @@ TOKEN_ID = "a special token's id: the tokenizer's and the data's business, not t
 CLASSIFICATION = "sequence classification heads only (a causal LM has none)"
 BOOKKEEPING = "written by save_pretrained to describe the file, not the model's function"
 
-FP8_ALLOWED = ('absent, or DeepSeek-V3\'s block FP8 {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": '
+FP8_ALLOWED = ('absent, PaddleNLP\'s with weight_quantize_algo null, or DeepSeek-V3\'s block FP8 {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": '
                '[128, 128], "activation_scheme": "dynamic"}, dequantized on import')
+
+
+def _not_quantized(value) -> bool:
+    """PaddleNLP's config.json always carries its QuantizationConfig (paddlenlp/quantization/quantization_config.py
+    QuantizationConfig.__init__: weight_quantize_algo and quant_type default to None): with both null nothing is
+    quantized."""
+    return (isinstance(value, dict) and "quant_method" not in value and "weight_quantize_algo" in value
+            and value.get("weight_quantize_algo") is None and value.get("quant_type") is None)
 
 
 def _published_fp8(value) -> bool:
     """DeepSeek-V3's fine-grained FP8 (transformers' FineGrainedFP8Config writes no fmt; modules_to_not_convert
-    names layers left unquantized, which are read as they are stored)."""
-    return value is None or (isinstance(value, dict) and value.get("quant_method") == "fp8"
+    names layers left unquantized, which are read as they are stored), or PaddleNLP's config without quantization."""
+    return value is None or _not_quantized(value) or (isinstance(value, dict) and value.get("quant_method") == "fp8"
                              and value.get("fmt", "e4m3") == "e4m3" and value.get("weight_block_size") == [128, 128]
                              and value.get("activation_scheme", "dynamic") == "dynamic"
                              and set(value) <= {"quant_method", "fmt", "weight_block_size", "activation_scheme",
