@@ -52,10 +52,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def exit_with(code: int) -> None:
+    """A launched worker leaves without the interpreter's teardown, in which rank 0's TCP store daemon can abort
+    (run_control.exit_after_results); one process exits normally."""
+    from llm_pretrain.run.run_control import exit_after_results, launched
+
+    if launched():
+        exit_after_results(code)
+    sys.exit(code)
+
+
 def console_main() -> None:
     """The `llm-pretrain` command (pyproject.toml)."""
-    sys.exit(main(sys.argv[1:]))
+    exit_with(main(sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_with(main(sys.argv[1:]))

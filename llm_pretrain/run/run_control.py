@@ -91,6 +91,25 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def exit_after_results(code: int) -> None:
+    """End a launched worker that has written everything without the interpreter's teardown.
+
+    Launched workers that had finished every run died at exit, rarely and under load: with SIGSEGV (exit -11)
+    a rank of the 4-process cp2 x sharding launch after its last run's summary (tests/test_long_context.py), a
+    stage-3 planner run, rank 0 of test_expert_parallel's dp4 launch (tests/workers/moe_worker.py); with SIGABRT
+    rank 0 of run_pretrain.py's dp2 launch stopped by SIGTERM, after its "stopped at step" line (CI,
+    tests/test_fault_injection.py, 2026-11-26). That one left a stack: the TCP store's master daemon thread, which
+    rank 0 hosts, aborted in LibUVClient::readCallback (paddle/phi/core/distributed/store/tcp_store_libuv.cc)
+    while rank 0's main thread ran Paddle's atexit handlers and the static destructors (paddle/base/__init__.py:
+    216-218 free the device manager, the kernel factory and the process groups) and rank 1 closed its
+    connection. os._exit skips that teardown: the daemon thread and gloo's transport threads end with the
+    process. Every file is closed before (Metrics.finish, the checkpointer's completed saves), so nothing
+    is lost; a one-process run has no store and keeps the normal exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def launched() -> bool:
     """Started by paddle.distributed.launch (which sets the rank and the log directory)."""
     return "PADDLE_TRAINER_ID" in os.environ and "PADDLE_LOG_DIR" in os.environ

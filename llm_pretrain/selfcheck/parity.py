@@ -92,22 +92,6 @@ def catch_crashes() -> None:
     faulthandler.enable(all_threads=True)
 
 
-def exit_after_results(code: int) -> None:
-    """End a worker that has written its results without the interpreter's teardown.
-
-    Launched workers that had finished every run died with SIGSEGV (exit -11) at exit, rarely and under load: a
-    rank of the 4-process cp2 x sharding launch after its last run's summary (tests/test_long_context.py, serial
-    suite, 2026-11-26), a stage-3 planner run before it, rank 0 of test_expert_parallel's dp4 launch (tests/workers/
-    moe_worker.py, after writing its result; full run, 2026-11-26). At exit Paddle's atexit handlers free the device manager,
-    the kernel factory and the process groups (paddle/base/__init__.py:216-218) while gloo's transport threads and
-    the tensors fleet's singletons keep are still alive. The cause is not proven (no stack was caught:
-    `catch_crashes` is on in the workers to catch one); a worker has nothing left to flush, so it leaves with
-    os._exit. run_pretrain.py keeps the normal exit."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

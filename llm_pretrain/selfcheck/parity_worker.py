@@ -111,6 +111,6 @@ def main(runs_file: str) -> int:
 
 
 if __name__ == "__main__":
-    from llm_pretrain.selfcheck.parity import exit_after_results
+    from llm_pretrain.run.run_control import exit_after_results
 
     exit_after_results(main(sys.argv[1]))

@@ -71,7 +71,8 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
-from llm_pretrain.selfcheck.parity import catch_crashes, exit_after_results  # noqa: E402
+from llm_pretrain.run.run_control import exit_after_results  # noqa: E402
+from llm_pretrain.selfcheck.parity import catch_crashes  # noqa: E402
 from fp32_master_grads import fp32_master_grads  # noqa: E402
 from paddle.base import core  # noqa: E402
 from paddle.distributed.fleet.utils import sequence_parallel_utils  # noqa: E402

@@ -83,6 +83,6 @@ if __name__ == "__main__":
 
     write_result({**(observe(plan["ep"]) if plan["ep"] else {"runs": len(plan["runs"])}),
                   "master_grads": master_grads})
-    from llm_pretrain.selfcheck.parity import exit_after_results
+    from llm_pretrain.run.run_control import exit_after_results
 
     exit_after_results(0)  # a rank of the ep2dp4 launch died with SIGSEGV at exit after its result (full run, 18:00)
