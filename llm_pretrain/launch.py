@@ -21,8 +21,8 @@ heartbeats (run_control.describe_first_stopped), before exiting with the job's e
 Everything else is Paddle's launcher unchanged.
 
 Restart on the ranks left (issue 38), opt-in: `--max_restarts N` (this launcher's own option, not
-Paddle's `--max_restart`, which needs an etcd master and restarts a pod with the same process count:
-paddle/distributed/launch/controllers/collective.py:268, controller.py:87-147) with an argument file
+Paddle's `--max_restart`, which needs an etcd master and restarts every node with the same process count:
+paddle/distributed/launch/controllers/collective.py:268, controller.py:87-147; see below) with an argument file
 that has `elastic: true`:
 
     python -m llm_pretrain.launch --max_restarts 3 --nproc_per_node 4 llm_pretrain/run_pretrain.py args.json
@@ -51,6 +51,21 @@ by peer"), the other node is gone, and this one restarts alone (`--nnodes 1`, no
 of two would wait for the lost node with no deadline, paddle/distributed/launch/controllers/master.py:146-181, and
 the lost node may have held its HTTP master, master.py:83-93). A node whose own rank stopped first leaves the job.
 A stop signal that arrives while an attempt starts is forwarded once the child exists.
+
+Nodes that leave and return (any number of nodes), without --max_restarts: Paddle's own elastic launcher, with an
+etcd server as the rendezvous (`--master etcd://HOST:PORT --nnodes MIN:MAX`, the same command on every node):
+
+    python -m llm_pretrain.launch --master etcd://HOST:2379 --nnodes 2:4 --job_id JOB --nproc_per_node 8 \
+        llm_pretrain/run_pretrain.py args.json
+
+Each node's launcher keeps a heartbeat key under a 10 s lease (controllers/master.py:260-296 register_heartbeat);
+when a node's key goes (a lease that expired, a launcher that started) or a local rank fails, every launcher stops
+its ranks (SIGTERM: they save and exit), waits up to --elastic_timeout seconds for the nodes present to settle
+(master.py wait_peer_ready) and starts them again with the new count, MIN to MAX nodes, at most --max_restart
+times (controllers/collective.py:268-330 CollectiveElasticController.run, controller.py:87-147 watch). The run's
+elastic preflight then keeps the checkpoint's global batch on the ranks it finds. Checked here before Paddle:
+`elastic: true` when MIN < MAX, --elastic_timeout of at least 10 s, the etcd3 client importable and the server
+answering; `--elastic_level` defaults to 1 (Paddle's -1 ends the job when a peer fails, controller.py:129-147).
 """
 
 import json
@@ -186,7 +201,8 @@ def restart_plan(argv: list[str]) -> tuple[int, int, list[str], list[str], objec
                          "left continues alone; see docs/failures.md); run one launcher per node without --max_restarts")
     master = _option(options, "--master")[0]
     if nnodes == "2" and (not master or master.startswith("etcd://")):
-        raise UsageError("--max_restarts: --nnodes 2 needs --master HOST:PORT (the same on both nodes; not etcd://)")
+        raise UsageError("--max_restarts: --nnodes 2 needs --master HOST:PORT (the same on both nodes); with an etcd:// "
+                         "master, Paddle's launcher restarts the nodes itself: leave out --max_restarts")
     nproc, _ = _option(options, "--nproc_per_node")
     if nproc is None:
         raise UsageError("--max_restarts: give --nproc_per_node (the ranks the job starts with)")
@@ -315,9 +331,83 @@ def _what(code: int, first_stopped: str | None) -> str:
             f"the attempt failed with exit code {code} and no rank stopped first")
 
 
+# ----------------------------------------------------------------------------- nodes leave and return (etcd)
+PROTOBUF_IMPLEMENTATION_ENV = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+# Paddle's wait for the nodes present must outlast the 5 s in which a launcher puts back its own heartbeat key
+# (master.py:286) after a restart deleted every key (master.py:326-327, wait_peer_ready 302-324): with 3 s a
+# launcher found no node at all and ended the job ("peer not ready", collective.py:301; seen in a test run).
+MIN_ELASTIC_TIMEOUT = 10
+
+
+def etcd_client(endpoint: str):
+    """The etcd3 client Paddle's ETCDMaster makes (controllers/master.py:185-201), imported with protobuf's
+    Python implementation: etcd3 0.12.0's generated modules predate protoc 3.19 and raise "Descriptors cannot be
+    created directly" under protobuf >= 4's default one. The variable must be set before protobuf is first
+    imported (Paddle imports it), and is removed again so that the workers Paddle starts from this environment
+    keep the default implementation. UsageError when the client is missing or no server answers."""
+    from llm_pretrain.errors import UsageError
+
+    host, _, port = endpoint.removeprefix("etcd://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--master {endpoint}: expected etcd://HOST:PORT")
+    set_here = PROTOBUF_IMPLEMENTATION_ENV not in os.environ
+    if set_here:
+        os.environ[PROTOBUF_IMPLEMENTATION_ENV] = "python"
+    try:
+        import etcd3
+    except ImportError as error:
+        raise UsageError(f"--master {endpoint}: Paddle's elastic launcher needs the etcd3 client "
+                         f"(pip install etcd3==0.12.0; {error})") from None
+    finally:
+        if set_here:
+            del os.environ[PROTOBUF_IMPLEMENTATION_ENV]
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        client.status()
+    except Exception as error:  # etcd3 raises its ConnectionFailedError or grpc's errors
+        raise UsageError(f"--master {endpoint}: no etcd server answers there ({type(error).__name__})") from None
+    return client
+
+
+def elastic_nodes_argv(argv: list[str]) -> list[str]:
+    """Paddle's launcher options for `--master etcd://` (module docstring), checked before Paddle is imported.
+    UsageError (one line) for what cannot work."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.errors import UsageError
+
+    master = _option(argv, "--master")[0]
+    script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
+    options, command = argv[:script_at], argv[script_at:]
+    nnodes = _option(options, "--nnodes")[0] or "1"
+    low, _, high = nnodes.partition(":")
+    if not low.isdigit() or not (high or low).isdigit() or not 1 <= int(low) <= int(high or low):
+        raise UsageError(f"--nnodes {nnodes}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+    if int(low) < int(high or low) and command[1:]:
+        args, _ = parse_arguments(command[1:])  # imports no protobuf (etcd_client needs to be its first importer)
+        if not args.elastic:
+            raise UsageError(f"--nnodes {nnodes}: the argument file must have elastic: true (on fewer nodes the "
+                             "layout changes; without it the run would refuse to start)")
+    wait = _option(options, "--elastic_timeout")[0] or "30"
+    if not wait.isdigit() or int(wait) < MIN_ELASTIC_TIMEOUT:
+        raise UsageError(f"--elastic_timeout {wait}: at least {MIN_ELASTIC_TIMEOUT} s under an etcd master (each launcher "
+                         "writes its heartbeat key again every 5 s after a restart deleted it, paddle/distributed/launch/"
+                         "controllers/master.py:286, 326-327; a shorter wait can find no node and end the job)")
+    etcd_client(master)
+    if _option(options, "--elastic_level")[0] is None:
+        options = [*options, "--elastic_level", "1"]
+    return [*options, *command]
+
+
 def main() -> None:
     if any(arg == "--max_restarts" or arg.startswith("--max_restarts=") for arg in sys.argv[1:]):
         sys.exit(run_with_restarts(sys.argv[1:]))
+    if (_option(sys.argv[1:], "--master")[0] or "").startswith("etcd://"):
+        from llm_pretrain.errors import UsageError, exit_with_usage_error
+
+        try:
+            sys.argv[1:] = elastic_nodes_argv(sys.argv[1:])
+        except UsageError as error:
+            exit_with_usage_error(error)
     install_graceful_stop()
     install_dead_rank_report()
     from paddle.distributed.launch.main import launch

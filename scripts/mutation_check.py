@@ -59,6 +59,7 @@ ELASTIC_RESTART = ("tests/test_elastic.py::test_a_killed_rank_restarts_on_the_ra
                    "batch")
 ELASTIC_RESTART_RULE = "tests/test_elastic.py::test_each_restart_counts_from_the_configured_ranks"
 ELASTIC_GROW_BACK = "tests/test_elastic.py::test_the_ranks_back_return_the_file_layout_with_the_same_global_batch"
+ELASTIC_ETCD = "tests/test_elastic.py::test_nodes_leave_and_return_under_paddles_etcd_launcher_with_the_same_global_batch"
 ELASTIC_TWO_NODES = "tests/test_elastic.py::test_a_lost_node_leaves_the_other_to_continue_alone_with_the_same_global_batch"
 ELASTIC_SIGTERM = ("tests/test_elastic.py::test_sigterm_to_the_restarting_launcher_stops_its_attempt_cleanly_and_does_"
                    "not_restart")
@@ -222,6 +223,9 @@ MUTATIONS = [
     Mutation("peer_gone_not_seen", "a node's ranks that failed because their peer's connection closed are not "
              "seen as a lost peer: the node left does not continue alone", "llm_pretrain/run/run_control.py",
              "        if any(marker in line for marker in PEER_GONE):", "        if False:", (ELASTIC_TWO_NODES,)),
+    Mutation("etcd_elastic_level_not_set", "under an etcd master the launcher keeps Paddle's --elastic_level -1: "
+             "a node's failure ends the job instead of restarting on the nodes present", "llm_pretrain/launch.py",
+             'options = [*options, "--elastic_level", "1"]', 'options = [*options]', (ELASTIC_ETCD,)),
     Mutation("stop_not_forwarded", "SIGTERM to the --max_restarts launcher is not forwarded to its running attempt",
              "llm_pretrain/launch.py", "            self.child.send_signal(signum)\n            self.forwarded = True",
              "            self.forwarded = True", (ELASTIC_SIGTERM,)),

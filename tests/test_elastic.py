@@ -577,3 +577,132 @@ def test_the_ranks_back_return_the_file_layout_with_the_same_global_batch(embedd
     assert capsys.readouterr().out.splitlines() == [
         "elastic: checkpoint-10 was written by 2 ranks, 4 are present; continuing on 4 ranks with no key changes, "
         "global batch 8"]
+
+
+# Nodes that leave and return under Paddle's own elastic launcher (`--master etcd://`, llm_pretrain/launch.py
+# elastic_nodes_argv): an etcd server from Debian's etcd-server package (scripts/install_test_requirements.sh),
+# started here on free ports, and the etcd3 client from requirements-test.txt.
+def _start_etcd(work: Path):
+    import shutil
+    import subprocess
+
+    from llm_pretrain.selfcheck.parity import free_port
+
+    etcd = shutil.which("etcd")
+    assert etcd, "no etcd server: install Debian's etcd-server (bash scripts/install_test_requirements.sh)"
+    client, peer = free_port(), free_port()
+    server = subprocess.Popen(
+        [etcd, "--data-dir", str(work / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=open(work / "etcd.log", "w"), start_new_session=True)
+    return server, f"etcd://127.0.0.1:{client}"
+
+
+def _start_node(master: str, run_argv: list[str], log_dir: Path):
+    """One node's `python -m llm_pretrain.launch` of one rank, nodes 1 to 2 (its output in files: the launcher
+    copies rank 0's log to its stdout for the whole run)."""
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT, TESTS_DIR
+    from parity_utils import RUN_PRETRAIN
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])}
+    for key in ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_LOG_DIR"):
+        env.pop(key, None)
+    log_dir.mkdir(parents=True)
+    command = [sys.executable, "-m", "llm_pretrain.launch", "--master", master, "--nnodes", "1:2", "--job_id",
+               "nodes-leave-and-return", "--elastic_timeout", "10", "--max_restart", "3", "--nproc_per_node", "1",
+               "--log_dir", str(log_dir), str(RUN_PRETRAIN), *run_argv]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=open(log_dir / "launcher.out", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_nodes_leave_and_return_under_paddles_etcd_launcher_with_the_same_global_batch(embedded_corpus, tmp_path):
+    """Two nodes (two launchers on this machine, one rank each: dp2, global batch 2 x 2 x 2 = 8). Node b is killed
+    (launcher and rank, SIGKILL) after checkpoint-2: node a's launcher starts its rank again alone (1 rank,
+    accumulation 4, global batch 8) from the newest checkpoint. Node b returns: both launchers stop their ranks
+    (a saves) and start dp2 again from a's checkpoint with the file's layout, to max_steps. Every segment resumes
+    where the one before saved, with the same global batch."""
+    from launch_utils import _kill_session
+
+    args_file = write_json(tmp_path / "nodes.json", base_arguments(
+        embedded_corpus, tmp_path, num_hidden_layers=2, max_steps=120, save_steps=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, elastic=True))
+    out = tmp_path / "out"
+    server, master = _start_etcd(tmp_path)
+    nodes = {}
+    try:
+        nodes["a"], nodes["b"] = (_start_node(master, argv(args_file, out), tmp_path / f"log-{n}") for n in "ab")
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2" / "COMPLETE").exists():
+            assert time.monotonic() < deadline and nodes["a"].poll() is None, nodes["a"].poll()
+            time.sleep(0.05)
+        _kill_session(nodes["b"].pid)  # the node: its launcher and its rank
+        while not ((out / "train_log.jsonl").exists() and _run_records(out)[-1]["layout"]["world_size"] == 1
+                   and (out / f"checkpoint-{_run_records(out)[-1]['start_step'] + 2}" / "COMPLETE").exists()):
+            assert time.monotonic() < deadline and nodes["a"].poll() is None, nodes["a"].poll()
+            time.sleep(0.05)
+        nodes["b"] = _start_node(master, argv(args_file, out), tmp_path / "log-b-returned")  # the node returns
+        codes = {name: node.wait(timeout=600) for name, node in nodes.items()}
+    finally:
+        for node in nodes.values():
+            _kill_session(node.pid)
+        _kill_session(server.pid)
+    logs = {name: (tmp_path / ("log-b-returned" if name == "b" else "log-a") / "launcher.out").read_text(errors="replace")
+            for name in nodes}
+    assert codes == {"a": 0, "b": 0}, (codes, logs["a"][-3000:], logs["b"][-3000:])
+    runs = _run_records(out)
+    sizes = [run["layout"]["world_size"] for run in runs]
+    assert sizes[0] == 2 and sizes[-1] == 2 and 1 in sizes, sizes
+    assert all(run["global_batch_size"] == 8 for run in runs), [run["global_batch_size"] for run in runs]
+    alone = next(run for run in runs if run["layout"]["world_size"] == 1)
+    assert alone["elastic"]["changes"] == {"gradient_accumulation_steps": [2, 4]}, alone["elastic"]
+    assert alone["elastic"]["reason"] == f"checkpoint-{alone['start_step']} was written by 2 ranks, 1 are present"
+    back = runs[-1]
+    assert back["elastic"]["reason"] == f"checkpoint-{back['start_step']} was written by 1 ranks, 2 are present"
+    assert back["elastic"]["changes"] == {} and back["start_step"] > alone["start_step"]
+    # each segment goes on from the checkpoint the one before saved (its first step is the next), and the last
+    # reaches max_steps
+    events = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    for at, event in enumerate(events):
+        if event["event"] == "run":
+            first = next(e for e in events[at + 1:] if e["event"] == "train")
+            assert first["step"] == event["start_step"] + 1, (event["start_step"], first["step"])
+    assert [run["start_step"] for run in runs] == sorted({run["start_step"] for run in runs}), runs
+    assert max(r["step"] for r in train_records(out)) == 120
+
+
+@pytest.mark.parametrize("elastic, nnodes, fragment", [  # nnodes: and any further launcher options
+    (False, "1:2", "error: --nnodes 1:2: the argument file must have elastic: true"),
+    (True, "2:1", "error: --nnodes 2:1: expected N or MIN:MAX with 1 <= MIN <= MAX"),
+    (True, "1:2 --elastic_timeout 3", "error: --elastic_timeout 3: at least 10 s under an etcd master"),
+    (True, "1:2", "error: --master etcd://127.0.0.1:{port}: no etcd server answers there"),
+])
+def test_etcd_launch_bad_input_is_one_line_before_paddle(embedded_corpus, tmp_path, elastic, nnodes, fragment):
+    import os
+    import subprocess
+    import sys
+
+    from launch_utils import REPO_ROOT
+    from llm_pretrain.selfcheck.parity import free_port
+    from parity_utils import RUN_PRETRAIN
+
+    args_file = _lost_node_file(tmp_path, embedded_corpus)
+    write_json(args_file, {**json.loads(args_file.read_text()), "elastic": elastic})
+    port = free_port()  # nothing listens there
+    imported = tmp_path / "paddle_imported"
+    probe = ("import runpy, sys\ntry:\n    runpy.run_module('llm_pretrain.launch', run_name='__main__')\nfinally:\n"
+             f"    open({str(imported)!r}, 'w').write(str('paddle' in sys.modules))")
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "--master", f"etcd://127.0.0.1:{port}", "--nnodes", *nnodes.split(), "--nproc_per_node",
+         "1", str(RUN_PRETRAIN), str(args_file)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr[-2000:])
+    assert result.stderr.startswith(fragment.format(port=port)) and len(result.stderr.strip().splitlines()) == 1, \
+        result.stderr
+    assert imported.read_text() == "False"
