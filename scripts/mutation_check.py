@@ -398,6 +398,11 @@ MUTATIONS = [
              "llm_pretrain/cpu/kernel_standins.py", "masked = rows >= bound[0] if bounds == 1",
              "masked = rows > bound[0] if bounds == 1",
              ("tests/test_kernel_standins.py::test_flashmask_attention_equals_the_dense_document_mask",)),
+    Mutation("pipeline_final_norm_unfused", "use_fused_rms_norm: the pipeline's final norm on the plain path (the "
+             "same numbers: only the last stage's count of fused RMSNorm calls tells)", "models/pipeline.py",
+             "        self.norm = pl.norm(config, config.hidden_size)",
+             "        self.norm = pl.norm(config.replace(use_fused_rms_norm=False), config.hidden_size)",
+             ("tests/test_uneven_pipeline.py::test_uneven_stages_train_like_one_process",)),
     Mutation("flashmask_unmasked_under_sep", "use_flash_attention with documents under sep: flashmask_attention "
              "after the all-to-all with every row bound at the sequence's end (plain causal flash)",
              "models/decoder.py", "(documents.row_indices,) if flashmask",

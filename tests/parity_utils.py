@@ -81,11 +81,17 @@ def run_spec(name: str, run_argv: list[str]) -> dict:
     return {"name": name, "argv": run_argv, **({"env": STANDIN_ENV} if "--use_flash_attention" in run_argv else {})}
 
 
-def assert_stand_ins_ran(observed: list[dict], output_dir: Path, kernels: tuple[str, ...]) -> None:
+def assert_stand_ins_ran(observed: list[dict], output_dir: Path, kernels: tuple[str, ...],
+                         counts: list[dict] | None = None) -> None:
     """A stand-in run on every rank called each of `kernels` (the worker's "kernel_calls"), and its run record
-    names them as stand-ins; observed: each rank's observations of this run, in rank order."""
+    names them as stand-ins; observed: each rank's observations of this run, in rank order. `counts`: each
+    rank's expected number of calls of some kernels (the layers it holds x micro-batches x steps: a branch taken
+    in some layers only, or on some ranks only, shows)."""
     if DEVICE != "cpu":
         return
     for rank, seen in enumerate(observed):
         assert all(seen["kernel_calls"].get(kernel, 0) > 0 for kernel in kernels), (rank, seen["kernel_calls"])
+    for rank, (seen, expected) in enumerate(zip(observed, counts or [], strict=counts is not None)):
+        assert {kernel: seen["kernel_calls"].get(kernel, 0) for kernel in expected} == expected, \
+            (rank, seen["kernel_calls"], expected)
     assert set(kernels) <= set(run_record(output_dir)["built"]["kernels"]["stand_ins"])

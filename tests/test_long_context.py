@@ -35,10 +35,12 @@ accumulation steps of one process).
                         whole sequence's row indices after the all-to-all)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
-                        LLaMA also under sep2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x sharding stage 2, cp4
+                        LLaMA also under sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x
+                        sharding 2 at stages 1, 2 and 3, sep2 x sharding 2 at stages 1 and 3, cp4
                         (the ring's overlapped pass between different neighbours), pp2 x cp2 and pp2 x sep2,
                         with packed documents under sep2 (FlashMask's stand-in), each rank's stand-in
-                        calls checked (the launch worker's "kernel_calls")
+                        calls checked (the launch worker's "kernel_calls"; the newer runs: as many as
+                        every layer makes, llama_kernel_calls)
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
                         layer in forward and 4 times in backward; the ranks' gradients differ
                         before the optimizer's sep reduction; a Mixtral router routes s/2 tokens per
@@ -127,11 +129,14 @@ class Runs:
         """A launch's run with the kernel options on, through the CPU stand-ins (run_spec sets the switch)."""
         return run_spec(name, self.run(name, model, **overrides, **KERNEL_OPTIONS))
 
-    def check_stand_ins(self, result, name: str, kernels: tuple[str, ...] = LLAMA_KERNELS) -> None:
-        """Every rank of a parity-worker launch called `kernels` in run `name` (its "kernel_calls")."""
+    def check_stand_ins(self, result, name: str, kernels: tuple[str, ...] = LLAMA_KERNELS,
+                        micro_batches: int | None = None, ring: bool = False) -> None:
+        """Every rank of a parity-worker launch called `kernels` in run `name` (its "kernel_calls"); with
+        `micro_batches` (per step on each rank), LLaMA's kernels exactly as often as every layer calls them."""
         out = str(self.out(name))
-        assert_stand_ins_ran([seen["observations"][out] for _, seen in sorted(result.results().items())]
-                             if DEVICE == "cpu" else [], self.out(name), kernels)
+        observed = [seen["observations"][out] for _, seen in sorted(result.results().items())] if DEVICE == "cpu" else []
+        counts = None if micro_batches is None else [llama_kernel_calls(micro_batches, ring)] * len(observed)
+        assert_stand_ins_ran(observed, self.out(name), kernels, counts)
 
     def check(self, names_and_models) -> None:
         for name, model in names_and_models:
@@ -140,6 +145,20 @@ class Runs:
             if model in MOE_MODELS:
                 assert_same_router_metrics(self.reference(model), self.out(name))
             print(f"{name} vs single-process {model}: {diffs}")
+
+
+def llama_kernel_calls(micro_batches: int, ring: bool) -> dict:
+    """A LLaMA run's stand-in calls on one rank in 5 steps (parity.base_arguments' max_steps) of `micro_batches`:
+    per layer one flash call and its gradient (the ring of cp2: one per block, 2 blocks; its batch_isend_irecv
+    once in forward, 3 times in backward), one fused rotary embedding (q and k together) and two fused RMSNorms,
+    plus the final norm."""
+    forwards = 5 * micro_batches
+    calls = {"flash_attn": forwards * LAYERS * (2 if ring else 1), "fused_rotary_position_embedding": forwards * LAYERS,
+             "fused_rms_norm_quant": forwards * (2 * LAYERS + 1)}
+    calls["flash_attn_grad"] = calls["flash_attn"]
+    if ring:
+        calls["batch_isend_irecv"] = forwards * LAYERS * 4
+    return calls
 
 
 def assert_same_router_metrics(reference: Path, other: Path) -> None:
@@ -249,13 +268,16 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("mixtral-capped-sep2tp2-sp", "mixtral-capped", **tp2, sequence_parallel=True),
                              runs.run("qwen2_moe-cp2tp2-sp", "qwen2_moe", **cp2tp2, sequence_parallel=True),
                              # sdpa's flash on the heads of tp, then of sep; the fused RMSNorm on SP's sequence slices
-                             runs.kernels("llama-sep2tp2-sp-kernels", **tp2, sequence_parallel=True)],
+                             runs.kernels("llama-sep2tp2-sp-kernels", **tp2, sequence_parallel=True),
+                             # the ring's FlashBlocks on tp's heads; the fused RMSNorm on SP's slices of cp's chunks
+                             runs.kernels("llama-cp2tp2-sp-kernels", **cp2tp2, sequence_parallel=True)],
                          runs.work, "sep2tp2", timeout=1800)
     runs.check([("llama-sep2tp2-sp", "llama"), ("bloom-sep2tp2", "bloom"), ("gpt3-sep2tp2-sp", "gpt3"),
                 ("llama-cp2tp2-sp", "llama"), ("bloom-cp2tp2", "bloom"),
                 ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe"),
-                ("llama-sep2tp2-sp-kernels", "llama")])
+                ("llama-sep2tp2-sp-kernels", "llama"), ("llama-cp2tp2-sp-kernels", "llama")])
     runs.check_stand_ins(sep2tp2, "llama-sep2tp2-sp-kernels")
+    runs.check_stand_ins(sep2tp2, "llama-cp2tp2-sp-kernels", micro_batches=4, ring=True)  # tp's ranks: all 4
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
     assert run_record(runs.out("bloom-sep2tp2"))["strategy"] == "tp2sep2"
     sep2dp2 = run_launch(4, [runs.run("llama-sep2dp2", **SEP2, gradient_accumulation_steps=2),
@@ -285,13 +307,23 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
                              runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3),
                              # the ring's FlashBlocks under GroupShardedStage2 (its gradient buffer, our sep-group sum)
-                             runs.kernels("llama-cp2sd2-stage2-kernels", **CP2, **stage2)],
+                             runs.kernels("llama-cp2sd2-stage2-kernels", **CP2, **stage2),
+                             # ... under stages 1 and 3, and sdpa's flash after sep's all-to-all under stage 1 and 3
+                             runs.kernels("llama-cp2sd2-kernels", **CP2, sharding="stage1", **sharded),
+                             runs.kernels("llama-cp2sd2-stage3-kernels", **CP2, **stage3),
+                             runs.kernels("llama-sep2sd2-kernels", **SEP2, sharding="stage1", **sharded),
+                             runs.kernels("llama-sep2sd2-stage3-kernels", **SEP2, **stage3)],
                          runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
                 ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom"),
-                ("llama-cp2sd2-stage2-kernels", "llama")])
+                ("llama-cp2sd2-stage2-kernels", "llama"), ("llama-cp2sd2-kernels", "llama"),
+                ("llama-cp2sd2-stage3-kernels", "llama"), ("llama-sep2sd2-kernels", "llama"),
+                ("llama-sep2sd2-stage3-kernels", "llama")])
     runs.check_stand_ins(sep2sd2, "llama-cp2sd2-stage2-kernels")
+    for name in ("llama-cp2sd2-kernels", "llama-cp2sd2-stage3-kernels", "llama-sep2sd2-kernels",
+                 "llama-sep2sd2-stage3-kernels"):
+        runs.check_stand_ins(sep2sd2, name, micro_batches=2, ring="cp2" in name)
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
     for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
                                   ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),

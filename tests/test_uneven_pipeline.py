@@ -9,7 +9,9 @@ session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.p
                  first stage with the embedding and one layer); stop under [3, 5], resume under [6, 2]
     3 processes  pp3 over 8 layers (automatic: fleet's uniform split as PaddleNLP, [2, 4, 2]); pp3 over
                  4 layers ([1, 2, 1]); gpt3-tiny pp3 (tied head across three stages); resume under pp3
-                 of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1)
+                 of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1);
+                 with the kernel options through their CPU stand-ins: that interleaved split and pp3 [3, 2, 3]
+                 (each stage's stand-in calls: as many as the layers it holds make)
 
 and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
 in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
@@ -23,8 +25,8 @@ import pytest
 from launch_utils import REPO_ROOT, launch
 from llm_pretrain.parallel.layout import paddle_has_deep_ep
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, base_arguments, run_launch,
-    run_record, run_single, run_spec, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, assert_stand_ins_ran,
+    base_arguments, run_launch, run_record, run_single, run_spec, write_json,
 )
 from schedule_orders import first_step, fthenb_balanced, interleaved
 from shared_launches import contribute
@@ -46,6 +48,10 @@ RUNS = {
     "pp3-4": ("llama4", 3, PP3, [[[0]], [[1, 2]], [[3]]]),
     "gpt3-pp3": ("gpt3", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
     "pp3vpp2": ("llama", 3, INTERLEAVED, [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
+    # the same interleaved uneven split, and an uneven pp3 one, with the kernel options through their stand-ins
+    "pp3vpp2-kernels": ("llama", 3, dict(INTERLEAVED, **KERNEL_OPTIONS), [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
+    "pp3-3-2-3-kernels": ("llama", 3, dict(PP3, pipeline_layers_per_stage=[3, 2, 3], **KERNEL_OPTIONS),
+                          [[[0, 1, 2]], [[3, 4]], [[5, 6, 7]]]),
 }
 # Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints).
 RESUMES = {
@@ -70,11 +76,14 @@ def runs_of(processes: int, work, corpus) -> list[dict]:
             runs.append({"name": f"{name}-first", "argv": argv(files[model], work / name, exit_interval=2, **first)})
         if second_n == processes:
             runs.append({"name": name, "argv": argv(files[model], work / name, **second)})
-    return runs
+    return sorted(runs, key=lambda run: "env" in run)  # stand-in runs last: once installed, they stay in the process
 
 
 # pp2 trains in the session's pp2 launch (tests/shared_launches.py), beside the parity tests' pp2 runs.
 contribute("pp2", 2, "uneven", lambda work, corpus: runs_of(2, work, corpus))
+
+
+PP3_OBSERVED: dict[int, dict] = {}  # the pp3 launch's observations per rank (the stand-in runs' "kernel_calls")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +92,8 @@ def uneven(shared_launches, embedded_corpus):
     files = argument_files(work, embedded_corpus)
     run_single([argv(files[m], work / "single" / m) for m in MODELS], work, "single")
     shared_launches.results("pp2", "uneven")  # before pp3: it holds the first parts of resumes under pp3
-    run_launch(3, [run["argv"] for run in runs_of(3, work, embedded_corpus)], work, "pp3", timeout=900)
+    pp3 = run_launch(3, runs_of(3, work, embedded_corpus), work, "pp3", timeout=900)
+    PP3_OBSERVED.update(pp3.results() if DEVICE == "cpu" else {})
     return work
 
 
@@ -100,6 +110,19 @@ def test_uneven_stages_train_like_one_process(uneven):
     assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
     assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
         "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
+    # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the fused RMSNorm twice,
+    # and the last stage's final norm) per micro-batch, in each of the 5 steps
+    for name in ("pp3vpp2-kernels", "pp3-3-2-3-kernels"):
+        _, _, overrides, chunk_layers = RUNS[name]
+        forwards = 5 * overrides.get("gradient_accumulation_steps", 4)
+        counts = []
+        for stage, chunks in enumerate(chunk_layers):
+            layers = sum(len(chunk) for chunk in chunks)
+            counts.append({"flash_attn": forwards * layers, "flash_attn_grad": forwards * layers,
+                           "fused_rotary_position_embedding": forwards * layers,
+                           "fused_rms_norm_quant": forwards * (2 * layers + (stage == len(chunk_layers) - 1))})
+        assert_stand_ins_ran([PP3_OBSERVED[rank]["observations"][str(uneven / name)] for rank in sorted(PP3_OBSERVED)],
+                             uneven / name, tuple(counts[0]), counts)
 
 
 @pytest.mark.parametrize("overrides, words", [
