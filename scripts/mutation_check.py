@@ -579,7 +579,9 @@ MUTATIONS = [
              "data-parallel ranks only, not the sharding ranks", "models/parallel_layers.py",
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
              "    for group in (hcg.get_data_parallel_group(),):",
-             ("tests/test_parallel_parity.py::test_sharding_stages",)),
+             # sd2 stages 1-3, and ep2 over the sharding ranks (each rank routes its own samples there too)
+             ("tests/test_parallel_parity.py::test_sharding_stages",
+              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process")),
     # Issue 35: DeepSeek-V3 under ep2 over dp2 with each rank's bias moved by the load of its own tokens only
     Mutation("deepseek_ep_bias_load_not_summed", "under expert parallelism the routers' load of the bias update "
              "counted over this rank's tokens only, not summed over the expert (data-parallel) group",

@@ -661,10 +661,12 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     (tests/test_deepseek_v3.py), under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
     and the router biases, their load summed over the replicas, equal one process's), under tensor parallelism
     with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
-    replicated), under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage) and under sharding stage 1
-    (test_sharding_stages): each alone; and expert parallelism over the data-parallel ranks (tests/test_expert_parallel.py
-    deepseek-v3-ep2: models/moe.py's all-to-all dispatch, the bias load summed over dp). Every other parallel degree above 1, their combinations, the other sharding
-    stages and the pipeline's other schedules are refused, as are the switches they ignore."""
+    replicated), under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage) and under sharding stages
+    1, 2 and 3 (test_sharding_stages): each alone; and expert parallelism over the data-parallel ranks and over the
+    sharding ranks at stages 1 and 2 (tests/test_expert_parallel.py deepseek-ep2, deepseek-ep2sd2s1/s2: models/moe.py's
+    all-to-all dispatch, the bias load summed over dp and sharding by sum_over_data_replicas). Every other parallel
+    degree above 1, their combinations and the pipeline's other schedules are refused, as are the switches they
+    ignore."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
@@ -672,20 +674,15 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
     ep = _degree(args.expert_parallel_degree)
-    if ep > 1 and layout.data_parallel_degree <= 1:
-        raise UsageError(f"expert_parallel_degree: {ep} is supported for {config.family} over data-parallel ranks only "
-                         f"(proven in tests/test_expert_parallel.py; over sharding ranks not yet; allowed: 1, or a "
-                         f"divisor of data_parallel_degree)")
     degrees = {"sep_parallel_degree": layout.sep_parallel_degree,
                "context_parallel_degree": layout.context_parallel_degree}
     for name, degree in degrees.items():
         if degree > 1:
-            raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process and under data, tensor or pipeline parallelism or sharding "
-                             f"stage 1 only; allowed: 1)")
-    if layout.sharding_degree > 1 and layout.sharding_stage != 1:
-        raise UsageError(f"sharding: stage{layout.sharding_stage} is not supported for {config.family} yet (proven under "
-                         f"stage1 only; allowed: stage1)")
+            # models/mla.py attends over this rank's tokens only (no sep all-to-all, no ring), and the bias load
+            # and the sequence-wise loss (models/deepseek_moe.py) are not summed over the sep group
+            raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention has no "
+                             f"sep all-to-all or ring path, and its router bias load and sequence-wise loss are not "
+                             f"summed over the sep group; allowed: 1)")
     proven = {"data_parallel_degree": layout.data_parallel_degree, "sharding_degree": layout.sharding_degree,
               "tensor_parallel_degree": layout.tensor_parallel_degree,
               "pipeline_parallel_degree": layout.pipeline_parallel_degree}
