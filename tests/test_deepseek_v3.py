@@ -374,7 +374,8 @@ def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, t
     with pytest.raises(UsageError) as raised:
         check_layout_and_model(args, 2, "cpu")
     message = str(raised.value)
-    assert "\n" not in message and "allowed: 1" in message and "deepseek_v3" in message
+    assert "\n" not in message and f"{key}: {value} is not proven for deepseek_v3" in message
+    assert "sep_parallel_degree" not in message.split("allowed above 1:")[1], message
 
 
 def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
@@ -424,18 +425,18 @@ def test_expert_parallelism_over_sharding_ranks_is_accepted(stage, embedded_corp
 
 
 @pytest.mark.parametrize("overrides, world, message", [
-    ({"tensor_parallel_degree": 2}, 4, "data_parallel_degree 2 with tensor_parallel_degree 2 is not supported"),
+    ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
-     "tensor_parallel_degree 2 with pipeline_parallel_degree 2 is not supported"),
+     "tensor_parallel_degree 2 with pipeline_parallel_degree 2 together is not proven"),
     ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,
-     "virtual_pp_degree: 2 is not supported"),
+     "virtual_pp_degree: 2 is not proven"),
     ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
      "pipeline_layers_per_stage: [1, 3] is not supported"),
     ({"pipeline_parallel_degree": 2, "recompute": True}, 2, "recompute: true under pipeline_parallel_degree 2"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
-     "data_parallel_degree 2 with sharding_degree 2 is not supported"),
+     "sharding_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"sharding": "stage3", "pipeline_parallel_degree": 2}, 4,
-     "sharding_degree 2 with pipeline_parallel_degree 2 is not supported")])
+     "pipeline_parallel_degree 2 with sharding_parallel_degree 2 together is not proven")])
 def test_combined_degrees_other_sharding_stages_and_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
                                                                                embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
