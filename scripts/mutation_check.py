@@ -588,13 +588,26 @@ MUTATIONS = [
              "data-parallel ranks only, not the sharding ranks", "models/parallel_layers.py",
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
              "    for group in (hcg.get_data_parallel_group(),):",
-             ("tests/test_parallel_parity.py::test_sharding_stages",)),
+             # sd2 stages 1-3, and ep2 over the sharding ranks (each rank routes its own samples there too)
+             ("tests/test_parallel_parity.py::test_sharding_stages",
+              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process")),
     # Issue 35: DeepSeek-V3 under ep2 over dp2 with each rank's bias moved by the load of its own tokens only
     Mutation("deepseek_ep_bias_load_not_summed", "under expert parallelism the routers' load of the bias update "
              "counted over this rank's tokens only, not summed over the expert (data-parallel) group",
              "models/deepseek_moe.py", "        load, _ = pl.sum_over_data_replicas(self.step_load)\n",
              "        load = self.step_load if self.ep_degree > 1 else pl.sum_over_data_replicas(self.step_load)[0]\n",
              ("tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",)),
+    # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
+    # its experts over the sharding ranks no longer allowed
+    Mutation("deepseek_sep_cp_listed_proven", "DeepSeek-V3's sep and cp (MLA has no all-to-all or ring path) accepted",
+             "llm_pretrain/parallel/layout.py",
+             '"deepseek_v3": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",)}',
+             '"deepseek_v3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD'
+             ' + ("expert_parallel_degree",)}',
+             ("tests/test_deepseek_v3.py::test_unproven_layouts_are_refused_in_one_line",)),
+    Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",
+             "llm_pretrain/parallel/layout.py", 'EXPERTS_OVER_SHARDING = ("deepseek_v3",)', "EXPERTS_OVER_SHARDING = ()",
+             ("tests/test_deepseek_v3.py::test_expert_parallelism_over_sharding_ranks_is_accepted",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",
              "shape = [metrics.config.router_count, metrics.config.num_experts]",

@@ -374,7 +374,8 @@ def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, t
     with pytest.raises(UsageError) as raised:
         check_layout_and_model(args, 2, "cpu")
     message = str(raised.value)
-    assert "\n" not in message and "allowed: 1" in message and "deepseek_v3" in message
+    assert "\n" not in message and f"{key}: {value} is not proven for deepseek_v3" in message
+    assert "sep_parallel_degree" not in message.split("allowed above 1:")[1], message
 
 
 def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
@@ -386,8 +387,8 @@ def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
     assert layout.data_parallel_degree == 2 and config.moe_bias_update_rate == 0.01
 
 
-def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(embedded_corpus, tmp_path):
-    """tp2, tp2 + SP, pp2 (1F1B) and sharding stage 1 are proven: tests/test_parallel_parity.py test_tensor_parallel,
+def test_tensor_and_pipeline_parallelism_and_sharding_stages_alone_are_accepted(embedded_corpus, tmp_path):
+    """tp2, tp2 + SP, pp2 (1F1B) and sharding stages 1-3 are proven: tests/test_parallel_parity.py test_tensor_parallel,
     test_pipeline_parallel and test_sharding_stages train deepseek-v3-short."""
     from llm_pretrain.parallel.layout import check_layout_and_model
 
@@ -397,8 +398,9 @@ def test_tensor_and_pipeline_parallelism_and_sharding_stage1_alone_are_accepted(
         assert layout.tensor_parallel_degree == 2 and config.sequence_parallel == sp
     layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=2), 2, "cpu")
     assert layout.pipeline_parallel_degree == 2
-    layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, sharding="stage1"), 2, "cpu")
-    assert layout.sharding_degree == 2 and layout.sharding_stage == 1
+    for stage in (1, 2, 3):
+        layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, sharding=f"stage{stage}"), 2, "cpu")
+        assert layout.sharding_degree == 2 and layout.sharding_stage == stage
 
 
 def test_expert_parallelism_over_data_parallel_ranks_is_accepted(embedded_corpus, tmp_path):
@@ -410,21 +412,31 @@ def test_expert_parallelism_over_data_parallel_ranks_is_accepted(embedded_corpus
     assert layout.data_parallel_degree == 2 and config.expert_parallel_degree == 2
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_expert_parallelism_over_sharding_ranks_is_accepted(stage, embedded_corpus, tmp_path):
+    """ep2 over sd2 (stages 1 and 2) is proven: tests/test_expert_parallel.py deepseek-ep2sd2s1/s2."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    layout, config, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, expert_parallel_degree=2,
+                                                             sharding=f"stage{stage}", moe_bias_update_rate=0.01),
+                                                  2, "cpu")
+    assert (layout.data_parallel_degree, layout.sharding_degree, layout.sharding_stage) == (1, 2, stage)
+    assert config.expert_parallel_degree == 2
+
+
 @pytest.mark.parametrize("overrides, world, message", [
-    ({"tensor_parallel_degree": 2}, 4, "data_parallel_degree 2 with tensor_parallel_degree 2 is not supported"),
+    ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
-     "tensor_parallel_degree 2 with pipeline_parallel_degree 2 is not supported"),
+     "tensor_parallel_degree 2 with pipeline_parallel_degree 2 together is not proven"),
     ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,
-     "virtual_pp_degree: 2 is not supported"),
+     "virtual_pp_degree: 2 is not proven"),
     ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
      "pipeline_layers_per_stage: [1, 3] is not supported"),
     ({"pipeline_parallel_degree": 2, "recompute": True}, 2, "recompute: true under pipeline_parallel_degree 2"),
-    ({"sharding": "stage2"}, 2, "sharding: stage2 is not supported"),
-    ({"sharding": "stage3"}, 2, "sharding: stage3 is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
-     "data_parallel_degree 2 with sharding_degree 2 is not supported"),
-    ({"sharding": "stage1", "expert_parallel_degree": 2}, 2,
-     "expert_parallel_degree: 2 is supported for deepseek_v3 over data-parallel ranks only")])
+     "sharding_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
+    ({"sharding": "stage3", "pipeline_parallel_degree": 2}, 4,
+     "pipeline_parallel_degree 2 with sharding_parallel_degree 2 together is not proven")])
 def test_combined_degrees_other_sharding_stages_and_pipeline_schedules_are_refused_in_one_line(overrides, world, message,
                                                                                embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model

@@ -94,7 +94,9 @@ def trained(tmp_path_factory, embedded_corpus):
     plan = {"ep": 0, "runs": [argv(args_file, work / f"ep2sd2s{stage}", **ep2, sharding=f"stage{stage}")
                               for stage in (1, 2)] + [argv(args_file, work / "ep2sd2s2-real", **ep2, sharding="stage2", **REAL),
                                                       argv(args_file, work / "ep2sd2s1-master-grad", **ep2,
-                                                           sharding="stage1")],
+                                                           sharding="stage1")]
+            + [argv(args_file, work / f"deepseek-ep2sd2s{stage}", **DEEPSEEK, **ep2, sharding=f"stage{stage}")
+               for stage in (1, 2)],
             "fp32_master_grad": [3]}
     master_grads = {"ep2sd2s1-master-grad": launch(
         str(WORKER), 2, [str(write_json(work / "ep2sd2.plan.json", plan))], log_dir=work / "ep2sd2.log", timeout=900,
@@ -184,19 +186,26 @@ def test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process(train
         assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
 
 
-def test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process(trained):
-    """DeepSeek-V3 under ep2 over dp2 (issue 35): losses (main, MTP), grad norms, router metrics, weights and the
-    routers' correction biases (the main MoE layer's and the MTP block's, moved from the load summed over both
-    ranks) equal one process's; each rank wrote its 4 of the 8 experts of both MoE blocks."""
+@pytest.mark.parametrize("name", ["deepseek-ep2", "deepseek-ep2sd2s1", "deepseek-ep2sd2s2"])
+def test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process(trained, name):
+    """DeepSeek-V3 under ep2 over dp2, and over the sharding ranks with stages 1 and 2 (fleet's expert group,
+    data_parallel_degree 1; issue 35): losses (main, MTP), grad norms, router metrics, weights and the routers'
+    correction biases (the main MoE layer's and the MTP block's, moved from the load summed over both ranks:
+    sum_over_data_replicas covers the data-parallel and the sharding group) equal one process's; each rank wrote
+    its 4 of the 8 experts of both MoE blocks."""
     work, _, _ = trained
-    print(assert_same_training(work / "single-deepseek", work / "deepseek-ep2", step=2))
-    assert_same_router_metrics(work / "single-deepseek", work / "deepseek-ep2")
-    assert_same_router_biases(work / "single-deepseek", work / "deepseek-ep2")
-    for a, b in zip(train_records(work / "single-deepseek"), train_records(work / "deepseek-ep2"), strict=True):
+    print(assert_same_training(work / "single-deepseek", work / name, step=2))
+    assert_same_router_metrics(work / "single-deepseek", work / name)
+    assert_same_router_biases(work / "single-deepseek", work / name)
+    for a, b in zip(train_records(work / "single-deepseek"), train_records(work / name), strict=True):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5)
-    record = run_record(work / "deepseek-ep2")
-    assert record["model_config"]["family"] == "deepseek_v3" and record["layout"]["data_parallel_degree"] == 2
-    index = json.loads((work / "deepseek-ep2" / "checkpoint-2" / "tensors.index.json").read_text())
+    record = run_record(work / name)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == "deepseek_v3"
+    assert (layout["data_parallel_degree"], layout["sharding_degree"]) == ((2, 1) if name == "deepseek-ep2" else (1, 2))
+    if name != "deepseek-ep2":  # fleet's expert group over the sharding ranks: each keeps its own experts' states
+        assert record["built"]["expert_states"]["states_kept"] == [2 * 4 * 3] * 2, record["built"]["expert_states"]
+    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
     for block in ("layers.1.mlp", "mtp.block.mlp"):
         for expert, rank in ((0, 0), (3, 0), (4, 1), (7, 1)):
             slices = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]

@@ -596,12 +596,23 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # (PROVEN_SHARDING_STAGES); the pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
 # (ep over dp aside). Larger degrees of a proven one run the same code. Every other layout of these families is
 # refused until a test trains it.
+# DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
+# tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
+# tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's. No sep or
+# cp: models/mla.py attends over the rank's own tokens (no all-to-all or ring path), and the bias load and the
+# sequence-wise loss (models/deepseek_moe.py) are not summed over the sep group.
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
                   "ernie4_5": ("tensor_parallel_degree",) + _DP_PP_SD,
-                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD}
+                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD,
+                  "deepseek_v3": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",)}
 PROVEN_SHARDING_STAGES = (1,)
+# Families trained under more sharding stages than PROVEN_SHARDING_STAGES (test_parallel_parity check_deepseek_sd2)
+FAMILY_SHARDING_STAGES = {"deepseek_v3": (1, 2, 3)}
+# Families trained with their experts over the sharding ranks (fleet's expert group, data_parallel_degree 1;
+# tests/test_expert_parallel.py deepseek-ep2sd2s1/s2), not over the data-parallel ranks only
+EXPERTS_OVER_SHARDING = ("deepseek_v3",)
 # Two degrees together where a test trains them (degree keys -> the sharding stages proven with them): Qwen3 is
 # one of tests/test_long_context.py's MODELS, trained under cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding).
 PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}}
@@ -626,11 +637,12 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
     if len(above) > 1 and pair_stages is None:  # each degree is trained alone (ep over dp: test_expert_parallel)
         raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
                          "against one process alone); allowed: one of them above 1")
-    if degrees["expert_parallel_degree"] > 1 and (layout.sharding_degree > 1 or layout.pipeline_parallel_degree > 1):
+    over_sharding = layout.sharding_degree > 1 and config.family not in EXPERTS_OVER_SHARDING
+    if degrees["expert_parallel_degree"] > 1 and (over_sharding or layout.pipeline_parallel_degree > 1):
         raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with sharding or the pipeline is not proven "
                          f"for {config.family} yet (no test trains it against one process); allowed: expert parallelism "
                          "over data-parallel ranks only")
-    stages = pair_stages or PROVEN_SHARDING_STAGES
+    stages = pair_stages or FAMILY_SHARDING_STAGES.get(config.family, PROVEN_SHARDING_STAGES)
     if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
                          f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
@@ -657,48 +669,19 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
-    """DeepSeek-V3's pieces (latent attention, its router and bias rule, MTP) are proven in one process
-    (tests/test_deepseek_v3.py), under data parallelism (tests/test_parallel_parity.py test_dp2: losses, weights
-    and the router biases, their load summed over the replicas, equal one process's), under tensor parallelism
-    with and without SP (test_tensor_parallel: the same, the heads split, the latents, routers, biases and MTP
-    replicated), under the 1F1B pipeline (test_pipeline_parallel: MTP on the last stage) and under sharding stage 1
-    (test_sharding_stages): each alone; and expert parallelism over the data-parallel ranks (tests/test_expert_parallel.py
-    deepseek-v3-ep2: models/moe.py's all-to-all dispatch, the bias load summed over dp). Every other parallel degree above 1, their combinations, the other sharding
-    stages and the pipeline's other schedules are refused, as are the switches they ignore."""
+    """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, FAMILY_SHARDING_STAGES,
+    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, recompute under the
+    pipeline, flash attention and core_attn recompute (its latent attention has the plain path only)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    ep = _degree(args.expert_parallel_degree)
-    if ep > 1 and layout.data_parallel_degree <= 1:
-        raise UsageError(f"expert_parallel_degree: {ep} is supported for {config.family} over data-parallel ranks only "
-                         f"(proven in tests/test_expert_parallel.py; over sharding ranks not yet; allowed: 1, or a "
-                         f"divisor of data_parallel_degree)")
-    degrees = {"sep_parallel_degree": layout.sep_parallel_degree,
-               "context_parallel_degree": layout.context_parallel_degree}
-    for name, degree in degrees.items():
-        if degree > 1:
-            raise UsageError(f"{name}: {degree} is not supported for {config.family} yet (its latent attention, router "
-                             f"bias and MTP are proven in one process and under data, tensor or pipeline parallelism or sharding "
-                             f"stage 1 only; allowed: 1)")
-    if layout.sharding_degree > 1 and layout.sharding_stage != 1:
-        raise UsageError(f"sharding: stage{layout.sharding_stage} is not supported for {config.family} yet (proven under "
-                         f"stage1 only; allowed: stage1)")
-    proven = {"data_parallel_degree": layout.data_parallel_degree, "sharding_degree": layout.sharding_degree,
-              "tensor_parallel_degree": layout.tensor_parallel_degree,
-              "pipeline_parallel_degree": layout.pipeline_parallel_degree}
-    above = [f"{name} {degree}" for name, degree in proven.items() if degree > 1]
-    if len(above) > 1:
-        raise UsageError(f"{' with '.join(above)} is not supported for {config.family} yet (each is proven alone; "
-                         f"allowed: one of them above 1)")
-    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.pipeline_layers_per_stage):
-        key, value = (("virtual_pp_degree", layout.virtual_pp_degree) if layout.virtual_pp_degree > 1
-                      else ("pipeline_layers_per_stage", list(layout.pipeline_layers_per_stage)))
-        raise UsageError(f"{key}: {value} is not supported for {config.family} yet (its pipeline with MTP on the "
-                         f"last stage is proven under 1F1B with an even split; allowed: virtual_pp_degree 1, no "
-                         f"pipeline_layers_per_stage)")
+    if layout.pipeline_parallel_degree > 1 and layout.pipeline_layers_per_stage:
+        raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} is not supported for "
+                         f"{config.family} yet (its pipeline with MTP on the last stage is proven under 1F1B with an "
+                         f"even split; allowed: no pipeline_layers_per_stage)")
     if layout.pipeline_parallel_degree > 1 and args.recompute:
         # fleet's recompute segments of a PipelineLayer would take in the MTP block (models/pipeline.py PipelineMTP),
         # which no test has run recomputed
