@@ -271,8 +271,6 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
      "reset_attention_mask with pipeline_parallel_degree 2 and context_parallel_degree 2 together is not supported"),
     (dict(reset_attention_mask=True, use_flash_attention=True, model_name_or_path="bloom-tiny"), 1, "gpu",
      "reset_attention_mask with use_flash_attention is not supported for bloom"),
-    (dict(reset_attention_mask=True, use_flash_attention=True, context_parallel_degree=2), 2, "gpu",
-     "reset_attention_mask with use_flash_attention and context_parallel_degree 2 is not supported yet"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
     (dict(reset_attention_mask=True, reset_position_ids=True, model_name_or_path="gpt3-tiny", continue_training=True,
           max_seq_length=2048), 1, "cpu", "max_seq_length: 2048 exceeds the model's max_position_embeddings 1024"),

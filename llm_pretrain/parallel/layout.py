@@ -731,21 +731,18 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
         return
     if args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device)):  # the flash branch runs
         # Documents go to Paddle's flashmask_attention as row indices (models/decoder.py
-        # Attention.flashmask_attention), which takes no additive bias, and the ring's flash blocks take none.
+        # Attention.flashmask_attention; under cp each ring block with its own, models/ring_attention.py
+        # FlashMaskBlocks), which takes no additive bias.
         if config.position_embedding == "alibi":
             raise UsageError(f"reset_attention_mask with use_flash_attention is not supported for {config.family} "
                              "(ALiBi needs an additive bias, flashmask_attention takes none); set "
                              "use_flash_attention false")
-        if layout.context_parallel_degree > 1:
-            raise UsageError(f"reset_attention_mask with use_flash_attention and context_parallel_degree "
-                             f"{layout.context_parallel_degree} is not supported yet (the ring masks documents on its "
-                             "plain blocks only); set use_flash_attention false")
     # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
     # sequences of its heads) run the same attention with the same mask; under the pipeline the document ids
     # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared
     # launches dp2, tp2, sd2, pp2); under sep the whole sequence's mask fits the heads after the all-to-all,
-    # under cp the ring masks each block (models/ring_attention.py DocumentBlocks) (tests/test_long_context.py,
-    # the sep2/cp2 launch).
+    # under cp the ring masks each block (models/ring_attention.py DocumentBlocks; flash blocks with FlashMask's
+    # row indices) (tests/test_long_context.py, the sep2/cp2 launch).
     if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
         schedule = "dualpipev" if layout.dualpipev else f"virtual_pp_degree {layout.virtual_pp_degree}"
         raise UsageError(f"reset_attention_mask with {schedule} is not supported yet (proven under 1F1B only); "
