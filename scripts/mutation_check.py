@@ -377,7 +377,8 @@ MUTATIONS = [
              "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), document_ids, carry)",
              "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), None, carry)",
              (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
-              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]",
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp4]")),
     Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
              "the mask", "models/decoder.py",
              "extra = (() if documents is None else",
