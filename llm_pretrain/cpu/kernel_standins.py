@@ -15,7 +15,7 @@ in `paddle._C_ops`, the module those wrappers and models/ring_attention.py call 
                                         FlashBlocks
     flashmask_attention, _grad          F.flashmask_attention (models/decoder.py            PyLayer: the row indices
                                         Attention.flashmask_attention: packed documents)   as a dense mask, then
-                                                                                           flash_attn's math
+                                        models/ring_attention.py FlashMaskBlocks            flash_attn's math
     fused_rotary_position_embedding     paddle.incubate.nn.functional.fused_rotary_position_embedding
                                         (models/decoder.py Attention.project_qkv)          Paddle ops (autograd)
     fused_rms_norm_quant                paddle.incubate.nn.functional.fused_rms_norm
