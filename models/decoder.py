@@ -392,7 +392,8 @@ class Attention(nn.Layer):
     def ring_attention(self, q, k, v, document_ids=None):
         """Context parallelism: the attention of this rank's queries over every rank's keys
         (models/ring_attention.py; each block with the flash kernel under use_flash_attention on GPU;
-        with packed documents each block masked by them, blocks they mask entirely skipped)."""
+        with packed documents each block masked by them (flash blocks: flashmask_attention), blocks they mask
+        entirely skipped)."""
         from models.ring_attention import ring_attention
 
         slopes = list(self.alibi_slope_list) if self.config.position_embedding == "alibi" else None
@@ -404,7 +405,7 @@ class Attention(nn.Layer):
         ring = self.config.context_parallel_degree > 1
         flashmask = documents is not None and self.config.use_flash_attention and not ring
         attention = self.ring_attention if ring else self.flashmask_attention if flashmask else self.core_attention
-        # Packed documents: the ring takes the ids and masks its blocks (the layout refuses it with flash);
+        # Packed documents: the ring takes the ids and masks its blocks (flash ones by FlashMask's row indices);
         # the flash kernel takes each key's row bound; otherwise the whole sequence's mask (under sep both fit:
         # after the all-to-all this rank holds every token of its heads).
         extra = (() if documents is None else (documents.ids,) if ring else (documents.row_indices,) if flashmask

@@ -203,6 +203,43 @@ class FlashBlocks:
         return _C_ops.flash_attn_grad(q, k, v, out, lse, seed_offset, mask, grad_out, 0.0, causal)
 
 
+class FlashMaskBlocks:
+    """FlashBlocks with packed documents (reset_attention_mask): Paddle 3.3.1's flashmask_attention kernel,
+    FlashAttnBaseKernel with the document mask as row indices instead of a dense mask
+    (paddle/phi/kernels/gpu/flash_attn_kernel.cu FlashMaskKernel, flash_attn_grad_kernel.cu FlashMaskGradKernel),
+    called through its binding as FlashBlocks calls flash_attn's, because the ring hands each block's backward
+    the ring's merged out and lse (the wrapper F.flashmask_attention would differentiate one block alone):
+
+        out, softmax, softmax_lse, seed_offset = _C_ops.flashmask_attention(
+            q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal, return_softmax, is_test, rng_name)
+        dq, dk, dv = _C_ops.flashmask_attention_grad(q, k, v, startend_row_indices, out, softmax_lse,
+                                                     seed_offset, out_grad, dropout, causal)
+
+    (the binding paddle/nn/functional/flash_attention.py flashmask_attention calls in its fa_version 2 branch;
+    the grad's order as the kernel stand-in takes it, llm_pretrain/cpu/kernel_standins.py). `rows` stands where the
+    other blocks take `bias`: the block's startend_row_indices, local to the block's query rows
+    (DocumentBlocks.row_indices): on the diagonal causal with one bound per key (as models/decoder.py
+    document_row_indices, PaddleFormers' use_attn_mask_startend_row_indices), off it non-causal [LTS, UTE]
+    (the wrapper's docstring "Document Mask"). Same lse layout and scale as flash_attn's (one base kernel)."""
+
+    @staticmethod
+    def forward(q, k, v, causal, rows):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out, _, lse, _ = _C_ops.flashmask_attention(q, k, v, rows, None, 0.0, causal, False, False, "")
+        lse = lse[:, :, :q.shape[1]]
+        # A query row that sees no key of this block (a later document's) leaves flash attention 2 with out 0 and
+        # lse +inf (csrc/flash_attn/src/softmax.h normalize_softmax_lse of PaddlePaddle/flash-attention, Paddle's
+        # flash kernels: `(sum == 0.f || sum != sum) ? INFINITY`); for the merge the row's share must be 0, so
+        # its lse becomes MASKED (merge_blocks: sigmoid(MASKED - lse) = 0).
+        return out, paddle.where(paddle.isinf(lse), paddle.full([], MASKED, "float32"), lse)
+
+    @staticmethod
+    def backward(q, k, v, out, lse, grad_out, causal, rows):
+        q, k, v, out, lse, grad_out = (t.contiguous() for t in (q, k, v, out, lse, grad_out))
+        seed_offset = paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace())  # no dropout (FlashBlocks)
+        return _C_ops.flashmask_attention_grad(q, k, v, rows, out, lse, seed_offset, grad_out, 0.0, causal)
+
+
 FLASH_DTYPES = ("float16", "bfloat16")
 
 
@@ -249,13 +286,16 @@ class DocumentBlocks:
     RingAttention (a PyLayer) takes no gradient for it. Each block's bias (and its host read: skip or not) is
     computed once per forward and kept, for every layer and for backward (`document_blocks`)."""
 
-    def __init__(self, document_ids):
+    def __init__(self, document_ids, row_indices: bool = False):
         self.ids = document_ids
-        self.built = {}  # block key -> bias or SKIP
+        self.row_indices = row_indices  # FlashMaskBlocks: each block's startend_row_indices instead of a bias
+        self.built = {}  # block key -> bias (or row indices) or SKIP
 
     def bias(self, q_positions, k_positions, key):
         """[batch, 1, queries, keys] float32, or SKIP when the block is masked entirely. key: the block
-        (rank, owner, which part), the same in every layer."""
+        (rank, owner, which part), the same in every layer. With row_indices, `block_rows` instead."""
+        if self.row_indices:
+            return self.block_rows(q_positions, k_positions, key)
         if key not in self.built:
             same = (paddle.index_select(self.ids, q_positions, axis=1).unsqueeze(2)
                     == paddle.index_select(self.ids, k_positions, axis=1).unsqueeze(1))
@@ -263,15 +303,37 @@ class DocumentBlocks:
                 else SKIP
         return self.built[key]
 
+    def block_rows(self, q_positions, k_positions, key):
+        """[batch, 1, keys, 1 or 2] int32 FlashMask row indices of the block, or SKIP. The block's query rows
+        hold increasing global positions (one chunk, or chunk i then chunk 2cp-1-i) and the ids do not decrease,
+        so the rows of a key's document are one run: from UTE, the first row whose id is >= the key's, to LTS,
+        the first row whose id is greater; both counted among the block's own rows (searchsorted over the
+        block's query ids), not the whole sequence's. On the diagonal (key (rank, rank), causal) one bound,
+        LTS, as models/decoder.py document_row_indices gives one process; elsewhere every key precedes every
+        query and the kernel is non-causal: [LTS, UTE]. A block in which every key's run is empty is skipped."""
+        rows = self.built.get(key)
+        if rows is None:  # once per forward, as the biases
+            q_ids = paddle.index_select(self.ids, q_positions, axis=1)
+            k_ids = paddle.index_select(self.ids, k_positions, axis=1)
+            lts = paddle.searchsorted(q_ids, k_ids, right=True, out_int32=True)
+            ute = paddle.searchsorted(q_ids, k_ids, right=False, out_int32=True)
+            if not bool((lts > ute).any()):
+                rows = SKIP
+            else:
+                rows = paddle.stack([lts] if key[0] == key[1] else [lts, ute], axis=-1).unsqueeze(1)
+            self.built[key] = rows
+        return rows
+
 
 _FORWARD_DOCUMENTS: list = []  # [(document_ids, DocumentBlocks)] of the latest forward
 
 
-def document_blocks(document_ids) -> DocumentBlocks:
+def document_blocks(document_ids, row_indices: bool = False) -> DocumentBlocks:
     """The DocumentBlocks of these ids: one per forward (every layer gets the same ids tensor), so that the
-    layers share each block's bias and its host read; the previous forward's are dropped."""
-    if not _FORWARD_DOCUMENTS or _FORWARD_DOCUMENTS[0][0] is not document_ids:
-        _FORWARD_DOCUMENTS[:] = [(document_ids, DocumentBlocks(document_ids))]
+    layers share each block's bias (or row indices) and its host read; the previous forward's are dropped."""
+    if (not _FORWARD_DOCUMENTS or _FORWARD_DOCUMENTS[0][0] is not document_ids
+            or _FORWARD_DOCUMENTS[0][1].row_indices != row_indices):
+        _FORWARD_DOCUMENTS[:] = [(document_ids, DocumentBlocks(document_ids, row_indices))]
     return _FORWARD_DOCUMENTS[0][1]
 
 
@@ -443,9 +505,12 @@ def ring_attention(q, k, v, seq_length: int, slopes, group, use_flash_attention:
 
     slopes: the ALiBi slopes of q's heads (floats) or None. use_flash_attention: the run's flag
     (config.use_flash_attention); the flash kernel runs where `attention_blocks` finds it can.
-    document_ids: None, or [batch, seq] of the whole sequences (packed documents; the plain blocks only:
-    llm_pretrain/parallel/layout.py refuses document masks with flash attention)."""
+    document_ids: None, or [batch, seq] of the whole sequences (packed documents: the plain blocks take each
+    block's mask as a bias, the flash ones FlashMask's row indices; ALiBi with both is refused by
+    llm_pretrain/parallel/layout.py, FlashMask takes no bias)."""
     blocks = attention_blocks(use_flash_attention, q.place, q.dtype, q.shape[-1])
-    documents = document_blocks(document_ids) if document_ids is not None else None
+    if document_ids is not None and blocks is FlashBlocks:
+        blocks = FlashMaskBlocks
+    documents = document_blocks(document_ids, blocks is FlashMaskBlocks) if document_ids is not None else None
     out = RingAttention.apply(q, k, v, seq_length, slopes, group, blocks, documents)
     return out.reshape([out.shape[0], out.shape[1], -1])

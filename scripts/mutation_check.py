@@ -51,6 +51,7 @@ STANDIN_BRANCHES = f"{STANDINS}::test_every_layer_takes_every_kernel_branch"
 STANDIN_CAUSAL = f"{STANDINS}::test_off_diagonal_causal_block_is_bottom_right_aligned"
 STANDIN_FLASH = f"{STANDINS}::test_flash_attn_equals_plain_attention"
 STANDIN_RING = f"{STANDINS}::test_ring_flash_blocks_run_on_the_stand_in"
+STANDIN_RING_DOCUMENTS = f"{STANDINS}::test_ring_flashmask_blocks_are_masked_attention_on_the_stand_in"
 RING_FLASH = "tests/test_ring_blocks.py::test_ring_of_blocks_is_attention_over_the_whole_sequence"
 DOCUMENTS = "tests/test_documents.py"
 LONG_SEP2 = "tests/test_long_context.py::test_sep2_every_family_and_resume"
@@ -380,7 +381,8 @@ MUTATIONS = [
              "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), document_ids, carry)",
              "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), None, carry)",
              (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
-              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]")),
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]",
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp4]")),
     Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
              "the mask", "models/decoder.py",
              "extra = (() if documents is None else",
@@ -411,6 +413,20 @@ MUTATIONS = [
     Mutation("ring_document_mask_off", "cp with document masks: the ring's blocks not masked by the documents",
              "models/ring_attention.py", "    masked = documents.bias(q_positions, k_positions, key)\n",
              "    masked = None\n", (RING_DOCUMENTS, LONG_SEP2)),
+    Mutation("flashmask_ring_rows_of_the_whole_sequence", "cp with documents on the ring's flash blocks: each "
+             "block's FlashMask row bounds counted over the whole sequence's rows, not the block's own query rows "
+             "(the wrong offset)", "models/ring_attention.py",
+             "lts = paddle.searchsorted(q_ids, k_ids, right=True, out_int32=True)",
+             "lts = paddle.searchsorted(self.ids, k_ids, right=True, out_int32=True)",
+             (STANDIN_RING_DOCUMENTS, LONG_SEP2)),
+    Mutation("flashmask_ring_empty_rows_merged", "cp with documents on the ring's flash blocks: a query row that "
+             "sees none of a block's keys merged with the kernel's lse +inf (its attention replaced by 0)",
+             "models/ring_attention.py",
+             'return out, paddle.where(paddle.isinf(lse), paddle.full([], MASKED, "float32"), lse)',
+             "return out, lse", (STANDIN_RING_DOCUMENTS,)),
+    Mutation("flashmask_ring_masked_blocks_computed", "cp with documents on the ring's flash blocks: blocks the "
+             "documents mask entirely computed anyway", "models/ring_attention.py",
+             "if not bool((lts > ute).any()):", "if False:", (STANDIN_RING_DOCUMENTS,)),
     Mutation("ring_masked_blocks_computed", "cp with document masks: blocks masked entirely computed anyway",
              "models/ring_attention.py", "if bool(same.any())", "if True", (RING_DOCUMENTS,)),
     Mutation("eod_mask_loss_off", "eod_mask_loss: the prediction from an eod token keeps its loss",

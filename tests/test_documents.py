@@ -263,16 +263,11 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
 @pytest.mark.parametrize("keys, world_size, device, expected", [
     (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
      "eod_token_id: 100000 is outside the model's vocabulary"),
-    (dict(reset_attention_mask=True, pipeline_parallel_degree=4, virtual_pp_degree=2, num_hidden_layers=8,
-          gradient_accumulation_steps=4), 4, "cpu",
-     "reset_attention_mask with virtual_pp_degree 2 is not supported yet"),
     (dict(reset_attention_mask=True, pipeline_parallel_degree=2, context_parallel_degree=2,
           gradient_accumulation_steps=4), 4, "cpu",
      "reset_attention_mask with pipeline_parallel_degree 2 and context_parallel_degree 2 together is not supported"),
     (dict(reset_attention_mask=True, use_flash_attention=True, model_name_or_path="bloom-tiny"), 1, "gpu",
      "reset_attention_mask with use_flash_attention is not supported for bloom"),
-    (dict(reset_attention_mask=True, use_flash_attention=True, context_parallel_degree=2), 2, "gpu",
-     "reset_attention_mask with use_flash_attention and context_parallel_degree 2 is not supported yet"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
     (dict(reset_attention_mask=True, reset_position_ids=True, model_name_or_path="gpt3-tiny", continue_training=True,
           max_seq_length=2048), 1, "cpu", "max_seq_length: 2048 exceeds the model's max_position_embeddings 1024"),
@@ -325,14 +320,19 @@ LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
     "pp2": [("pp2", "llama", dict(pipeline_parallel_degree=2)),
             ("pp2-kernels", "llama", dict(pipeline_parallel_degree=2, **KERNEL_OPTIONS)),  # row indices per stage
             ("gpt3-pp2-recompute", "gpt3", dict(pipeline_parallel_degree=2, recompute=True, pp_recompute_interval=1))],
+    # the interleaved schedule (fleet's PipelineParallelWithInterleaveFthenB: 4 micro-batches of 2 on 4 stages of
+    # 2 chunks of one layer): the ids pass between the chunks of every stage and back to stage 0's second chunk
+    "pp4": [("pp4vpp2", "llama-pp", dict(pipeline_parallel_degree=4, virtual_pp_degree=2))],
 }
+LAUNCH_PROCESSES = {"pp4": 4}  # the others: 2
 
 
 def document_files(work: Path, corpus: dict) -> dict[str, Path]:
-    """LLaMA (rotary, two layers) and GPT-3 (learned positions), every document key on."""
-    return {model: write_json(work / f"{model}.json", base_arguments(
-        corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=2, **DOCUMENT_KEYS))
-        for model in ("llama", "gpt3")}
+    """LLaMA (rotary, two layers; "llama-pp": eight, a chunk of one layer each under pp4 x 2 virtual stages) and
+    GPT-3 (learned positions), every document key on."""
+    return {name: write_json(work / f"{name}.json", base_arguments(
+        corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=layers, **DOCUMENT_KEYS))
+        for name, model, layers in (("llama", "llama", 2), ("gpt3", "gpt3", 2), ("llama-pp", "llama", 8))}
 
 
 def layout_runs(launch_name: str):
@@ -344,7 +344,7 @@ def layout_runs(launch_name: str):
 
 
 for _launch in LAYOUT_RUNS:
-    contribute(_launch, 2, "documents", layout_runs(_launch))
+    contribute(_launch, LAUNCH_PROCESSES.get(_launch, 2), "documents", layout_runs(_launch))
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +358,8 @@ def document_references(shared_launches, embedded_corpus) -> Path:
 @pytest.mark.parametrize("launch_name", sorted(LAYOUT_RUNS))
 def test_document_masks_train_like_one_process_under(launch_name, document_references, shared_launches):
     """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA), pp2 (1F1B;
-    LLaMA, GPT-3 with full recompute): the losses, grad norms and weights of one process with the same document masks (1e-5)."""
+    LLaMA, GPT-3 with full recompute), pp4 x 2 virtual stages (interleaved; LLaMA, 8 layers): the losses, grad
+    norms and weights of one process with the same document masks (1e-5)."""
     observed = shared_launches.results(launch_name, "documents")
     for name, model, _ in LAYOUT_RUNS[launch_name]:
         run = document_references / name
@@ -368,3 +369,6 @@ def test_document_masks_train_like_one_process_under(launch_name, document_refer
             # the flash branch through FlashMask's stand-ins, named so in the run record (built.kernels)
             assert_stand_ins_ran([runs[name] for _, runs in sorted(observed.items())], run,
                                  ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding"))
+        if "vpp" in name:  # the interleaved schedule did run, chunks of one layer
+            schedule = run_record(run)["built"]["schedule"]
+            assert schedule["class"] == "PipelineParallelWithInterleaveFthenB" and schedule["virtual_stages"] == 2

@@ -253,6 +253,38 @@ def test_ring_flash_blocks_run_on_the_stand_in(standins, monkeypatch):
     assert standins.CALLS["flash_attn"] == 2 * 2 and standins.CALLS["flash_attn_grad"] == 2 * 2  # per rank, per step
 
 
+# A boundary at token 4 in every sample: under cp2 (chunks of 4; rank 0 holds tokens 0-3 and 12-15, rank 1
+# 4-11) rank 1's block over keys 0-3 is masked entirely (skipped); rank 0's queries 12-15 over keys 4-11 partly,
+# and in the second sample not at all (queries 12-15 see none of those keys: the kernel's lse +inf rows).
+RING_DOCUMENTS = [[4, 12], [4, 6, 2, 4], [4, 1, 11]]
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_ring_flashmask_blocks_are_masked_attention_on_the_stand_in(standins, degree):
+    """reset_attention_mask with use_flash_attention under cp: the ring's flash blocks (FlashMaskBlocks, picked
+    where FlashBlocks would be) take FlashMask's row indices local to each block's query rows, and the ring
+    (cp2, cp4; GQA) equals one document-masked attention over the whole sequence, forward and gradients. One
+    flashmask call per computed block, forward and backward; the blocks the documents mask entirely skipped."""
+    from models import ring_attention
+    from llm_pretrain.selfcheck.ring_threads import ring_in_threads, whole_attention
+
+    ids = paddle.to_tensor(np.stack([np.repeat(np.arange(len(n)), n) for n in RING_DOCUMENTS]).astype("int64"))
+    q = _random(3, 16, 4, 8, seed=1)
+    k, v = _random(3, 16, 2, 8, seed=2), _random(3, 16, 2, 8, seed=3)
+    grad_out = _random(3, 16, 4, 8, seed=4)
+    documents = ring_attention.document_blocks(ids, row_indices=True)
+    got = ring_in_threads(degree, q, k, v, grad_out, None, ring_attention.FlashMaskBlocks, documents=documents)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, whole_attention(q, k, v, grad_out, None, ids)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+    assert np.abs(got[0] - whole_attention(q, k, v, grad_out, None)[0]).max() > 1e-3  # the documents mattered
+    computed = standins.CALLS["flashmask_attention"]
+    skipped = sum(rows is ring_attention.SKIP for rows in documents.built.values())
+    assert computed == standins.CALLS["flashmask_attention_grad"] == degree * degree - skipped
+    assert skipped > 0 and standins.CALLS["flash_attn"] == 0
+    if degree == 2:
+        assert computed == 3 and documents.built[(1, 0)] is ring_attention.SKIP, documents.built
+
+
 # ----------------------------------------------------------------------------- rotary, norms, swiglu
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_fused_rope_equals_apply_rotary(standins, kv_heads):

@@ -32,13 +32,14 @@ accumulation steps of one process).
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
                         document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
                         skipped, ALiBi, cp4); LLaMA sep2 with the kernel options (FlashMask's stand-in on the
-                        whole sequence's row indices after the all-to-all)
+                        whole sequence's row indices after the all-to-all) and cp2 (FlashMask per ring block,
+                        each with its own row indices)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
                         LLaMA also under sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x
                         sharding 2 at stages 1, 2 and 3, sep2 x sharding 2 at stages 1 and 3, cp4
                         (the ring's overlapped pass between different neighbours), pp2 x cp2 and pp2 x sep2,
-                        with packed documents under sep2 (FlashMask's stand-in), each rank's stand-in
+                        with packed documents under sep2 and cp2 (FlashMask's stand-in), each rank's stand-in
                         calls checked (the launch worker's "kernel_calls"; the newer runs: as many as
                         every layer makes, llama_kernel_calls)
     mechanism (sep2)    each rank holds s/2 tokens between layers; the all-to-all runs 4 times per
@@ -206,7 +207,9 @@ def test_sep2_every_family_and_resume(runs):
         run_spec(name, runs.run(name, model, **degrees, **KERNEL_OPTIONS)) for name, model, degrees in KERNEL_RUNS] + [
         # packed documents on the flash path under sep: flashmask_attention on the whole sequence's row indices
         # after the all-to-all (rotary positions restarting per document, this rank's tokens of them)
-        runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2)],
+        runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2),
+        # ... and under cp: each ring block on flashmask_attention with the block's own row indices
+        runs.kernels("llama-docs-cp2-kernels", "llama-docs", **CP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
@@ -219,8 +222,16 @@ def test_sep2_every_family_and_resume(runs):
     runs.check([(name, model) for name, model, _ in KERNEL_RUNS])
     # packed documents: the same masked training as one process (test_documents.py proves the masks matter)
     runs.check([(f"{model}-docs-{name}", f"{model}-docs") for model, name, _ in DOCUMENT_RUNS]
-               + [("llama-docs-sep2-kernels", "llama-docs")])
+               + [("llama-docs-sep2-kernels", "llama-docs"), ("llama-docs-cp2-kernels", "llama-docs")])
     runs.check_stand_ins(result, "llama-docs-sep2-kernels", DOCUMENT_KERNELS)
+    runs.check_stand_ins(result, "llama-docs-cp2-kernels", DOCUMENT_KERNELS)
+    if DEVICE == "cpu":  # FlashMask per ring block: each layer's forward (one fused rope call) computes the
+        # diagonal block and the other one unless the documents mask it entirely; backward the same blocks
+        for rank, seen in sorted(result.results().items()):
+            calls = seen["observations"][str(runs.out("llama-docs-cp2-kernels"))]["kernel_calls"]
+            rope, blocks = calls["fused_rotary_position_embedding"], calls["flashmask_attention"]
+            assert rope < blocks <= 2 * rope and calls["flashmask_attention_grad"] == blocks, (rank, calls)
+            assert not calls.get("flash_attn"), (rank, calls)
     for model, name, _ in DOCUMENT_RUNS:
         assert run_record(runs.out(f"{model}-docs-{name}"))["documents"]["document_masks"], model
     for name, model, _ in KERNEL_RUNS:

@@ -15,7 +15,7 @@ in `paddle._C_ops`, the module those wrappers and models/ring_attention.py call 
                                         FlashBlocks
     flashmask_attention, _grad          F.flashmask_attention (models/decoder.py            PyLayer: the row indices
                                         Attention.flashmask_attention: packed documents)   as a dense mask, then
-                                                                                           flash_attn's math
+                                        models/ring_attention.py FlashMaskBlocks            flash_attn's math
     fused_rotary_position_embedding     paddle.incubate.nn.functional.fused_rotary_position_embedding
                                         (models/decoder.py Attention.project_qkv)          Paddle ops (autograd)
     fused_rms_norm_quant                paddle.incubate.nn.functional.fused_rms_norm
@@ -135,11 +135,17 @@ def _flash_forward(q, k, v, attn_mask, causal):
     b, sq, h, d = q.shape
     scores = _flash_scores(q, k, attn_mask, causal)
     top = scores.max(-1, keepdim=True)  # (paddle.logsumexp takes at most 4 axes)
+    # A row whose every key is masked (the ring's FlashMask blocks: a query of a later document than all the
+    # block's keys) gets what flash attention 2 gives it: out 0 and lse +inf (csrc/flash_attn/src/softmax.h
+    # normalize_softmax_lse, `(sum == 0.f || sum != sum) ? INFINITY`), not exp(-inf - -inf) = NaN.
+    empty = paddle.isinf(top)
+    top = paddle.where(empty, paddle.zeros_like(top), top)
     lse = (top + paddle.log(paddle.exp(scores - top).sum(-1, keepdim=True))).squeeze(-1)  # [b, hk, groups, sq]
-    probs = paddle.exp(scores - lse.unsqueeze(-1))
+    empty = empty.squeeze(-1)
+    probs = paddle.exp(scores - paddle.where(empty, paddle.zeros_like(lse), lse).unsqueeze(-1))
     vg = v.astype(scores.dtype).transpose([0, 2, 1, 3]).unsqueeze(2)
     out = paddle.matmul(probs, vg).reshape([b, h, sq, d]).transpose([0, 2, 1, 3]).astype(q.dtype)
-    lse = lse.reshape([b, h, sq]).astype("float32")
+    lse = paddle.where(empty, paddle.full_like(lse, float("inf")), lse).reshape([b, h, sq]).astype("float32")
     padded = paddle.zeros([b, h, _round_up(sq, LSE_ROW_BLOCK) - sq], "float32")
     return out, paddle.concat([lse, padded], axis=-1)
 

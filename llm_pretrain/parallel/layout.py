@@ -714,25 +714,24 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
         return
     if args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device)):  # the flash branch runs
         # Documents go to Paddle's flashmask_attention as row indices (models/decoder.py
-        # Attention.flashmask_attention), which takes no additive bias, and the ring's flash blocks take none.
+        # Attention.flashmask_attention; under cp each ring block with its own, models/ring_attention.py
+        # FlashMaskBlocks), which takes no additive bias.
         if config.position_embedding == "alibi":
             raise UsageError(f"reset_attention_mask with use_flash_attention is not supported for {config.family} "
                              "(ALiBi needs an additive bias, flashmask_attention takes none); set "
                              "use_flash_attention false")
-        if layout.context_parallel_degree > 1:
-            raise UsageError(f"reset_attention_mask with use_flash_attention and context_parallel_degree "
-                             f"{layout.context_parallel_degree} is not supported yet (the ring masks documents on its "
-                             "plain blocks only); set use_flash_attention false")
     # Data parallelism, sharding and tensor parallelism (with sequence parallelism: attention sees whole
     # sequences of its heads) run the same attention with the same mask; under the pipeline the document ids
     # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared
     # launches dp2, tp2, sd2, pp2); under sep the whole sequence's mask fits the heads after the all-to-all,
-    # under cp the ring masks each block (models/ring_attention.py DocumentBlocks) (tests/test_long_context.py,
-    # the sep2/cp2 launch).
-    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
-        schedule = "dualpipev" if layout.dualpipev else f"virtual_pp_degree {layout.virtual_pp_degree}"
-        raise UsageError(f"reset_attention_mask with {schedule} is not supported yet (proven under 1F1B only); "
-                         "use the 1F1B schedule (virtual_pp_degree 1)")
+    # under cp the ring masks each block (models/ring_attention.py DocumentBlocks; flash blocks with FlashMask's
+    # row indices) (tests/test_long_context.py, the sep2/cp2 launch).
+    # The interleaved schedule passes the same (hidden, ids) tuples between its chunks (tests/test_documents.py,
+    # the shared pp4 launch); DualPipeV's own p2p is not proven with them (unreachable in a build without
+    # deep_ep: DualPipeV itself is refused first, check_dualpipev).
+    if layout.pipeline_parallel_degree > 1 and layout.dualpipev:
+        raise UsageError("reset_attention_mask with dualpipev is not supported yet (proven under 1F1B and the "
+                         "interleaved schedule); use virtual_pp_degree instead")
     split = layout.sep_parallel_degree * layout.context_parallel_degree
     if layout.pipeline_parallel_degree > 1 and split > 1:
         name = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"

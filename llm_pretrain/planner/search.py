@@ -89,8 +89,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
     `layout_degrees` x recompute choices x micro-batch sizes, and with mixture-of-experts models the same
     with the experts split over the data-parallel ranks. documents: every candidate with reset_attention_mask
     (the trainer's checks then refuse the layouts that cannot honour document masks), its cp layouts on the
-    ring's plain blocks (use_flash_attention false: the ring's flash blocks take no document mask, layout.py
-    check_document_keys)."""
+    ring's plain blocks (use_flash_attention false, as the search has timed them since before the ring's flash
+    blocks took documents; FlashMask ring blocks are allowed, `estimate` times them)."""
     from models.registry import resolve_model
 
     config = resolve_model(model)[0]

@@ -278,8 +278,9 @@ def attention_keys_computed(setup: Setup) -> float | None:
     training_flops_per_token's hardware count takes; None: the whole sequence). Model FLOPs count the mean
     document length whatever the path; the hardware computes:
     - flash attention (Paddle's flashmask_attention, also after sep's all-to-all): the mean document length;
-    - the cp ring's plain blocks (flash + documents under cp is refused, layout.py): every block it does not
-      skip, whole (its partial blocks take the mask as a bias): s x (blocks kept / blocks), `ring_steps_kept`;
+    - the cp ring's flash blocks (FlashMask per block, models/ring_attention.py FlashMaskBlocks): as flash;
+    - the cp ring's plain blocks: every block it does not skip, whole (its partial blocks take the mask as a
+      bias): s x (blocks kept / blocks), `ring_steps_kept`;
     - the plain path in one piece: the whole sequence (a dense mask, every score computed)."""
     c = setup.config
     if setup.mean_document_length is None:
