@@ -504,7 +504,7 @@ MUTATIONS = [
              '    pairs = "rope_pairs_transpose" if transpose else "rope_pairs"\n',
              '    pairs = "transpose" if transpose else "same"\n',
              ("tests/test_ernie4_5.py::test_exported_q_and_k_give_their_interleaved_rope_our_attention_scores",)),
-    Mutation("ernie4_5_unproven_layouts", "issue 34's unproven layouts (ERNIE 4.5: sep, cp) accepted",
+    Mutation("ernie4_5_unproven_layouts", "issue 34's unproven layouts (ERNIE 4.5 MoE: sep, cp) accepted",
              "llm_pretrain/parallel/layout.py",
              '        if value > 1 and key not in allowed:\n',
              '        if False:\n',

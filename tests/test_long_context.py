@@ -64,9 +64,11 @@ from parity_utils import (
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
-# ERNIE 4.5: sep/cp refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+# ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 alone, in the 2-process launch; its other layouts with sep or cp
+# (with tp, dp, sharding, the pipeline) are refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+SEP_CP_MODELS = ("ernie4_5",)
 MODELS = tuple(name for name, family in FAMILIES.items()
-               if not family.architectures[family.tiny].is_moe and name != "ernie4_5") + ("llama3",)
+               if not family.architectures[family.tiny].is_moe and name not in SEP_CP_MODELS) + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},
@@ -104,7 +106,8 @@ class Runs:
     def __init__(self, work: Path, corpus: dict):
         self.work = work
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS)) for model in MODELS}
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS))
+            for model in (*MODELS, *SEP_CP_MODELS)}
         self.files.update({model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
         self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
@@ -157,7 +160,7 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
     references = [argv(setup.files[model], setup.reference(model))
-                  for model in (*MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
+                  for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
                                 *(f"{m}-docs" for m in DOCUMENT_MODELS))]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
@@ -168,13 +171,13 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
 
 
 def test_sep2_every_family_and_resume(runs):
-    result = run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in MODELS] + [
+    result = run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in (*MODELS, *SEP_CP_MODELS)] + [
         runs.run("llama-sep2-recompute", recompute=True, recompute_granularity="core_attn", **SEP2),
         runs.run("bloom-sep2-recompute", "bloom", recompute=True, **SEP2),
         runs.run("qwen2-sep2-recompute-full_attn", "qwen2", recompute=True, recompute_granularity="full_attn", **SEP2),
         runs.run("single-to-sep2", **SEP2),
         runs.run("sep2-to-single", exit_interval=STOP, **SEP2),
-    ] + [runs.run(f"{model}-cp2", model, **CP2) for model in MODELS] + [
+    ] + [runs.run(f"{model}-cp2", model, **CP2) for model in (*MODELS, *SEP_CP_MODELS)] + [
         runs.run("llama-cp2-recompute", recompute=True, recompute_granularity="core_attn", **CP2),
         runs.run("bloom-cp2-recompute-full_attn", "bloom", recompute=True, recompute_granularity="full_attn", **CP2),
         runs.run("single-to-cp2", **CP2),
@@ -190,10 +193,10 @@ def test_sep2_every_family_and_resume(runs):
         runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
-    runs.check([(f"{model}-sep2", model) for model in MODELS] + [
+    runs.check([(f"{model}-sep2", model) for model in (*MODELS, *SEP_CP_MODELS)] + [
         ("llama-sep2-recompute", "llama"), ("bloom-sep2-recompute", "bloom"),
         ("qwen2-sep2-recompute-full_attn", "qwen2"), ("single-to-sep2", "llama"), ("sep2-to-single", "llama")])
-    runs.check([(f"{model}-cp2", model) for model in MODELS] + [
+    runs.check([(f"{model}-cp2", model) for model in (*MODELS, *SEP_CP_MODELS)] + [
         ("llama-cp2-recompute", "llama"), ("bloom-cp2-recompute-full_attn", "bloom"), ("single-to-cp2", "llama"),
         ("cp2-to-single", "llama")])
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
@@ -223,7 +226,7 @@ def test_sep2_every_family_and_resume(runs):
     assert record["built"]["segment_parallel"] == {"degree": 2, "tokens_per_rank": 16, "attention_heads_per_rank": 2,
                                                    "model_wrappers": ["SegmentParallel"]}
     assert run_record(runs.out("sep2-to-single"))["strategy"] == "dp1"
-    for model in (*MODELS, *MOE_MODELS):  # every family's run built the split: 16 of the 32 tokens per rank
+    for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS):  # every family's run built the split: 16 of the 32 tokens per rank
         built = run_record(runs.out(f"{model}-sep2"))["built"]
         assert built["segment_parallel"]["degree"] == 2 and built["segment_parallel"]["tokens_per_rank"] == 16, model
         built = run_record(runs.out(f"{model}-cp2"))["built"]
