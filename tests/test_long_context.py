@@ -19,7 +19,7 @@ accumulation steps of one process).
                         1 process
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
-                        2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+                        2 (cp2: every family but ERNIE 4.5) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted
