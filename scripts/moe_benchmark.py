@@ -13,6 +13,10 @@ PaddleNLP 2.8.1's MixtralSparseMoeBlock.forward fails under Paddle 3.3.1 (an ind
 tests/test_reference_parity.py moe_block_forward): its loop runs with that one index reshaped.
 Speed, both sides alike: tokens of a step / that step's wall time, median over the steps after each
 run's warm-up, the runs of a side pooled (scripts/cpu_speed_benchmark.py's definitions and timers).
+Beside them, in the same run and on the same budget (steps, batch x sequence, optimizer, environment,
+rounds alternated with the Mixtral runs), ours alone trains the tiny presets of the MoE families that
+PaddleNLP 2.8.1 has no class for (OURS_ONLY; --families picks some or none): their tokens/s, not a
+comparison with a peer.
 Writes OUT/moe.json and OUT/moe.md (a hand-written "## Findings" section at its end is kept).
 """
 
@@ -47,6 +51,8 @@ MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
              intermediate_size=688, vocab_size=csb.VOCAB, num_experts=8, num_experts_per_tok=2,
              router_aux_loss_coef=0.02, rope_theta=1e6, norm_eps=1e-5)
 SEQ, BATCH = 256, 8
+# Ours only (PaddleNLP 2.8.1 has no Qwen3-MoE or ERNIE 4.5 MoE class): family -> (name in the file, built-in preset)
+OURS_ONLY = {"qwen3_moe": ("Qwen3-MoE", "qwen3-moe-tiny"), "ernie4_5_moe": ("ERNIE-4.5-MoE", "ernie4_5_moe-tiny")}
 
 
 def paddlenlp_worker(spec_path: str) -> None:
@@ -87,14 +93,20 @@ def paddlenlp_worker(spec_path: str) -> None:
     csb.train_with_paddlenlp_trainer(model, spec)
 
 
-def train_ours(root: str, corpus: dict, steps: int, round_: int) -> dict:
-    out = os.path.join(root, "runs", f"ours-{round_}")
+def mixtral_dir(root: str) -> str:
+    """MODEL as a model directory (a config.json without weights: trained from models/weights.py's init)."""
     model_dir = os.path.join(root, "model")
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump({"family": "mixtral", **MODEL, "max_position_embeddings": SEQ}, f)
+    return model_dir
+
+
+def train_ours(root: str, corpus: dict, steps: int, round_: int, model: str, name: str = "ours") -> dict:
+    """run_pretrain.py on `model` (a directory or a built-in preset); the same arguments for every model."""
+    out = os.path.join(root, "runs", f"{name}-{round_}")
     command = [sys.executable, csb.RUN_PRETRAIN, csb.ARGS_FILE, *forced_arguments(steps, out), "--model_name_or_path",
-               model_dir, "--tokenizer_name_or_path", corpus["tokenizer"], "--input_dir", corpus["input_dir"],
+               model, "--tokenizer_name_or_path", corpus["tokenizer"], "--input_dir", corpus["input_dir"],
                "--data_cache", os.path.join(root, "cache"), "--max_seq_length", str(SEQ),
                "--per_device_train_batch_size", str(BATCH), "--gradient_accumulation_steps", "1",
                "--lr_scheduler_type", "constant", "--warmup_steps", "0",
@@ -134,22 +146,45 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks"))
+    parser.add_argument("--families", default=",".join(OURS_ONLY),
+                        help=f"ours-only rows beside the Mixtral pair, comma-separated ({', '.join(OURS_ONLY)}; "
+                             "'' for none)")
     parser.add_argument("--worker")
     options = parser.parse_args()
+    families = [f for f in options.families.split(",") if f]
+    for family in families:
+        if family not in OURS_ONLY:
+            parser.exit(2, f"error: --families: {family!r} is not one of {', '.join(OURS_ONLY)}\n")
     if options.worker:
         paddlenlp_worker(options.worker)
         return
     from llm_pretrain.data import ensure_embedded_corpus
-    from models.registry import make_config
-    from models.registry import parameter_count
+    from models.registry import ARCHITECTURES, activated_parameter_count, make_config, parameter_count
 
     root = tempfile.mkdtemp(prefix="moe_benchmark_")
     corpus = ensure_embedded_corpus(os.path.join(root, "embedded"))
-    raws = {"ours": [], "paddlenlp": []}
+    load_before = list(os.getloadavg())  # other jobs on the machine: the same for every row (runs alternate)
+    raws = {"ours": [], "paddlenlp": [], **{family: [] for family in families}}
+    model_dir = mixtral_dir(root)
     for round_ in range(options.rounds):
-        raws["ours"].append(train_ours(root, corpus, options.steps, round_))
+        raws["ours"].append(train_ours(root, corpus, options.steps, round_, model_dir))
         raws["paddlenlp"].append(train_paddlenlp(root, corpus, options.steps, round_))
+        for family in families:
+            raws[family].append(train_ours(root, corpus, options.steps, round_, OURS_ONLY[family][1], family))
+    load_after = list(os.getloadavg())
     speeds = {side: csb.speed(runs, options.warmup) for side, runs in raws.items()}
+    others = {}
+    for family in families:
+        # the run's model: the preset with its vocabulary grown to the tokenizer's (llm_pretrain/parallel/layout.py)
+        config = ARCHITECTURES[OURS_ONLY[family][1]].replace()
+        config.vocab_size = max(config.vocab_size, csb.VOCAB)
+        others[family] = {"preset": OURS_ONLY[family][1], "params": parameter_count(config),
+                          "activated_params": activated_parameter_count(config), "hidden_size": config.hidden_size,
+                          "num_hidden_layers": config.num_hidden_layers, "num_experts": config.num_experts,
+                          "num_experts_per_tok": config.num_experts_per_tok,
+                          "expert_intermediate_size": config.expert_intermediate_size,
+                          "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
+                          "moe_layers": config.moe_layer_count}
     loss_diff = max(abs(a - b) for a, b in zip(raws["ours"][0]["losses"], raws["paddlenlp"][0]["losses"]))
     params = parameter_count(make_config("mixtral", **MODEL))
     from importlib.metadata import version
@@ -158,7 +193,8 @@ def main() -> None:
     result = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "model": MODEL, "params": params,
               "paddlenlp_params": raws["paddlenlp"][0]["params"], "seq": SEQ, "batch": BATCH, "optim": csb.OPTIM,
               "steps": options.steps, "warmup": options.warmup, "rounds": options.rounds, "speeds": speeds,
-              "largest_loss_difference": loss_diff, "environment": env, "raw": raws}
+              "largest_loss_difference": loss_diff, "ours_only": others,
+              "load_average_1_5_15_min": {"before": load_before, "after": load_after}, "environment": env, "raw": raws}
     os.makedirs(options.out, exist_ok=True)
     with open(os.path.join(options.out, "moe.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
@@ -184,7 +220,36 @@ def main() -> None:
         f"| {loss_diff:.1e} |", "",
         "The loss difference is over the first round's steps (same weights, samples and optimizer: the sides compute "
         "the same training; differences are float rounding amplified by the steps).", "",
+        f"Load average (1, 5, 15 min) of the machine: {', '.join(f'{x:.1f}' for x in load_before)} before the runs, "
+        f"{', '.join(f'{x:.1f}' for x in load_after)} after, on {csb.flops.cpu_count()} cores (other jobs shared "
+        "them: absolute tokens/s are low; the runs alternate so that every row sees the same load).", "",
     ]
+    if families:
+        mixtral = make_config("mixtral", **MODEL)
+        rows = [("Mixtral", "ours", speeds["ours"], raws["ours"][0], params, activated_parameter_count(mixtral)),
+                ("Mixtral", f"PaddleNLP {env.get('paddlenlp_version')}", speeds["paddlenlp"], raws["paddlenlp"][0],
+                 result["paddlenlp_params"], activated_parameter_count(mixtral))]
+        rows += [(OURS_ONLY[f][0] + f" (`{others[f]['preset']}`)", "ours", speeds[f], raws[f][0], others[f]["params"],
+                  others[f]["activated_params"]) for f in families]
+        lines += [
+            "## Our other MoE families on the same budget", "",
+            "Ours alone (PaddleNLP 2.8.1 has no Qwen3-MoE or ERNIE 4.5 MoE class), in the same run, alternating "
+            "with the Mixtral runs: same batch, sequence, optimizer, steps, warm-up and threads; the tiny presets "
+            "(vocabulary grown to the tokenizer's, as run_pretrain.py does): " + "; ".join(
+                f"{OURS_ONLY[f][0]}: hidden {o['hidden_size']}, {o['num_hidden_layers']} layers ({o['moe_layers']} MoE), "
+                f"{o['num_experts']} experts of width {o['expert_intermediate_size']}, top {o['num_experts_per_tok']}"
+                + (f", a shared expert of width {o['shared_expert_intermediate_size']}"
+                   if o["shared_expert_intermediate_size"] else "")
+                for f, o in others.items()) + ". Much smaller than the Mixtral: compare the rows' tokens/s as "
+            "models of different sizes, not as implementations.", "",
+            "| model | implementation | parameters (activated) | tokens/s | step ms | loop tokens/s | loss, first to last step (round 1) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {model} | {side} | {total:,} ({active:,}) | {speed['tokens_per_sec']:.0f} | "
+                  f"{1000 * speed['step_time_s']:.0f} | {speed['loop_tokens_per_sec']:.0f} | "
+                  f"{raw['losses'][0]:.4f} to {raw['losses'][-1]:.4f} |"
+                  for model, side, speed, raw, total, active in rows]
+        lines.append("")
     perf.write_keeping_findings(os.path.join(options.out, "moe.md"), "\n".join(lines))
     print("\n".join(lines))
 

@@ -383,6 +383,13 @@ MUTATIONS = [
              (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
               f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]",
               f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp4]")),
+    # cp: each rank's rotary rows are its chunks' global positions (every rotary family of the cp2 launch, ERNIE
+    # 4.5 included; by hand on ernie4_5-tiny alone: its cp2 loss 1.5e-4 off one process's)
+    Mutation("cp_rope_local_positions", "cp: the rotary tables' rows of positions 0..s/cp instead of this rank's "
+             "global ones", "models/decoder.py",
+             "                rank_positions = pl.token_positions(self.config, seq)\n",
+             "                rank_positions = paddle.arange(seq, dtype='int64')\n",
+             ("tests/test_long_context.py::test_sep2_every_family_and_resume",)),
     Mutation("document_mask_off_under_sep", "sep with document masks: the attention after the all-to-all without "
              "the mask", "models/decoder.py",
              "extra = (() if documents is None else",
@@ -529,7 +536,7 @@ MUTATIONS = [
              '    pairs = "rope_pairs_transpose" if transpose else "rope_pairs"\n',
              '    pairs = "transpose" if transpose else "same"\n',
              ("tests/test_ernie4_5.py::test_exported_q_and_k_give_their_interleaved_rope_our_attention_scores",)),
-    Mutation("ernie4_5_unproven_layouts", "issue 34's unproven layouts (ERNIE 4.5: sep, cp) accepted",
+    Mutation("ernie4_5_unproven_layouts", "issue 34's unproven layouts (ERNIE 4.5 MoE: sep, cp) accepted",
              "llm_pretrain/parallel/layout.py",
              '        if value > 1 and key not in allowed:\n',
              '        if False:\n',

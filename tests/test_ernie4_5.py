@@ -122,9 +122,9 @@ DP, PP, SD1 = {"data_parallel_degree": 2}, {"pipeline_parallel_degree": 2}, {"sh
 TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"context_parallel_degree": 2}
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
 # tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stage 1: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (Qwen3); ep2 over dp2: test_expert_parallel (Qwen3-MoE)
+# test_long_context (Qwen3, ERNIE 4.5); ep2 over dp2: test_expert_parallel (Qwen3-MoE)
 PROVEN_AND_REFUSED = {
-    "ernie4_5-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree")]),
+    "ernie4_5-tiny": ([TP, DP, PP, SD1, SEP, CP], []),
     "ernie4_5_moe-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree"),
                                               ({**DP, "ep": 2}, "expert_parallel_degree")]),
     "qwen3-tiny": ([TP, DP, PP, SD1, SEP, CP], []),

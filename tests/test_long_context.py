@@ -19,7 +19,7 @@ accumulation steps of one process).
                         1 process
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
-                        2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+                        2 (cp2: every family but ERNIE 4.5) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted
@@ -67,9 +67,11 @@ from parity_utils import (
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
-# ERNIE 4.5: sep/cp refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+# ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 alone, in the 2-process launch; its other layouts with sep or cp
+# (with tp, dp, sharding, the pipeline) are refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+SEP_CP_MODELS = ("ernie4_5",)
 MODELS = tuple(name for name, family in FAMILIES.items()
-               if not family.architectures[family.tiny].is_moe and name != "ernie4_5") + ("llama3",)
+               if not family.architectures[family.tiny].is_moe and name not in SEP_CP_MODELS) + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},
@@ -107,7 +109,8 @@ class Runs:
     def __init__(self, work: Path, corpus: dict):
         self.work = work
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS)) for model in MODELS}
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS))
+            for model in (*MODELS, *SEP_CP_MODELS)}
         self.files.update({model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
         self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
@@ -177,7 +180,7 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
     references = [argv(setup.files[model], setup.reference(model))
-                  for model in (*MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
+                  for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
                                 *(f"{m}-docs" for m in DOCUMENT_MODELS))]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
@@ -188,13 +191,13 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
 
 
 def test_sep2_every_family_and_resume(runs):
-    result = run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in MODELS] + [
+    result = run_launch(2, [runs.run(f"{model}-sep2", model, **SEP2) for model in (*MODELS, *SEP_CP_MODELS)] + [
         runs.run("llama-sep2-recompute", recompute=True, recompute_granularity="core_attn", **SEP2),
         runs.run("bloom-sep2-recompute", "bloom", recompute=True, **SEP2),
         runs.run("qwen2-sep2-recompute-full_attn", "qwen2", recompute=True, recompute_granularity="full_attn", **SEP2),
         runs.run("single-to-sep2", **SEP2),
         runs.run("sep2-to-single", exit_interval=STOP, **SEP2),
-    ] + [runs.run(f"{model}-cp2", model, **CP2) for model in MODELS] + [
+    ] + [runs.run(f"{model}-cp2", model, **CP2) for model in (*MODELS, *SEP_CP_MODELS)] + [
         runs.run("llama-cp2-recompute", recompute=True, recompute_granularity="core_attn", **CP2),
         runs.run("bloom-cp2-recompute-full_attn", "bloom", recompute=True, recompute_granularity="full_attn", **CP2),
         runs.run("single-to-cp2", **CP2),
@@ -212,10 +215,10 @@ def test_sep2_every_family_and_resume(runs):
         runs.kernels("llama-docs-cp2-kernels", "llama-docs", **CP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
-    runs.check([(f"{model}-sep2", model) for model in MODELS] + [
+    runs.check([(f"{model}-sep2", model) for model in (*MODELS, *SEP_CP_MODELS)] + [
         ("llama-sep2-recompute", "llama"), ("bloom-sep2-recompute", "bloom"),
         ("qwen2-sep2-recompute-full_attn", "qwen2"), ("single-to-sep2", "llama"), ("sep2-to-single", "llama")])
-    runs.check([(f"{model}-cp2", model) for model in MODELS] + [
+    runs.check([(f"{model}-cp2", model) for model in (*MODELS, *SEP_CP_MODELS)] + [
         ("llama-cp2-recompute", "llama"), ("bloom-cp2-recompute-full_attn", "bloom"), ("single-to-cp2", "llama"),
         ("cp2-to-single", "llama")])
     runs.check([(f"{model}-{name}", model) for model in MOE_MODELS for name in ("sep2", "cp2")])
@@ -253,7 +256,7 @@ def test_sep2_every_family_and_resume(runs):
     assert record["built"]["segment_parallel"] == {"degree": 2, "tokens_per_rank": 16, "attention_heads_per_rank": 2,
                                                    "model_wrappers": ["SegmentParallel"]}
     assert run_record(runs.out("sep2-to-single"))["strategy"] == "dp1"
-    for model in (*MODELS, *MOE_MODELS):  # every family's run built the split: 16 of the 32 tokens per rank
+    for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS):  # every family's run built the split: 16 of the 32 tokens per rank
         built = run_record(runs.out(f"{model}-sep2"))["built"]
         assert built["segment_parallel"]["degree"] == 2 and built["segment_parallel"]["tokens_per_rank"] == 16, model
         built = run_record(runs.out(f"{model}-cp2"))["built"]

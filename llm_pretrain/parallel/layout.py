@@ -604,7 +604,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
-                  "ernie4_5": ("tensor_parallel_degree",) + _DP_PP_SD,
+                  "ernie4_5": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD,
                   "deepseek_v3": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",)}
 PROVEN_SHARDING_STAGES = (1,)
