@@ -196,13 +196,15 @@ def restart_plan(argv: list[str]) -> tuple[int, int, list[str], list[str], objec
         raise UsageError("--max_restarts: no training script (a .py file) in the command")
     options, command = argv[:script_at], argv[script_at:]
     nnodes, _ = _option(options, "--nnodes")
+    master = _option(options, "--master")[0]
+    if master and master.startswith("etcd://"):
+        raise UsageError("--max_restarts: with an etcd:// master Paddle's launcher restarts the nodes itself "
+                         "(docs/failures.md); leave out --max_restarts")
     if nnodes not in (None, "1", "2"):
         raise UsageError(f"--max_restarts: --nnodes {nnodes}: restarts are built for one node and for two (the node "
                          "left continues alone; see docs/failures.md); run one launcher per node without --max_restarts")
-    master = _option(options, "--master")[0]
-    if nnodes == "2" and (not master or master.startswith("etcd://")):
-        raise UsageError("--max_restarts: --nnodes 2 needs --master HOST:PORT (the same on both nodes); with an etcd:// "
-                         "master, Paddle's launcher restarts the nodes itself: leave out --max_restarts")
+    if nnodes == "2" and not master:
+        raise UsageError("--max_restarts: --nnodes 2 needs --master HOST:PORT (the same on both nodes)")
     nproc, _ = _option(options, "--nproc_per_node")
     if nproc is None:
         raise UsageError("--max_restarts: give --nproc_per_node (the ranks the job starts with)")

@@ -488,6 +488,8 @@ def test_each_restart_counts_from_the_configured_ranks(embedded_corpus, tmp_path
     (True, ["--nnodes", "3", "--master", "127.0.0.1:6170"], "error: --max_restarts: --nnodes 3: restarts are built "
                                                              "for one node and for two"),
     (True, ["--nnodes", "2"], "error: --max_restarts: --nnodes 2 needs --master HOST:PORT"),
+    (True, ["--master", "etcd://127.0.0.1:2379"], "error: --max_restarts: with an etcd:// master Paddle's launcher "
+                                                 "restarts the nodes itself"),
     (True, ["--max_restarts", "0"], "error: --max_restarts: '0' is not a positive whole number"),
 ])
 def test_max_restarts_bad_input_is_one_line(embedded_corpus, tmp_path, capsys, elastic, launcher_options, fragment):
