@@ -23,6 +23,11 @@ and their weights are marked as sequence-parallel parameters (their gradients su
 PaddleFormers marks them). The rope key k_pe feeds every head but passes no column-parallel projection: each rank's
 gradient of it covers only its own heads, so it goes through `pl.replicated_input` (gathered under SP, as
 PaddleFormers' GatherOp, and its gradient summed over the ranks either way).
+
+Segment parallelism (sep): this rank's tokens of every head are projected, then the all-to-all gives every token of
+1/sep of the heads (k_pe expanded to the heads first), the rotation takes the whole sequence's positions, and the
+output returns to this rank's tokens before o_proj (docs/parallel-layouts.md, DeepSeek-V3's sep). Context parallelism
+(the ring) is refused: models/ring_attention.py scales by 1/sqrt(head dim), not by `softmax_scale`.
 """
 
 from __future__ import annotations
@@ -89,6 +94,9 @@ class LatentAttention(nn.Layer):
         self.kv_b_proj = pl.column_linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = pl.row_linear(c, heads * c.v_head_dim, c.hidden_size, bias=False)
         self.softmax_scale = softmax_scale(config)
+        # Heads inside the attention under segment parallelism: 1/sep of this rank's (layout.py: sep divides them)
+        self.sep_degree = pl.sep_rank_and_degree(c)[1]
+        self.attention_heads = self.num_heads // self.sep_degree
 
     def forward(self, hidden, documents=None):
         c = self.config
@@ -103,6 +111,17 @@ class LatentAttention(nn.Layer):
         k_pe = pl.replicated_input(c, k_pe)  # every token; its gradient summed over the ranks' heads
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).reshape([batch, seq, heads, nope + c.v_head_dim])
         k_nope, v = paddle.split(kv, [nope, c.v_head_dim], axis=-1)
+        k_pe = k_pe.reshape([batch, seq, 1, rope])
+        if self.sep_degree > 1:
+            # Segment parallelism (Ulysses): from this rank's tokens of every head to every token of 1/sep of the
+            # heads, rotary positions then those of the whole sequence, as PaddleFormers' LlamaAttention reshards
+            # q/k/v before its rope (transformers/llama/modeling.py, ReshardLayer of segment_parallel_utils.py;
+            # its DeepseekV2Attention has no sep path). The rope key, one for every head, goes with each head.
+            k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1)
+            q, k, v = (pl.sequence_to_heads(c, t) for t in (q, k, v))
+            seq, heads = q.shape[1], self.attention_heads
+            q_nope, q_pe = paddle.split(q, [nope, rope], axis=-1)
+            k_nope, k_pe = paddle.split(k, [nope, rope], axis=-1)
         cos, sin = pair_tables(c, seq)
         if documents is not None and documents.positions is not None:  # positions restart at each document
             cos, sin = (paddle.gather(t, documents.positions.flatten(), axis=0).reshape([-1, seq, rope // 2])
@@ -110,7 +129,7 @@ class LatentAttention(nn.Layer):
         else:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         q_pe = rotate_pairs(q_pe, cos, sin)
-        k_pe = rotate_pairs(k_pe.reshape([batch, seq, 1, rope]), cos, sin)
+        k_pe = rotate_pairs(k_pe, cos, sin)
         q = paddle.concat([q_nope, q_pe], axis=-1).transpose([0, 2, 1, 3])  # [batch, heads, seq, nope + rope]
         k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1).transpose([0, 2, 1, 3])
         scores = paddle.matmul(q.astype("float32") * self.softmax_scale, k.astype("float32"), transpose_y=True)
@@ -120,7 +139,10 @@ class LatentAttention(nn.Layer):
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, c.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [batch, heads, seq, v]
-        out = out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * c.v_head_dim])
+        out = out.transpose([0, 2, 1, 3])  # [batch, seq, heads, v]
+        if self.sep_degree > 1:  # back to this rank's tokens of every head
+            out = pl.heads_to_sequence(c, out)
+        out = out.reshape([batch, out.shape[1], -1])
         if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
             out = out.reshape([-1, out.shape[-1]])
         return self.o_proj(out)

@@ -366,7 +366,7 @@ def _arguments(corpus, tmp_path, **overrides):
     return args
 
 
-@pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2)])
+@pytest.mark.parametrize("key, value", [("context_parallel_degree", 2)])
 def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
     from llm_pretrain.parallel.layout import check_layout_and_model
 
@@ -375,7 +375,15 @@ def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, t
         check_layout_and_model(args, 2, "cpu")
     message = str(raised.value)
     assert "\n" not in message and f"{key}: {value} is not proven for deepseek_v3" in message
-    assert "sep_parallel_degree" not in message.split("allowed above 1:")[1], message
+    assert "context_parallel_degree" not in message.split("allowed above 1:")[1], message
+
+
+def test_segment_parallelism_is_accepted(embedded_corpus, tmp_path):
+    """sep2 is proven: tests/test_long_context.py test_sep2_every_family_and_resume trains deepseek-sep2."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, sep_parallel_degree=2), 2, "cpu")
+    assert layout.sep_parallel_degree == 2 and layout.data_parallel_degree == 1
 
 
 def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):
