@@ -26,8 +26,9 @@ accumulation steps of one process).
     8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
-                        metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 (MLA's all-to-all,
-                        the sequence-wise loss over whole sequences, MTP): also its MTP losses and router biases
+                        metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 and cp2 (MLA's
+                        all-to-all or ring, the sequence-wise loss over whole sequences, MTP): also its MTP losses
+                        and router biases
     packed documents    in the sep2/cp2 launch, reset_attention_mask, reset_position_ids and eod_mask_loss on:
                         GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
@@ -77,7 +78,7 @@ MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "qwen2_moe": {"model_name_or_path": "qwen2-moe-tiny"}}
 # DeepSeek-V3 (issue 35) under sep2: deepseek-v3-tiny (MLA, 1 dense + 1 MoE layer, MTP) for 2 steps with the bias
 # rule on and the sequence-wise balance loss at 0.1 (published 0.0001: a loss of a rank's half sequences would hide
-# below the tolerance); cp is refused for it (llm_pretrain/parallel/layout.py PROVEN_DEGREES)
+# below the tolerance), and under cp2
 DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2, "max_steps": 2, "save_steps": 2,
             "moe_bias_update_rate": 0.01, "seq_aux_loss_coef": 0.1}
 SEP2 = {"sep_parallel_degree": 2}
@@ -180,12 +181,13 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
     assert any(r["tokens_dropped"] for r in ref) == ("capped" in reference.name)
 
 
-def check_deepseek_sep2(runs: Runs) -> None:
-    """DeepSeek-V3 under sep2 (issue 35): losses (main and MTP), grad norms, router metrics, weights, AdamW states and
-    the routers' correction biases (moved by the load of the whole sequences) equal one process's, every replica
-    the same on both ranks; each rank holds 16 of the 32 tokens between the layers and 2 of the 4 heads inside
-    the latent attention (its all-to-all), whose rotary positions are the whole sequence's."""
-    reference, out = runs.reference("deepseek"), runs.out("deepseek-sep2")
+def check_deepseek(runs: Runs, name: str) -> None:
+    """DeepSeek-V3 under sep2 or cp2 (issue 35): losses (main and MTP), grad norms, router metrics, weights, AdamW
+    states and the routers' correction biases (moved by the load of the whole sequences) equal one process's, every
+    replica the same on both ranks; each rank holds 16 of the 32 tokens between the layers; under sep 2 of the 4 heads
+    inside the latent attention (its all-to-all, rotary positions the whole sequence's), under cp chunks 0 and 3 of 4
+    (the ring over k and v, MLA's softmax scale)."""
+    reference, out = runs.reference("deepseek"), runs.out(name)
     steps = DEEPSEEK["max_steps"]
     diffs = assert_same_training(reference, out, step=steps)
     diffs["every_replica"] = assert_every_replica_matches(reference, out, step=steps)
@@ -194,9 +196,13 @@ def check_deepseek_sep2(runs: Runs) -> None:
     for a, b in zip(train_records(reference), train_records(out), strict=True):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5), (b, a)
     built = run_record(out)["built"]
-    split = built["segment_parallel"]
-    assert split["tokens_per_rank"] == 16 and split["attention_heads_per_rank"] == 2, built
-    print(f"deepseek-sep2 vs single-process deepseek: {diffs}")
+    if name.endswith("sep2"):
+        split = built["segment_parallel"]
+        assert split["tokens_per_rank"] == 16 and split["attention_heads_per_rank"] == 2, built
+    else:
+        ring = built["context_parallel"]
+        assert ring["tokens_per_rank"] == 16 and ring["chunks_of_2cp"] == [0, 3], built
+    print(f"{name} vs single-process deepseek: {diffs}")
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +240,7 @@ def test_sep2_every_family_and_resume(runs):
         # packed documents on the flash path under sep: flashmask_attention on the whole sequence's row indices
         # after the all-to-all (rotary positions restarting per document, this rank's tokens of them)
         runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2),
-        runs.run("deepseek-sep2", "deepseek", **SEP2)],
+        runs.run("deepseek-sep2", "deepseek", **SEP2), runs.run("deepseek-cp2", "deepseek", **CP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in MODELS] + [
@@ -259,7 +265,8 @@ def test_sep2_every_family_and_resume(runs):
         runs.check_stand_ins(result, name, tuple(["flash_attn", "flash_attn_grad"] + rope + norm))  # on every rank
         if "cp2" in name:  # the ring's transfers overlap its blocks, as on NCCL (gloo: the batch_isend_irecv stand-in)
             assert run_record(runs.out(name))["built"]["context_parallel"]["transfers"] == "overlapped", name
-    check_deepseek_sep2(runs)
+    for name in ("deepseek-sep2", "deepseek-cp2"):
+        check_deepseek(runs, name)
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
     assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],
