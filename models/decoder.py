@@ -646,8 +646,11 @@ class CausalLM(nn.Layer):
     def mtp_logits(self, hidden, labels, documents=None):
         """The MTP module's logits [batch, seq, vocab] from the main model's last hidden states and the labels
         (token i + 1 at position i; -100 read as token 0: its position's target is masked or the last)."""
-        # (under sequence parallelism this rank's chunk of the tokens, as the main model's hidden states)
-        next_embeddings = pl.split_sequence(self.config, self.embeddings.word_embeddings(labels.clip(min=0)))
+        # (under sep / cp this rank's part of every sequence, under sequence parallelism its chunk of the tokens, as
+        # the main model's hidden states; the targets, mtp_labels, are shifted in whole sequences before the loss
+        # splits them, so a chunk's last position predicts the next chunk's second token)
+        next_tokens = pl.split_segment(self.config, labels.clip(min=0))
+        next_embeddings = pl.split_sequence(self.config, self.embeddings.word_embeddings(next_tokens))
         return self.lm_head(self.mtp(hidden, next_embeddings, documents))
 
     def update_router_biases(self) -> None:

@@ -93,12 +93,20 @@ class DeepSeekMoE(MoE):
         return selected, weights.astype(x.dtype), stats
 
     def sequence_balance(self, one_hot, normalized):
-        """The sequence-wise balance loss (unscaled), mean over the micro-batch's sequences."""
-        experts, k, seq = self.config.num_experts, self.config.num_experts_per_tok, self._seq
+        """The sequence-wise balance loss (unscaled), mean over the micro-batch's sequences. Under sep / cp each
+        rank routes part of every sequence: each sequence's picks and score sums are added over the sep group
+        first (pl.sum_over_segments, as the router's other statistics: models/moe.py whole_sequence_stats), so
+        that every rank computes one process's loss."""
+        c = self.config
+        experts, k, seq = c.num_experts, c.num_experts_per_tok, self._seq
         picks = one_hot.reshape([-1, seq * k, experts]).sum(axis=1).detach()
+        score_sums = normalized.reshape([-1, seq, experts]).sum(axis=1)
+        if pl.splits_sequence(c):
+            sums = pl.sum_over_segments(c, paddle.concat([picks, score_sums], axis=-1))
+            picks, score_sums = sums[:, :experts].detach(), sums[:, experts:]
+            seq *= c.sep_parallel_degree * c.context_parallel_degree
         f = picks * experts / (k * seq)
-        p = normalized.reshape([-1, seq, experts]).mean(axis=1)
-        return (f * p).sum(axis=-1).mean()
+        return (f * score_sums / seq).sum(axis=-1).mean()
 
     @paddle.no_grad()
     def update_correction_bias(self, rate: float) -> None:

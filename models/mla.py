@@ -23,9 +23,17 @@ and their weights are marked as sequence-parallel parameters (their gradients su
 PaddleFormers marks them). The rope key k_pe feeds every head but passes no column-parallel projection: each rank's
 gradient of it covers only its own heads, so it goes through `pl.replicated_input` (gathered under SP, as
 PaddleFormers' GatherOp, and its gradient summed over the ranks either way).
+
+Segment parallelism (sep): this rank's tokens of every head are projected, then the all-to-all gives every token of
+1/sep of the heads (k_pe expanded to the heads first), the rotation takes the whole sequence's positions, and the
+output returns to this rank's tokens before o_proj (docs/parallel-layouts.md, DeepSeek-V3's sep). Context parallelism:
+this rank's two chunks rotated by their global positions, k (k_pe expanded) and v around models/ring_attention.py's
+ring, q scaled so that the ring's 1/sqrt(q head dim) gives `softmax_scale`.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import paddle
@@ -89,6 +97,9 @@ class LatentAttention(nn.Layer):
         self.kv_b_proj = pl.column_linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = pl.row_linear(c, heads * c.v_head_dim, c.hidden_size, bias=False)
         self.softmax_scale = softmax_scale(config)
+        # Heads inside the attention under segment parallelism: 1/sep of this rank's (layout.py: sep divides them)
+        self.sep_degree = pl.sep_rank_and_degree(c)[1]
+        self.attention_heads = self.num_heads // self.sep_degree
 
     def forward(self, hidden, documents=None):
         c = self.config
@@ -103,24 +114,62 @@ class LatentAttention(nn.Layer):
         k_pe = pl.replicated_input(c, k_pe)  # every token; its gradient summed over the ranks' heads
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).reshape([batch, seq, heads, nope + c.v_head_dim])
         k_nope, v = paddle.split(kv, [nope, c.v_head_dim], axis=-1)
-        cos, sin = pair_tables(c, seq)
-        if documents is not None and documents.positions is not None:  # positions restart at each document
-            cos, sin = (paddle.gather(t, documents.positions.flatten(), axis=0).reshape([-1, seq, rope // 2])
+        k_pe = k_pe.reshape([batch, seq, 1, rope])
+        if self.sep_degree > 1:
+            # Segment parallelism (Ulysses): from this rank's tokens of every head to every token of 1/sep of the
+            # heads, rotary positions then those of the whole sequence, as PaddleFormers' LlamaAttention reshards
+            # q/k/v before its rope (transformers/llama/modeling.py, ReshardLayer of segment_parallel_utils.py;
+            # its DeepseekV2Attention has no sep path). The rope key, one for every head, goes with each head.
+            k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1)
+            q, k, v = (pl.sequence_to_heads(c, t) for t in (q, k, v))
+            seq, heads = q.shape[1], self.attention_heads
+            q_nope, q_pe = paddle.split(q, [nope, rope], axis=-1)
+            k_nope, k_pe = paddle.split(k, [nope, rope], axis=-1)
+        # Context parallelism (the ring): this rank's two chunks of every sequence, rotated by their global positions
+        ring = c.context_parallel_degree > 1
+        positions = documents.positions if documents is not None else None  # (whole sequences', restarting)
+        if ring:
+            positions = pl.split_segment(c, positions) if positions is not None else \
+                pl.token_positions(c, seq).unsqueeze(0)
+        cos, sin = pair_tables(c, c.seq_length if ring else seq)
+        if positions is not None:  # each token's row of the tables
+            cos, sin = (paddle.gather(t, positions.flatten(), axis=0).reshape([-1, seq, rope // 2])
                         for t in (cos, sin))
         else:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         q_pe = rotate_pairs(q_pe, cos, sin)
-        k_pe = rotate_pairs(k_pe.reshape([batch, seq, 1, rope]), cos, sin)
-        q = paddle.concat([q_nope, q_pe], axis=-1).transpose([0, 2, 1, 3])  # [batch, heads, seq, nope + rope]
-        k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1).transpose([0, 2, 1, 3])
+        k_pe = rotate_pairs(k_pe, cos, sin)
+        q = paddle.concat([q_nope, q_pe], axis=-1)  # [batch, seq, heads, nope + rope]
+        k = paddle.concat([k_nope, k_pe.expand([batch, seq, heads, rope])], axis=-1)
+        if ring:
+            from models.ring_attention import ring_attention
+
+            # The ring scales the scores by 1/sqrt(q head dim); q scaled first by softmax_scale x sqrt(q head dim)
+            # gives MLA's YaRN-corrected scale, as PaddleFormers 0.4.1 feeds its kernel, which divides by sqrt(d)
+            # (deepseek_v2/modeling.py scaled_dot_product_attention: query_states * softmax_scale * q_head_dim**0.5).
+            # The ring's blocks take v's own head dim.
+            q = q * (self.softmax_scale * math.sqrt(self.q_head_dim))
+            out = ring_attention(q, k, v, c.seq_length, None, pl.sequence_group(), False,
+                                 documents.ids if documents is not None else None)  # [batch, seq, heads x v]
+        else:
+            out = self.attention(q, k, v, documents)
+        if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
+            out = out.reshape([-1, out.shape[-1]])
+        return self.o_proj(out)
+
+    def attention(self, q, k, v, documents=None):
+        """softmax(q k^T x scale + causal mask (+ document mask)) v: [batch, seq, heads, d] in (under sep every token
+        of 1/sep of this rank's heads), [batch, this rank's tokens, heads x v] out."""
+        batch, seq = q.shape[0], q.shape[1]
+        q, k = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3])  # [batch, heads, seq, nope + rope]
         scores = paddle.matmul(q.astype("float32") * self.softmax_scale, k.astype("float32"), transpose_y=True)
         scores = scores + paddle.triu(paddle.full([seq, seq], float("-inf"), dtype="float32"), diagonal=1)
         if documents is not None:
             scores = scores + documents.mask
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
-        probs = F.dropout(probs, c.attention_probs_dropout_prob, training=self.training)
+        probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [batch, heads, seq, v]
-        out = out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * c.v_head_dim])
-        if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
-            out = out.reshape([-1, out.shape[-1]])
-        return self.o_proj(out)
+        out = out.transpose([0, 2, 1, 3])  # [batch, seq, heads, v]
+        if self.sep_degree > 1:  # back to this rank's tokens of every head
+            out = pl.heads_to_sequence(self.config, out)
+        return out.reshape([batch, out.shape[1], -1])

@@ -90,7 +90,7 @@ def whole_sequence_stats(config: ModelConfig, stats: RouterStats) -> RouterStats
     degree = config.sep_parallel_degree * config.context_parallel_degree
     return RouterStats(picks=total[:experts].detach(), prob_sum=total[experts:2 * experts],
                        z_sum=total[2 * experts], dropped=total[2 * experts + 1].detach().astype("int64"),
-                       tokens=stats.tokens * degree)
+                       tokens=stats.tokens * degree, seq_balance=stats.seq_balance)  # (summed when made)
 
 
 def router_losses(config: ModelConfig, stats: list[RouterStats]):

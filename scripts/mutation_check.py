@@ -594,6 +594,20 @@ MUTATIONS = [
              "    return replicated_linear(in_features, out_features, bias, partial_grads=_sequence_parallel(config))",
              "    return replicated_linear(in_features, out_features, bias)",
              ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    # DeepSeek-V3 under sep2 (tests/test_long_context.py deepseek-sep2): the sequence-wise balance loss of each rank's
+    # half sequences; MLA's rotary positions of the rank's own chunk (restarting at 0) instead of the whole sequence's
+    Mutation("deepseek_seq_balance_not_summed_over_sep", "under sep the sequence-wise balance loss from each rank's "
+             "part of the sequences (its picks and score sums not added over the sep group)", "models/deepseek_moe.py",
+             "        if pl.splits_sequence(c):\n", "        if False:\n", (LONG_SEP2,)),
+    Mutation("deepseek_mla_local_rope_positions_under_sep", "under sep the latent attention rotates each rank's chunk "
+             "by positions restarting at 0 (the chunk's own) rather than the whole sequence's", "models/mla.py",
+             "        cos, sin = pair_tables(c, c.seq_length if ring else seq)\n",
+             "        cos, sin = pair_tables(c, c.seq_length) if ring else (paddle.concat([t[:seq // self.sep_degree]] * "
+             "self.sep_degree) for t in pair_tables(c, seq))\n",
+             (LONG_SEP2,)),
+    Mutation("deepseek_ring_scale_not_mla", "under cp the ring scales the latent attention's scores by 1/sqrt(q head dim) "
+             "instead of MLA's YaRN-corrected softmax_scale", "models/mla.py",
+             "            q = q * (self.softmax_scale * math.sqrt(self.q_head_dim))\n", "            q = q\n", (LONG_SEP2,)),
     # DeepSeek-V3 under pp2: the next tokens' embeddings riding to the last stage's MTP module without their gradient
     # (the first stage's embedding never learns from MTP); the pipeline's step without the bias update
     Mutation("deepseek_pp_mtp_embedding_grad_dropped", "under the pipeline the next tokens' embeddings reach the last "
@@ -622,12 +636,6 @@ MUTATIONS = [
              ("tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",)),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
-    Mutation("deepseek_sep_cp_listed_proven", "DeepSeek-V3's sep and cp (MLA has no all-to-all or ring path) accepted",
-             "llm_pretrain/parallel/layout.py",
-             '"deepseek_v3": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",)}',
-             '"deepseek_v3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD'
-             ' + ("expert_parallel_degree",)}',
-             ("tests/test_deepseek_v3.py::test_unproven_layouts_are_refused_in_one_line",)),
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",
              "llm_pretrain/parallel/layout.py", 'EXPERTS_OVER_SHARDING = ("deepseek_v3",)', "EXPERTS_OVER_SHARDING = ()",
              ("tests/test_deepseek_v3.py::test_expert_parallelism_over_sharding_ranks_is_accepted",)),

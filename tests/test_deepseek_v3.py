@@ -366,16 +366,30 @@ def _arguments(corpus, tmp_path, **overrides):
     return args
 
 
-@pytest.mark.parametrize("key, value", [("sep_parallel_degree", 2), ("context_parallel_degree", 2)])
-def test_unproven_layouts_are_refused_in_one_line(key, value, embedded_corpus, tmp_path):
+@pytest.mark.parametrize("key", ["sep_parallel_degree", "context_parallel_degree"])
+def test_segment_and_context_parallelism_are_accepted(key, embedded_corpus, tmp_path):
+    """sep2 and cp2 are proven: tests/test_long_context.py test_sep2_every_family_and_resume trains deepseek-sep2 and
+    deepseek-cp2."""
     from llm_pretrain.parallel.layout import check_layout_and_model
 
-    args = _arguments(embedded_corpus, tmp_path, **{key: value})
+    layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, **{key: 2}), 2, "cpu")
+    assert getattr(layout, key) == 2 and layout.data_parallel_degree == 1
+
+
+def test_unproven_pairs_with_sep_or_cp_are_refused_in_one_line(embedded_corpus, tmp_path):
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    args = _arguments(embedded_corpus, tmp_path, sep_parallel_degree=2, tensor_parallel_degree=2)
+    with pytest.raises(UsageError) as raised:
+        check_layout_and_model(args, 4, "cpu")
+    message = str(raised.value)
+    assert "\n" not in message and "together is not proven for deepseek_v3" in message, message
+    args = _arguments(embedded_corpus, tmp_path, context_parallel_degree=2, reset_attention_mask=True)
     with pytest.raises(UsageError) as raised:
         check_layout_and_model(args, 2, "cpu")
     message = str(raised.value)
-    assert "\n" not in message and f"{key}: {value} is not proven for deepseek_v3" in message
-    assert "sep_parallel_degree" not in message.split("allowed above 1:")[1], message
+    assert "\n" not in message and message.startswith("reset_attention_mask with context_parallel_degree 2 is not "
+                                                       "proven for deepseek_v3"), message
 
 
 def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):

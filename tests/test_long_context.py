@@ -26,7 +26,9 @@ accumulation steps of one process).
     8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
-                        metrics of train_log.jsonl equal one process's
+                        metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 and cp2 (MLA's
+                        all-to-all or ring, the sequence-wise loss over whole sequences, MTP): also its MTP losses
+                        and router biases
     packed documents    in the sep2/cp2 launch, reset_attention_mask, reset_position_ids and eod_mask_loss on:
                         GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
@@ -61,7 +63,8 @@ import json
 from launch_utils import REPO_ROOT, launch
 from models.families import FAMILIES
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, assert_stand_ins_ran,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_router_biases, assert_same_training,
+    assert_stand_ins_ran,
     base_arguments, run_launch, run_record, run_single, run_spec, train_records, write_json,
 )
 
@@ -76,6 +79,11 @@ MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},
               "qwen2_moe": {"model_name_or_path": "qwen2-moe-tiny"}}
+# DeepSeek-V3 (issue 35) under sep2: deepseek-v3-tiny (MLA, 1 dense + 1 MoE layer, MTP) for 2 steps with the bias
+# rule on and the sequence-wise balance loss at 0.1 (published 0.0001: a loss of a rank's half sequences would hide
+# below the tolerance), and under cp2
+DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2, "max_steps": 2, "save_steps": 2,
+            "moe_bias_update_rate": 0.01, "seq_aux_loss_coef": 0.1}
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 STOP = 3  # resume pairs stop after this step
@@ -119,6 +127,7 @@ class Runs:
         self.files.update({f"{model}-docs": write_json(work / f"{model}-docs.json", base_arguments(
             corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **DOCUMENT_KEYS))
             for model in DOCUMENT_MODELS})
+        self.files["deepseek"] = write_json(work / "deepseek.json", base_arguments(corpus, work, **DEEPSEEK))
 
     def reference(self, model: str) -> Path:
         return self.work / "single" / model
@@ -176,12 +185,36 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
     assert any(r["tokens_dropped"] for r in ref) == ("capped" in reference.name)
 
 
+def check_deepseek(runs: Runs, name: str) -> None:
+    """DeepSeek-V3 under sep2 or cp2 (issue 35): losses (main and MTP), grad norms, router metrics, weights, AdamW
+    states and the routers' correction biases (moved by the load of the whole sequences) equal one process's, every
+    replica the same on both ranks; each rank holds 16 of the 32 tokens between the layers; under sep 2 of the 4 heads
+    inside the latent attention (its all-to-all, rotary positions the whole sequence's), under cp chunks 0 and 3 of 4
+    (the ring over k and v, MLA's softmax scale)."""
+    reference, out = runs.reference("deepseek"), runs.out(name)
+    steps = DEEPSEEK["max_steps"]
+    diffs = assert_same_training(reference, out, step=steps)
+    diffs["every_replica"] = assert_every_replica_matches(reference, out, step=steps)
+    assert_same_router_metrics(reference, out)
+    assert_same_router_biases(reference, out, step=steps)
+    for a, b in zip(train_records(reference), train_records(out), strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5), (b, a)
+    built = run_record(out)["built"]
+    if name.endswith("sep2"):
+        split = built["segment_parallel"]
+        assert split["tokens_per_rank"] == 16 and split["attention_heads_per_rank"] == 2, built
+    else:
+        ring = built["context_parallel"]
+        assert ring["tokens_per_rank"] == 16 and ring["chunks_of_2cp"] == [0, 3], built
+    print(f"{name} vs single-process deepseek: {diffs}")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
     references = [argv(setup.files[model], setup.reference(model))
                   for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
-                                *(f"{m}-docs" for m in DOCUMENT_MODELS))]
+                                *(f"{m}-docs" for m in DOCUMENT_MODELS), "deepseek")]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
@@ -212,7 +245,8 @@ def test_sep2_every_family_and_resume(runs):
         # after the all-to-all (rotary positions restarting per document, this rank's tokens of them)
         runs.kernels("llama-docs-sep2-kernels", "llama-docs", **SEP2),
         # ... and under cp: each ring block on flashmask_attention with the block's own row indices
-        runs.kernels("llama-docs-cp2-kernels", "llama-docs", **CP2)],
+        runs.kernels("llama-docs-cp2-kernels", "llama-docs", **CP2),
+        runs.run("deepseek-sep2", "deepseek", **SEP2), runs.run("deepseek-cp2", "deepseek", **CP2)],
         runs.work, "sep2", timeout=1800)
     run_single([runs.run("sep2-to-single"), runs.run("cp2-to-single")], runs.work, "after-sep2")
     runs.check([(f"{model}-sep2", model) for model in (*MODELS, *SEP_CP_MODELS)] + [
@@ -245,6 +279,8 @@ def test_sep2_every_family_and_resume(runs):
         runs.check_stand_ins(result, name, tuple(["flash_attn", "flash_attn_grad"] + rope + norm))  # on every rank
         if "cp2" in name:  # the ring's transfers overlap its blocks, as on NCCL (gloo: the batch_isend_irecv stand-in)
             assert run_record(runs.out(name))["built"]["context_parallel"]["transfers"] == "overlapped", name
+    for name in ("deepseek-sep2", "deepseek-cp2"):
+        check_deepseek(runs, name)
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
     assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],

@@ -177,9 +177,10 @@ def describe_sequence_parallel(model) -> dict:
 def describe_segment_parallel(model) -> dict | None:
     """Segment parallelism as the model's attention layers were built (None: every rank all tokens)."""
     from models.decoder import Attention
+    from models.mla import LatentAttention
 
     layers = unwrap_model(model)
-    attention = [m for m in layers.sublayers() if isinstance(m, Attention)]
+    attention = [m for m in layers.sublayers() if isinstance(m, (Attention, LatentAttention))]
     if not attention or attention[0].config.sep_parallel_degree <= 1:
         return None
     config = attention[0].config
@@ -192,8 +193,9 @@ def describe_context_parallel(model) -> dict | None:
     """Ring attention as the model's attention layers were built (None: every rank all tokens)."""
     from models import ring_attention
     from models.decoder import Attention
+    from models.mla import LatentAttention
 
-    attention = [m for m in unwrap_model(model).sublayers() if isinstance(m, Attention)]
+    attention = [m for m in unwrap_model(model).sublayers() if isinstance(m, (Attention, LatentAttention))]
     if not attention or attention[0].config.context_parallel_degree <= 1:
         return None
     config = attention[0].config

@@ -598,15 +598,16 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
-# tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's. No sep or
-# cp: models/mla.py attends over the rank's own tokens (no all-to-all or ring path), and the bias load and the
-# sequence-wise loss (models/deepseek_moe.py) are not summed over the sep group.
+# tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
+# cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
+# the sep group, MTP).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
                   "ernie4_5": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD,
-                  "deepseek_v3": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",)}
+                  "deepseek_v3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree")
+                  + _DP_PP_SD + ("expert_parallel_degree",)}
 PROVEN_SHARDING_STAGES = (1,)
 # Families trained under more sharding stages than PROVEN_SHARDING_STAGES (test_parallel_parity check_deepseek_sd2)
 FAMILY_SHARDING_STAGES = {"deepseek_v3": (1, 2, 3)}
@@ -694,6 +695,11 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
     if args.recompute and args.recompute_granularity == "core_attn":
         raise UsageError(f"recompute_granularity: core_attn is not supported for {config.family} (allowed: full, "
                          "full_attn)")
+    split = layout.sep_parallel_degree * layout.context_parallel_degree
+    if split > 1 and args.reset_attention_mask:  # the latent attention's document paths under sep / cp: no test yet
+        name = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
+        raise UsageError(f"reset_attention_mask with {name} {split} is not proven for {config.family} yet (its sep and "
+                         "cp are trained without packed documents); set reset_attention_mask false or drop the degree")
 
 
 def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, device: str) -> None:
