@@ -1,6 +1,6 @@
 """DeepSeek-V3's auxiliary-loss-free balancing on CPU: the expert load per MoE layer and the loss, bias rule on and off.
 
-    nice -n 19 python scripts/moe_balance_benchmark.py [--steps 200 --logging-steps 5 --out benchmarks/]
+    PYTHONPATH=$PWD nice -n 19 python scripts/moe_balance_benchmark.py [--steps 200 --logging-steps 5 --out benchmarks/]
 
 Trains the deepseek_v3 tiny preset (ARGS_FILE: deepseek-v3-tiny, one dense layer then one MoE layer of 8
 experts in 4 groups, top 2 of 2 groups, a shared expert, the MTP block with its own router; the sequence-wise
@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -182,18 +183,18 @@ def render_chart(result: dict, path: Path) -> bool:
 
 def main(argv: list[str]) -> None:
     options = parse(argv)
-    sys.path.insert(0, str(REPO))
     args = preset()
     rate = args["moe_bias_update_rate"]
     work = Path(tempfile.mkdtemp(prefix="moe_balance_"))
     runs = train(options.steps, options.logging_steps, rate, work)
+    shutil.rmtree(work)  # the corpus, the data cache and the two runs' logs: the series are in `runs`
 
     from llm_pretrain.observe import perf
     from models.registry import ARCHITECTURES
 
     config = ARCHITECTURES[args["model_name_or_path"]]
     result = {"time": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(["nice -n 19 python scripts/moe_balance_benchmark.py", *argv]).strip(),
+              "command": " ".join(["PYTHONPATH=$PWD nice -n 19 python scripts/moe_balance_benchmark.py", *argv]),
               "model": args["model_name_or_path"], "experts": config.num_experts, "top_k": config.num_experts_per_tok,
               "batch": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"],
               "seq": args["max_seq_length"], "steps": options.steps, "logging_steps": options.logging_steps,
