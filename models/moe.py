@@ -107,7 +107,8 @@ def router_losses(config: ModelConfig, stats: list[RouterStats]):
 class RouterMetrics:
     """What train_log.jsonl reports at a logging step, gathered over the training forwards since the last
     report without a host sync: the load-balancing loss (mean per forward), the ratio of the most to the
-    least picked expert (the worst layer; null when an expert got no token) and the pairs dropped."""
+    least picked expert (the worst layer; null when an expert got no token), per router the most picked
+    expert's picks over the mean, and the pairs dropped."""
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -139,8 +140,11 @@ class RouterMetrics:
         picks = self.picks.numpy()
         least = picks.min(axis=1)
         ratio = None if (least == 0).any() else float((picks.max(axis=1) / least).max())
+        # per router, most picked expert / mean picks: 1 when balanced, E / k when every token goes to the same
+        # k experts (1 + MaxVio of Wang et al. 2024, arXiv:2408.15664, the paper of DeepSeek-V3's bias rule)
+        max_mean = (picks.max(axis=1) * picks.shape[1] / np.maximum(picks.sum(axis=1), 1)).round(4).tolist()
         out = {"moe_aux_loss": float(self.balance) / self.forwards, "expert_load_max_min_ratio": ratio,
-               "tokens_dropped": int(self.dropped)}
+               "expert_load_max_mean": max_mean, "tokens_dropped": int(self.dropped)}
         if self.mtp_forwards:
             out["mtp_loss"] = float(self.mtp_loss) / self.mtp_forwards
         self.reset()

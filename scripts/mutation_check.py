@@ -657,6 +657,10 @@ MUTATIONS = [
              "(every PaddleNLP config carries one) refused as a quantized model", "models/families/hf_config_keys.py",
              "    return value is None or _not_quantized(value) or (", "    return value is None or (",
              ("tests/test_interop.py::test_paddlenlp_config_reads_as_our_config",)),
+    Mutation("expert_load_max_mean_over_routers", "the logged max/mean expert load divides by the router count "
+             "instead of the expert count", "models/moe.py",
+             "picks.max(axis=1) * picks.shape[1] /", "picks.max(axis=1) * picks.shape[0] /",
+             ("tests/test_moe.py::test_router_metrics_report_max_over_mean_load_per_router",)),
 ]
 
 

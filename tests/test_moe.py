@@ -9,6 +9,7 @@ and drops, z-loss, ties), config.json reading, recompute, the run's metrics and 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import paddle
@@ -199,6 +200,7 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
         for record in records:
             assert record["moe_aux_loss"] >= 0.99  # E x sum f P >= 1 (equality: perfectly balanced)
             assert record["expert_load_max_min_ratio"] is None or record["expert_load_max_min_ratio"] >= 1
+            assert len(record["expert_load_max_mean"]) == 2 and min(record["expert_load_max_mean"]) >= 1
             assert (record["tokens_dropped"] > 0) == (name == "capped")
     run = [json.loads(line) for line in (tmp_path / "mixtral" / "train_log.jsonl").read_text().splitlines()][0]
     from llm_pretrain.observe.flops import training_flops_per_token
@@ -218,6 +220,52 @@ def test_training_reports_router_metrics_and_bad_input_is_one_line(embedded_corp
     result = run_cli(args_file, "--output_dir", tmp_path / "bad", "--model_name_or_path", config_dir)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "num_experts_per_tok 5 must be between 1 and num_experts 4" in result.stderr, result.stderr
+
+
+def test_router_metrics_report_max_over_mean_load_per_router():
+    """expert_load_max_mean: per router, the most picked expert over the mean picks of the window's forwards
+    (summed over them), what scripts/moe_balance_benchmark.py tables and plots."""
+    from models.moe import RouterMetrics
+
+    metrics = RouterMetrics(ARCHITECTURES["deepseek-v3-tiny"])
+    metrics.picks = paddle.to_tensor([[4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 0.0, 8.0], [1.0, 2.0, 3.0, 6.0]])
+    metrics.dropped, metrics.balance, metrics.forwards = paddle.to_tensor(0), paddle.to_tensor(1.0), 1
+    summary = metrics.summary()
+    assert summary["expert_load_max_mean"] == [1.0, 2.0, 2.0]
+    assert summary["expert_load_max_min_ratio"] is None  # an expert got no token
+
+
+def test_moe_balance_benchmark_tables_the_windows_and_refuses_bad_steps(capsys):
+    """scripts/moe_balance_benchmark.py's markdown (text chart: no PNG) from a fake series: the first, middle
+    and last windows of each run, the second-half means and the verdict; bad --steps: one line, exit 2."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "moe_balance_benchmark.py")
+    spec = importlib.util.spec_from_file_location("moe_balance_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.router_names("deepseek-v3-tiny") == ["layer 1", "MTP block 0"]
+
+    def run(loads):
+        return [{"step": 5 * (i + 1), "loss": 8.0 - i, "mtp_loss": 7.0 - i, "expert_load_max_mean": [v, 1.5]}
+                for i, v in enumerate(loads)]
+
+    env = {"cpu_model": "cpu", "cpu_count": 2, "paddle_version": "3.3.1", "python": "3.11"}
+    result = {"runs": {"on": run([3.0, 2.0, 1.6, 1.2, 1.1]), "off": run([3.0, 3.0, 3.1, 3.2, 3.3])},
+              "routers": ["layer 1", "MTP block 0"], "rate": 0.001, "environment": env, "logging_steps": 5,
+              "command": "c", "time": "t", "model": "deepseek-v3-tiny", "experts": 8, "top_k": 2, "batch": 8,
+              "seq": 128, "steps": 25}
+    text = bench.render_markdown(result, None)
+    assert "| max/mean steps 1-5 | steps 11-15 | steps 21-25 |" in text
+    assert "| layer 1 | bias rule on (rate 0.001) | 3.000 | 1.600 | 1.100 | 1.300 |" in text
+    assert "| layer 1 | bias rule off (rate 0) | 3.000 | 3.100 | 3.300 | 3.200 |" in text
+    assert "- layer 1: over the second half, max/mean 1.300 with the bias rule, 3.200 without (lower" in text
+    assert "- MTP block 0: over the second half, max/mean 1.500 with the bias rule, 1.500 without (not lower" in text
+    assert "| bias rule on (rate 0.001) | 4.0000 | 3.0000 | 5.0000 |" in text  # last loss; mean of 6, 5, 4
+    assert "     layer 1  on *-:. \n" in text  # the text chart: 1 -> ' ', 4 -> '@'
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse(["--steps", "10", "--logging-steps", "5"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --steps 10:")
 
 
 def test_planner_counts_experts_per_rank_and_the_all_to_all():
