@@ -205,6 +205,8 @@ def main() -> None:
         f"PaddleNLP {env.get('paddlenlp_version')}; both sides with OMP_NUM_THREADS={csb.flops.cpu_count()} "
         f"(ours ran with {raws['ours'][0]['effective_environment']}, PaddleNLP with "
         f"{raws['paddlenlp'][0]['effective_environment']}). Raw figures: `moe.json`.", "",
+        "DeepSeek-V3's auxiliary-loss-free balancing (the router bias rule on and off, 200 steps, expert load per "
+        "layer and the loss): [moe_balance.md](moe_balance.md) (`scripts/moe_balance_benchmark.py`).", "",
         f"Mixtral: hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
         f"{MODEL['num_attention_heads']} heads ({MODEL['num_key_value_heads']} kv), {MODEL['num_experts']} experts of "
         f"width {MODEL['intermediate_size']}, top {MODEL['num_experts_per_tok']}, aux loss coefficient "
