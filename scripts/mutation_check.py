@@ -46,6 +46,7 @@ MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_train
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
+LONG_PP4 = "tests/test_long_context.py::test_interleaved_pipeline_with_cp2_and_sep2"
 STANDINS = "tests/test_kernel_standins.py"
 STANDIN_BRANCHES = f"{STANDINS}::test_every_layer_takes_every_kernel_branch"
 STANDIN_CAUSAL = f"{STANDINS}::test_off_diagonal_causal_block_is_bottom_right_aligned"
@@ -412,6 +413,12 @@ MUTATIONS = [
              "        self.norm = pl.norm(config, config.hidden_size)",
              "        self.norm = pl.norm(config.replace(use_fused_rms_norm=False), config.hidden_size)",
              ("tests/test_uneven_pipeline.py::test_uneven_stages_train_like_one_process",)),
+    Mutation("alibi_flash_dropped_under_sep", "use_flash_attention with ALiBi under sep: the plain attention instead "
+             "of sdpa's flash with the additive mask (the same numbers: only Bloom's stand-in calls under pp4 x 2 "
+             "virtual stages x sep2 tell)", "models/decoder.py",
+             "        if self.config.use_flash_attention:\n            if document_mask is not None:",
+             "        if self.config.use_flash_attention and not (self.config.position_embedding == 'alibi' and "
+             "self.config.sep_parallel_degree > 1):\n            if document_mask is not None:", (LONG_PP4,)),
     Mutation("flashmask_unmasked_under_sep", "use_flash_attention with documents under sep: flashmask_attention "
              "after the all-to-all with every row bound at the sequence's end (plain causal flash)",
              "models/decoder.py", "(documents.row_indices,) if flashmask",

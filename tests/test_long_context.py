@@ -23,7 +23,8 @@ accumulation steps of one process).
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted
-    8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same
+    8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same, both
+                        with the kernel options through their CPU stand-ins (each rank's calls counted)
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 and cp2 (MLA's
@@ -41,6 +42,7 @@ accumulation steps of one process).
                         LLaMA also under sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x
                         sharding 2 at stages 1, 2 and 3, sep2 x sharding 2 at stages 1 and 3, cp4
                         (the ring's overlapped pass between different neighbours), pp2 x cp2 and pp2 x sep2,
+                        pp4 x 2 virtual stages x cp2 (and Bloom x sep2: the launch's only runs),
                         with packed documents under sep2 and cp2 (FlashMask's stand-in), each rank's stand-in
                         calls checked (the launch worker's "kernel_calls"; the newer runs: as many as
                         every layer makes, llama_kernel_calls)
@@ -160,17 +162,17 @@ class Runs:
             print(f"{name} vs single-process {model}: {diffs}")
 
 
-def llama_kernel_calls(micro_batches: int, ring: bool) -> dict:
-    """A LLaMA run's stand-in calls on one rank in 5 steps (parity.base_arguments' max_steps) of `micro_batches`:
-    per layer one flash call and its gradient (the ring of cp2: one per block, 2 blocks; its batch_isend_irecv
-    once in forward, 3 times in backward), one fused rotary embedding (q and k together) and two fused RMSNorms,
-    plus the final norm."""
+def llama_kernel_calls(micro_batches: int, ring: bool, layers: int = LAYERS, final_norm: bool = True) -> dict:
+    """A LLaMA run's stand-in calls on one rank in 5 steps (parity.base_arguments' max_steps) of `micro_batches`
+    through `layers` decoder layers: per layer one flash call and its gradient (the ring of cp2: one per block,
+    2 blocks; its batch_isend_irecv once in forward, 3 times in backward), one fused rotary embedding (q and k
+    together) and two fused RMSNorms, plus the final norm (a pipeline: on the last stage only)."""
     forwards = 5 * micro_batches
-    calls = {"flash_attn": forwards * LAYERS * (2 if ring else 1), "fused_rotary_position_embedding": forwards * LAYERS,
-             "fused_rms_norm_quant": forwards * (2 * LAYERS + 1)}
+    calls = {"flash_attn": forwards * layers * (2 if ring else 1), "fused_rotary_position_embedding": forwards * layers,
+             "fused_rms_norm_quant": forwards * (2 * layers + final_norm)}
     calls["flash_attn_grad"] = calls["flash_attn"]
     if ring:
-        calls["batch_isend_irecv"] = forwards * LAYERS * 4
+        calls["batch_isend_irecv"] = forwards * layers * 4
     return calls
 
 
@@ -553,24 +555,41 @@ def test_interleaved_pipeline_with_cp2_and_sep2(runs):
     """8 processes, pp4 x cp2 and pp4 x sep2 with 2 virtual stages (fleet's interleaved schedule needs
     pp > 2; 8 micro-batches of 1 = 2 x pp, so PipelineParallelWithInterleave runs, not its FthenB
     variant): LLaMA under cp2, Bloom (ALiBi, tied embedding) under sep2, each chunk of one layer
-    receiving 16 of the 32 tokens from the previous stage."""
+    receiving 16 of the 32 tokens from the previous stage. Both with the kernel options through their
+    CPU stand-ins (the suite's budget: these runs, not beside them): the ring's FlashBlocks and its
+    overlapped transfers, sdpa's flash with ALiBi's additive mask after the all-to-all, the fused rotary
+    embedding and RMSNorm, the fast LayerNorm; each rank's calls exactly as many as its two layers (and
+    the first stage's embedding LayerNorm, the last stage's final norm) make. The plain ring and sep
+    paths stay proven by cp2, cp4, pp2 x cp2 and the sep runs above."""
     interleaved = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "per_device_train_batch_size": 1,
                    "gradient_accumulation_steps": 8}
-    spec = [{"name": "llama-cp2pp4vpp2", "argv": runs.run("llama-cp2pp4vpp2", "llama-pp", **CP2, **interleaved)},
-            {"name": "bloom-sep2pp4vpp2", "argv": runs.run("bloom-sep2pp4vpp2", "bloom-pp", **SEP2, **interleaved)}]
+    llama, bloom = "llama-cp2pp4vpp2-kernels", "bloom-sep2pp4vpp2-kernels"
+    spec = [runs.kernels(llama, "llama-pp", **CP2, **interleaved),
+            runs.kernels(bloom, "bloom-pp", **SEP2, **interleaved)]
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 8,
                     [str(write_json(runs.work / "pp4vpp2.runs.json", spec))], log_dir=runs.work / "pp4vpp2.log",
                     timeout=1800).check()
-    calls = 5 * 8 * (PIPELINE_LAYERS // 4)  # steps x micro-batches x layers (chunks of one layer) per rank
-    for rank, observed in result.results().items():
+    forwards, layers = 5 * 8, PIPELINE_LAYERS // 4  # steps x micro-batches; layers (chunks of one layer) per rank
+    calls = forwards * layers
+    ranks = result.results()
+    counts = {llama: [], bloom: []}
+    for rank, observed in sorted(ranks.items()):
         for name, seen in observed.items():
             shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
             assert shapes == {(1, 16, 64)}, f"rank {rank} {name}: hidden states entering its layers {shapes}"
             assert "PipelineParallelWithInterleave" in seen["model_classes"]
-        ring = observed["llama-cp2pp4vpp2"]["ring"]
+        ring = observed[llama]["ring"]
         assert len(ring.get("forward", [])) == calls and len(ring.get("backward", [])) == 3 * calls
-        to_heads = observed["bloom-sep2pp4vpp2"]["all_to_all"]
+        to_heads = observed[bloom]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
-    runs.check([("llama-cp2pp4vpp2", "llama-pp"), ("bloom-sep2pp4vpp2", "bloom-pp")])
-    assert run_record(runs.out("llama-cp2pp4vpp2"))["strategy"] == "pp4vpp2cp2"
-    assert run_record(runs.out("bloom-sep2pp4vpp2"))["strategy"] == "pp4vpp2sep2"
+        held = observed[llama]["decoder_input_shapes"]  # the decoder layers this rank holds
+        first, last = "0" in held, str(PIPELINE_LAYERS - 1) in held
+        counts[llama].append(llama_kernel_calls(8, ring=True, layers=layers, final_norm=last))
+        counts[bloom].append({"flash_attn": calls, "flash_attn_grad": calls,
+                              "fast_ln": forwards * (2 * layers + first + last)})  # + the embedding LayerNorm
+    runs.check([(llama, "llama-pp"), (bloom, "bloom-pp")])
+    for name, kernels in ((llama, LLAMA_KERNELS), (bloom, ("flash_attn", "flash_attn_grad", "fast_ln"))):
+        assert_stand_ins_ran([seen[name] for _, seen in sorted(ranks.items())], runs.out(name), kernels, counts[name])
+    assert run_record(runs.out(llama))["strategy"] == "pp4vpp2cp2"
+    assert run_record(runs.out(llama))["built"]["context_parallel"]["transfers"] == "overlapped"
+    assert run_record(runs.out(bloom))["strategy"] == "pp4vpp2sep2"

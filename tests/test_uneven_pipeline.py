@@ -9,9 +9,11 @@ session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.p
                  first stage with the embedding and one layer); stop under [3, 5], resume under [6, 2]
     3 processes  pp3 over 8 layers (automatic: fleet's uniform split as PaddleNLP, [2, 4, 2]); pp3 over
                  4 layers ([1, 2, 1]); gpt3-tiny pp3 (tied head across three stages); resume under pp3
-                 of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1] (8 micro-batches of 1);
-                 with the kernel options through their CPU stand-ins: that interleaved split and pp3 [3, 2, 3]
-                 (each stage's stand-in calls: as many as the layers it holds make)
+                 of a run stopped under pp2 [3, 5]; interleaved pp3 x 2 virtual stages [1, 2, 1, 1, 2, 1]
+                 (8 micro-batches of 1); with the kernel options through their CPU stand-ins: the 8-layer
+                 automatic split, GPT-3's (the fast LayerNorm's stand-in), the resume (the pp2 part plain),
+                 that interleaved split again and pp3 [3, 2, 3] (each stage's stand-in calls: as many as the
+                 layers it holds make); pp3 over 4 layers and the interleaved split keep pp3's plain path
 
 and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
 in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
@@ -44,20 +46,24 @@ RUNS = {
     "pp2-3-5-kernels": ("llama", 2, dict(PP2, pipeline_layers_per_stage=[3, 5], **KERNEL_OPTIONS),
                         [[[0, 1, 2]], [[3, 4, 5, 6, 7]]]),
     "gpt3-pp2-1-7": ("gpt3", 2, dict(PP2, pipeline_layers_per_stage=[1, 7]), [[[0]], [[1, 2, 3, 4, 5, 6, 7]]]),
-    "pp3-8": ("llama", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
+    # the automatic split and GPT-3's tied head across three stages with the kernel options through their stand-ins
+    # (the fast LayerNorm's for GPT-3); pp3-4 and pp3vpp2 keep pp3 on the plain path
+    "pp3-8-kernels": ("llama", 3, dict(PP3, **KERNEL_OPTIONS), [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
     "pp3-4": ("llama4", 3, PP3, [[[0]], [[1, 2]], [[3]]]),
-    "gpt3-pp3": ("gpt3", 3, PP3, [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
+    "gpt3-pp3-kernels": ("gpt3", 3, dict(PP3, **KERNEL_OPTIONS), [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
     "pp3vpp2": ("llama", 3, INTERLEAVED, [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
     # the same interleaved uneven split, and an uneven pp3 one, with the kernel options through their stand-ins
     "pp3vpp2-kernels": ("llama", 3, dict(INTERLEAVED, **KERNEL_OPTIONS), [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
     "pp3-3-2-3-kernels": ("llama", 3, dict(PP3, pipeline_layers_per_stage=[3, 2, 3], **KERNEL_OPTIONS),
                           [[[0, 1, 2]], [[3, 4]], [[5, 6, 7]]]),
 }
-# Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints).
+# Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints). Under pp3 with
+# the kernel options through their stand-ins: a checkpoint of the plain path resumed on the kernels' branches.
 RESUMES = {
     "resume-3-5-to-6-2": ("llama", dict(PP2, pipeline_layers_per_stage=[3, 5]), 2,
                           dict(PP2, pipeline_layers_per_stage=[6, 2]), 2, [[[0, 1, 2, 3, 4, 5]], [[6, 7]]]),
-    "resume-3-5-to-pp3": ("llama", dict(PP2, pipeline_layers_per_stage=[3, 5]), 2, PP3, 3,
+    "resume-3-5-to-pp3-kernels": ("llama", dict(PP2, pipeline_layers_per_stage=[3, 5]), 2,
+                                  dict(PP3, **KERNEL_OPTIONS), 3,
                           [[[0, 1]], [[2, 3, 4, 5]], [[6, 7]]]),
 }
 
@@ -75,7 +81,7 @@ def runs_of(processes: int, work, corpus) -> list[dict]:
         if first_n == processes:
             runs.append({"name": f"{name}-first", "argv": argv(files[model], work / name, exit_interval=2, **first)})
         if second_n == processes:
-            runs.append({"name": name, "argv": argv(files[model], work / name, **second)})
+            runs.append(run_spec(name, argv(files[model], work / name, **second)))
     return sorted(runs, key=lambda run: "env" in run)  # stand-in runs last: once installed, they stay in the process
 
 
@@ -110,17 +116,23 @@ def test_uneven_stages_train_like_one_process(uneven):
     assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
     assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
         "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
-    # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the fused RMSNorm twice,
-    # and the last stage's final norm) per micro-batch, in each of the 5 steps
-    for name in ("pp3vpp2-kernels", "pp3-3-2-3-kernels"):
-        _, _, overrides, chunk_layers = RUNS[name]
-        forwards = 5 * overrides.get("gradient_accumulation_steps", 4)
+    # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the norms twice, and the
+    # last stage's final norm) per micro-batch, in each step it trains (the resume: 3 after step 2); GPT-3 has
+    # learned positions (no rotary kernel) and LayerNorm (the fast one's stand-in)
+    for name in ("pp3vpp2-kernels", "pp3-3-2-3-kernels", "pp3-8-kernels", "gpt3-pp3-kernels",
+                 "resume-3-5-to-pp3-kernels"):
+        if name in RUNS:
+            model, _, overrides, chunk_layers = RUNS[name]
+        else:
+            model, *_, overrides, _, chunk_layers = RESUMES[name]
+        forwards = (3 if name in RESUMES else 5) * overrides.get("gradient_accumulation_steps", 4)
         counts = []
         for stage, chunks in enumerate(chunk_layers):
             layers = sum(len(chunk) for chunk in chunks)
+            norms = forwards * (2 * layers + (stage == len(chunk_layers) - 1))
             counts.append({"flash_attn": forwards * layers, "flash_attn_grad": forwards * layers,
-                           "fused_rotary_position_embedding": forwards * layers,
-                           "fused_rms_norm_quant": forwards * (2 * layers + (stage == len(chunk_layers) - 1))})
+                           **({"fast_ln": norms} if model == "gpt3" else {
+                               "fused_rotary_position_embedding": forwards * layers, "fused_rms_norm_quant": norms})})
         assert_stand_ins_ran([PP3_OBSERVED[rank]["observations"][str(uneven / name)] for rank in sorted(PP3_OBSERVED)],
                              uneven / name, tuple(counts[0]), counts)
 
