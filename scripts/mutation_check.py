@@ -466,19 +466,32 @@ MUTATIONS = [
              ("tests/test_qwen3.py::test_global_batch_balancing_is_one_process_over_the_whole_batch",)),
     # Issue 34's layouts: the picks of global-batch balancing not summed over the data-parallel ranks (only over
     # sharding); under the pipeline a dense layer of a mixture of experts taken for a MoE one (ERNIE 4.5 MoE's
-    # layer 0 on stage 0 of ernie4_5_moe-short-pp2, DeepSeek-V3's; it has no router statistics); sharding stages 2 and 3 accepted for the
-    # families proven in stage 1 only.
+    # layer 0 on stage 0 of ernie4_5_moe-short-pp2, DeepSeek-V3's; it has no router statistics); a sharding stage accepted for a pair
+    # of degrees proven with another stage only.
     Mutation("qwen3_global_batch_balance_dp_skipped", "moe_global_batch_balance's picks not summed over the "
              "data-parallel group", "models/parallel_layers.py",
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):\n",
              "    for group in (hcg.get_sharding_parallel_group(),):\n",
+             ("tests/test_expert_parallel.py::test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process",)),
+    # Issue 34: Qwen3-MoE's experts over the sharding ranks (ep2 x sd2, data_parallel_degree 1): the picks summed
+    # over fleet's data-parallel group only, so each sharding rank balances over its own samples
+    Mutation("qwen3_global_batch_balance_sharding_skipped", "moe_global_batch_balance's picks summed over the "
+             "data-parallel group only, not the sharding ranks", "models/moe.py",
+             "    picks, ranks = pl.sum_over_data_replicas(stats.picks)\n",
+             "    picks, ranks = stats.picks.clone(), 1\n"
+             "    if paddle.distributed.is_initialized():\n"
+             "        group = paddle.distributed.fleet.get_hybrid_communicate_group().get_data_parallel_group()\n"
+             "        if group.nranks > 1:\n"
+             "            paddle.distributed.all_reduce(picks, group=group)\n"
+             "            ranks = group.nranks\n",
              ("tests/test_expert_parallel.py::test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process",)),
     Mutation("pipeline_dense_layer_as_moe", "under the pipeline a dense layer of a mixture of experts adds router "
              "statistics to the carry as a MoE layer", "models/pipeline.py",
              "        if isinstance(self.mlp, MoE):  # (DeepSeek-V3's first layers are dense)\n",
              "        if True:\n",
              ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
-    Mutation("unproven_sharding_stages", "sharding stages 2 and 3 accepted for the families proven in stage 1 only",
+    Mutation("unproven_sharding_stages", "a sharding stage accepted where not proven (Qwen3's cp2 x sharding: stage 2 "
+             "only)",
              "llm_pretrain/parallel/layout.py",
              "    if layout.sharding_degree > 1 and layout.sharding_stage not in stages:\n",
              "    if False:\n",
@@ -644,7 +657,8 @@ MUTATIONS = [
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",
-             "llm_pretrain/parallel/layout.py", 'EXPERTS_OVER_SHARDING = ("deepseek_v3",)', "EXPERTS_OVER_SHARDING = ()",
+             "llm_pretrain/parallel/layout.py", 'EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")',
+             'EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe")',
              ("tests/test_deepseek_v3.py::test_expert_parallelism_over_sharding_ranks_is_accepted",)),
     Mutation("router_rows_without_mtp", "the router metrics gathered over ranks sized by the MoE decoder layers, "
              "without the multi-token-prediction block's router", "llm_pretrain/observe/metrics.py",

@@ -56,13 +56,15 @@ def assert_same_router_metrics(reference: Path, other: Path, tolerance: float = 
 
 
 
-def assert_same_router_biases(reference: Path, other: Path, step: int = 2) -> None:
-    """DeepSeek-V3's router biases (the main MoE layer's and the MTP block's) moved by the bias rule, and after the
+def assert_same_router_biases(reference: Path, other: Path, step: int = 2,
+                              expected: tuple[str, ...] = ("layers.1.mlp", "mtp.block.mlp")) -> None:
+    """DeepSeek-V3's router biases (the main MoE layer's and the MTP block's; `expected`: the blocks holding one,
+    ERNIE 4.5 MoE's layers.1.mlp) moved by the bias rule, and after the
     last step equal one process's: each a whole number of steps of the rate, so a rank that counted only its own
     half of the batch would differ by at least 2 x rate in some expert (the weights' check sees the rest)."""
     ref, got = final_weights(reference, step), final_weights(other, step)
     names = sorted(name for name in ref if name.endswith("e_score_correction_bias"))
-    assert names == ["layers.1.mlp.e_score_correction_bias", "mtp.block.mlp.e_score_correction_bias"], names
+    assert names == [f"{block}.e_score_correction_bias" for block in expected], names
     for name in names:
         assert np.abs(ref[name]).max() > 0, f"{name}: the bias never moved"
         np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-7, err_msg=name)

@@ -119,22 +119,23 @@ def test_moe_published_counts_are_the_model_cards():
 
 
 DP, PP, SD1 = {"data_parallel_degree": 2}, {"pipeline_parallel_degree": 2}, {"sharding_degree": 2, "sharding_stage": 1}
+SD2, SD3 = {**SD1, "sharding_stage": 2}, {**SD1, "sharding_stage": 3}
 TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"context_parallel_degree": 2}
+# ep2 over dp2, over sd2 stages 1 and 2 (test_expert_parallel: qwen3-global-ep2*, ernie-moe-ep2*)
+EP = [{**DP, "ep": 2}, {**SD1, "ep": 2}, {**SD2, "ep": 2}]
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
-# tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stage 1: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (Qwen3, ERNIE 4.5); ep2 over dp2: test_expert_parallel (Qwen3-MoE)
+# tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
+# test_long_context (Qwen3, ERNIE 4.5); EP: test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
 PROVEN_AND_REFUSED = {
-    "ernie4_5-tiny": ([TP, DP, PP, SD1, SEP, CP], []),
-    "ernie4_5_moe-tiny": ([TP, DP, PP, SD1], [(SEP, "sep_parallel_degree"), (CP, "context_parallel_degree"),
-                                              ({**DP, "ep": 2}, "expert_parallel_degree")]),
-    "qwen3-tiny": ([TP, DP, PP, SD1, SEP, CP], []),
-    "qwen3-moe-tiny": ([DP, PP, SD1, {**DP, "ep": 2}], [(TP, "tensor_parallel_degree"), (SEP, "sep_parallel_degree"),
-                                                        (CP, "context_parallel_degree")]),
+    "ernie4_5-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
+    "ernie4_5_moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, *EP], [(SEP, "sep_parallel_degree"),
+                                                              (CP, "context_parallel_degree")]),
+    "qwen3-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
+    "qwen3-moe-tiny": ([DP, PP, SD1, SD2, SD3, *EP], [(TP, "tensor_parallel_degree"), (SEP, "sep_parallel_degree"),
+                                                      (CP, "context_parallel_degree")]),
 }
-# every one with sharding stage 1 (pp2) proven: sharding stages 2 and 3 (the pipeline's virtual stages) and the pipeline's virtual stages are not proven
-NOT_PROVEN_ANYWHERE = [({"sharding_degree": 2, "sharding_stage": 2}, "sharding: stage2"),
-                       ({"sharding_degree": 2, "sharding_stage": 3}, "sharding: stage3"),
-                       ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "world_size": 2},
+# every one with pp2 proven: the pipeline's virtual stages are not
+NOT_PROVEN_ANYWHERE = [({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "world_size": 2},
                         "virtual_pp_degree: 2")]
 
 
@@ -170,10 +171,9 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         with pytest.raises(RunUsageError, match="^sharding: stage3 is not proven for qwen3 yet .* allowed: stage2$"):
             check_proven_layout(config, Layout(world_size=4, context_parallel_degree=2, sharding_degree=2,
                                                sharding_stage=3))
-    if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel ranks only
-        for degrees in (SD1, PP):
-            with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with sharding or the pipeline"):
-                check_proven_layout(config, Layout(world_size=2, **degrees), 2)
+    if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel or sharding ranks, not the stages
+        with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with the pipeline is not proven"):
+            check_proven_layout(config, Layout(world_size=2, **PP), 2)
 
 
 def test_tiny_trains_through_run_pretrain(embedded_corpus, tmp_path):

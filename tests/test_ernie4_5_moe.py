@@ -1,8 +1,9 @@
 """ERNIE 4.5 MoE (issue 34, model_type ernie4_5_moe): the published counts as the registry and the planner count
 them, which layers are MoE (start, interval, end), the router (softmax, the correction bias only chooses) and the
 ungated shared experts against transformers' formula, bad input, and 12 steps of run_pretrain on the tiny preset in
-this process. Its layouts: tp2 (+ SP), dp2, pp2 and sharding stage 1 train against one process in
-tests/test_parallel_parity.py (TP_ONLY, LAYOUT_SHORT); the others are refused
+this process. Its layouts: tp2 (+ SP), dp2, pp2 and sharding stages 1-3 train against one process in
+tests/test_parallel_parity.py (TP_ONLY, LAYOUT_SHORT), ep2 over dp2 and over sd2 (stages 1, 2) in
+tests/test_expert_parallel.py; the others are refused
 (tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line).
 
 Same function as transformers' Ernie4_5_MoeForCausalLM (4.57.6 and 5.24.0): scripts/verify_hf_import.py, case

@@ -54,6 +54,9 @@ QWEN3_GLOBAL = {"model_name_or_path": "qwen3-moe-tiny", "max_steps": 2, "save_st
 # auxiliary-loss-free bias rule on, 2 steps: models/deepseek_moe.py's block is models/moe.py's MoE (the same
 # all-to-all dispatch), and each rank's expert load is summed over the data-parallel ranks before the bias moves
 DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "max_steps": 2, "save_steps": 2, "moe_bias_update_rate": 0.01}
+# ERNIE 4.5 MoE (issue 34; ernie4_5_moe-tiny: layer 0 dense, layer 1 MoE of 8 experts top 2 with 2 shared experts and
+# the correction bias, moved here by the bias rule) under ep2 over the sharding ranks, 2 steps
+ERNIE_MOE = {"model_name_or_path": "ernie4_5_moe-tiny", "max_steps": 2, "save_steps": 2, "moe_bias_update_rate": 0.01}
 WORKER = REPO_ROOT / "tests" / "workers" / "moe_worker.py"
 
 
@@ -75,7 +78,8 @@ def trained(tmp_path_factory, embedded_corpus):
                 argv(args_file, work / "single-qwen-capped", **QWEN_CAPPED),
                 argv(args_file, work / "single-qwen3-global", **QWEN3_GLOBAL, per_device_train_batch_size=8,
                      gradient_accumulation_steps=1),
-                argv(args_file, work / "single-deepseek", **DEEPSEEK)], work, "single")
+                argv(args_file, work / "single-deepseek", **DEEPSEEK),
+                argv(args_file, work / "single-ernie-moe", **ERNIE_MOE)], work, "single")
     plan = {"ep": 2, "runs": [argv(args_file, work / "ep2", **ep2),
                               argv(args_file, work / "single-to-ep2", **ep2),
                               argv(args_file, work / "ep2-to-single", **ep2, exit_interval=STOP),
@@ -84,7 +88,8 @@ def trained(tmp_path_factory, embedded_corpus):
                                    recompute_granularity="full_attn"),
                               argv(args_file, work / "qwen3-global-ep2", **QWEN3_GLOBAL, expert_parallel_degree=2,
                                    per_device_train_batch_size=4, gradient_accumulation_steps=1),
-                              argv(args_file, work / "deepseek-ep2", **DEEPSEEK, **ep2)]}
+                              argv(args_file, work / "deepseek-ep2", **DEEPSEEK, **ep2),
+                              argv(args_file, work / "ernie-moe-ep2", **ERNIE_MOE, **ep2)]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
@@ -96,6 +101,11 @@ def trained(tmp_path_factory, embedded_corpus):
                                                       argv(args_file, work / "ep2sd2s1-master-grad", **ep2,
                                                            sharding="stage1")]
             + [argv(args_file, work / f"deepseek-ep2sd2s{stage}", **DEEPSEEK, **ep2, sharding=f"stage{stage}")
+               for stage in (1, 2)]
+            + [argv(args_file, work / f"qwen3-global-ep2sd2s{stage}", **QWEN3_GLOBAL, expert_parallel_degree=2,
+                    per_device_train_batch_size=4, gradient_accumulation_steps=1, sharding=f"stage{stage}")
+               for stage in (1, 2)]
+            + [argv(args_file, work / f"ernie-moe-ep2sd2s{stage}", **ERNIE_MOE, **ep2, sharding=f"stage{stage}")
                for stage in (1, 2)],
             "fp32_master_grad": [3]}
     master_grads = {"ep2sd2s1-master-grad": launch(
@@ -171,16 +181,29 @@ def test_ep2_trains_like_one_process(trained):
     assert run_record(work / "ep2tp2")["layout"]["tensor_parallel_degree"] == 2
 
 
-def test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process(trained):
-    """Qwen3-MoE under ep2 over dp2 with moe_global_batch_balance: losses (language model + the load-balancing loss
-    over the global batch), grad norms, router metrics and weights equal one process's over all 8 samples at once;
+def _layout_degrees(record: dict, name: str) -> tuple[int, int]:
+    """(data-parallel, sharding) degree a run of these tests has: ep2 over dp2, or over sd2 ("...sd2s<stage>")."""
+    assert record["layout"]["world_size"] == 2, record["layout"]
+    return (1, 2) if "sd2s" in name else (2, 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3-global-ep2", "qwen3-global-ep2sd2s1", "qwen3-global-ep2sd2s2"])
+def test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process(trained, name):
+    """Qwen3-MoE under ep2 over dp2, and over the sharding ranks with stages 1 and 2 (fleet's expert group,
+    data_parallel_degree 1), with moe_global_batch_balance: losses (language model + the load-balancing loss
+    over the global batch: the picks summed over the data-parallel and the sharding group, models/moe.py
+    global_batch_stats), grad norms, router metrics and weights equal one process's over all 8 samples at once;
     each rank wrote its 8 of the 16 experts."""
     work, _, _ = trained
-    print(assert_same_training(work / "single-qwen3-global", work / "qwen3-global-ep2", step=2))
-    assert_same_router_metrics(work / "single-qwen3-global", work / "qwen3-global-ep2")
-    record = run_record(work / "qwen3-global-ep2")
-    assert record["model_config"]["family"] == "qwen3_moe" and record["layout"]["data_parallel_degree"] == 2
-    index = json.loads((work / "qwen3-global-ep2" / "checkpoint-2" / "tensors.index.json").read_text())
+    print(assert_same_training(work / "single-qwen3-global", work / name, step=2))
+    assert_same_router_metrics(work / "single-qwen3-global", work / name)
+    record = run_record(work / name)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == "qwen3_moe"
+    assert (layout["data_parallel_degree"], layout["sharding_degree"]) == _layout_degrees(record, name)
+    if "sd2s" in name:  # each rank keeps the states of its own 8 experts of both layers (3 matrices each)
+        assert record["built"]["expert_states"]["states_kept"] == [2 * 8 * 3] * 2, record["built"]["expert_states"]
+    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
     for expert, rank in ((0, 0), (7, 0), (8, 1), (15, 1)):
         slices = index["tensors"][f"layers.1.mlp.experts.{expert}.down_proj.weight"]["slices"]
         assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
@@ -210,6 +233,28 @@ def test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process(trained, nam
         for expert, rank in ((0, 0), (3, 0), (4, 1), (7, 1)):
             slices = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
             assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["ernie-moe-ep2", "ernie-moe-ep2sd2s1", "ernie-moe-ep2sd2s2"])
+def test_ernie4_5_moe_ep2_trains_like_one_process(trained, name):
+    """ERNIE 4.5 MoE (layer 0 dense, layer 1 MoE with shared experts and the correction bias moved by the bias rule)
+    under ep2 over dp2, and over the sharding ranks with stages 1 and 2: losses, grad norms, router metrics,
+    weights and the correction bias (the load summed over both ranks, sum_over_data_replicas) equal one process's;
+    each rank wrote its 4 of the 8 experts, the shared experts whole (dense: every rank's copy)."""
+    work, _, _ = trained
+    print(assert_same_training(work / "single-ernie-moe", work / name, step=2))
+    assert_same_router_metrics(work / "single-ernie-moe", work / name)
+    assert_same_router_biases(work / "single-ernie-moe", work / name, expected=("layers.1.mlp",))
+    record = run_record(work / name)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == "ernie4_5_moe"
+    assert (layout["data_parallel_degree"], layout["sharding_degree"]) == _layout_degrees(record, name)
+    if "sd2s" in name:  # each rank keeps the states of its own 4 experts (3 matrices each)
+        assert record["built"]["expert_states"]["states_kept"] == [4 * 3] * 2, record["built"]["expert_states"]
+    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
+    for expert, rank in ((0, 0), (3, 0), (4, 1), (7, 1)):
+        slices = index["tensors"][f"layers.1.mlp.experts.{expert}.down_proj.weight"]["slices"]
+        assert [s["file"] for s in slices] == [f"tensors.rank{rank:05d}.safetensors"]
 
 
 def test_each_rank_holds_its_experts_and_the_all_to_all_carries_k_x_tokens(trained):

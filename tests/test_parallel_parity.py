@@ -79,18 +79,18 @@ SHORT = {"max_steps": 2, "save_steps": 2}
 MOE_SHORT = tuple(f"{family.tiny.removesuffix('-tiny')}-short" for family in FAMILY_RECORDS.values()
                   if family.architectures[family.tiny].is_moe
                   and family.name not in ("qwen3_moe", "deepseek_v3", "ernie4_5_moe"))  # mixtral-, qwen2-moe-short
-# (Qwen3-MoE: one process only, yet; DeepSeek-V3: dp2, tp2 (+ SP), pp2 and sd2 stage 1 only, below; ERNIE 4.5 MoE: tp2 only, TP_ONLY;
+# (Qwen3-MoE and ERNIE 4.5 MoE: LAYOUT_SHORT below; DeepSeek-V3: DEEPSEEK_SHORT below;
 # llm_pretrain/parallel/layout.py refuses their other layouts)
 SHORT_FILES = {name: (name.removesuffix("-short"), 4) for name in MOE_SHORT}  # name -> (preset, layers)
-# DeepSeek-V3 (issue 35) in dp2, tp2 (+ SP, check_deepseek_tp2), pp2 (check_deepseek_pp2) and sd2 stage 1
+# DeepSeek-V3 (issue 35) in dp2, tp2 (+ SP, check_deepseek_tp2), pp2 (check_deepseek_pp2) and sd2 stages 1-3
 # (check_deepseek_sd2): its tiny preset (1 dense + 1 MoE layer, MTP) with the auxiliary-loss-free bias
 # rule on, 2 steps: the routers' biases after them equal one process's (the load summed over the replicas,
 # models/deepseek_moe.py update_correction_bias) and every rank's copy is the same (the replica check)
 DEEPSEEK_SHORT = "deepseek-v3-short"
 SHORT_FILES[DEEPSEEK_SHORT] = ("deepseek-v3", 2)
 SHORT_EXTRA = {DEEPSEEK_SHORT: {"moe_bias_update_rate": 0.01}}
-# Issue 34's families in dp2, the 1F1B pp2 (one layer a stage) and sharding stage 1 (with recompute, a granularity
-# each), 2 layers for 2 steps: Qwen3-MoE (every layer sparse, no shared expert),
+# Issue 34's families in dp2, the 1F1B pp2 (one layer a stage) and sharding stages 1-3 (with recompute,
+# layout_granularity), 2 layers for 2 steps: Qwen3-MoE (every layer sparse, no shared expert),
 # ERNIE 4.5 MoE (layer 0 dense, layer 1 MoE: under the pipeline the dense stage passes the router carry on untouched,
 # models/pipeline.py MoEDecoderLayer), Qwen3 (the q/k norms), ERNIE 4.5 dense (interleaved rotary pairs; ~1 s a
 # run in these launches on an idle machine).
@@ -113,6 +113,14 @@ MOE_EVALUATION = dict(EVALUATION, per_device_eval_batch_size=2, eval_iters=4)
 EVALUATION_6 = dict(EVALUATION, do_predict=False, eval_iters=3)
 GRANULARITIES = ("full", "full_attn", "core_attn")
 LAYOUT_GRANULARITIES = GRANULARITIES + ("full_attn",)  # LAYOUT_SHORT's under sd2 stage 1 (ernie4_5-short: full_attn)
+
+
+def layout_granularity(i: int, stage: int) -> str:
+    """LAYOUT_SHORT[i]'s recompute granularity under sd2 stage `stage`: stage 1's above, then the next ones (each
+    family recomputes at 2 or 3 granularities over the stages)."""
+    return LAYOUT_GRANULARITIES[(i + stage - 1) % len(LAYOUT_GRANULARITIES)]
+
+
 # The other dense families train 2 layers where the layout acts inside every layer alike (dp, tp, sharding, pp2:
 # one layer a stage); 8-layer runs of theirs were a sixth of the suite's time. The interleaved pp4 needs 8
 # layers (2 chunks of one layer per stage): "<family>-pp4", the same model with 8.
@@ -492,8 +500,9 @@ def sd2_runs(parity: Parity) -> list[list[str]]:
                             recompute_granularity=GRANULARITIES[stage % 3], **sd) for stage in stages]
     runs += [parity.run(f"{DEEPSEEK_SHORT}-sd2-stage{stage}", DEEPSEEK_SHORT, sharding=f"stage{stage}", **sd)
              for stage in (1, 2, 3)]
-    runs += [parity.run(f"{family}-sd2-stage1", family, sharding="stage1", recompute=True, recompute_granularity=g,
-                        **sd) for family, g in zip(LAYOUT_SHORT, LAYOUT_GRANULARITIES)]
+    runs += [parity.run(f"{family}-sd2-stage{stage}", family, sharding=f"stage{stage}", recompute=True,
+                        recompute_granularity=layout_granularity(i, stage), **sd)
+             for i, family in enumerate(LAYOUT_SHORT) for stage in (1, 2, 3)]
     return runs + [parity.kernels(f"sd2-stage{stage}-kernels", sharding=f"stage{stage}", **sd) for stage in (1, 2, 3)]
 
 
@@ -518,7 +527,8 @@ def test_sharding_stages(parity, shared_launches):
     observed = shared_launches.results("sd2", "parity")
     names = [f"sd2-stage{s}{suffix}" for s in (1, 2, 3) for suffix in ("", "-recompute", "-kernels")]
     short = [(family, stage, GRANULARITIES[stage % 3]) for family, stages in MOE_SHARDING.items() for stage in stages]
-    short += [(family, 1, granularity) for family, granularity in zip(LAYOUT_SHORT, LAYOUT_GRANULARITIES)]
+    short += [(family, stage, layout_granularity(i, stage)) for i, family in enumerate(LAYOUT_SHORT)
+              for stage in (1, 2, 3)]
     added = [(family, stage, GRANULARITIES[(len(FAMILIES) + stage) % 3], 8, 5) for family in ROPE_SCALED
              for stage in (1, 2, 3)] + [(family, stage, granularity, SHORT_FILES[family][1], SHORT["max_steps"])
                                         for family, stage, granularity in short]

@@ -591,11 +591,11 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # ----------------------------------------------------------------------------- the model a layout trains
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
 # against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP;
-# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stage 1) or
-# tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE: ep2 over dp2 alone). Sharding: stage 1 only
-# (PROVEN_SHARDING_STAGES); the pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
-# (ep over dp aside). Larger degrees of a proven one run the same code. Every other layout of these families is
-# refused until a test trains it.
+# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
+# tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
+# over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
+# (ep over dp or sharding aside). Larger degrees of a proven one run the same code. Every other layout of these
+# families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
@@ -605,15 +605,16 @@ _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_paral
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
                   "ernie4_5": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
-                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD,
+                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",),
                   "deepseek_v3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree")
                   + _DP_PP_SD + ("expert_parallel_degree",)}
-PROVEN_SHARDING_STAGES = (1,)
-# Families trained under more sharding stages than PROVEN_SHARDING_STAGES (test_parallel_parity check_deepseek_sd2)
-FAMILY_SHARDING_STAGES = {"deepseek_v3": (1, 2, 3)}
+# Every stage, each family in the shared sd2 launch (test_parallel_parity test_sharding_stages: LAYOUT_SHORT,
+# check_deepseek_sd2); a pair (PROVEN_PAIRS) may have fewer
+PROVEN_SHARDING_STAGES = (1, 2, 3)
 # Families trained with their experts over the sharding ranks (fleet's expert group, data_parallel_degree 1;
-# tests/test_expert_parallel.py deepseek-ep2sd2s1/s2), not over the data-parallel ranks only
-EXPERTS_OVER_SHARDING = ("deepseek_v3",)
+# tests/test_expert_parallel.py's ep2 x sd2 launch, stages 1 and 2: qwen3-global-ep2sd2s*, ernie4_5_moe-ep2sd2s*,
+# deepseek-ep2sd2s*), not over the data-parallel ranks only
+EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # Two degrees together where a test trains them (degree keys -> the sharding stages proven with them): Qwen3 is
 # one of tests/test_long_context.py's MODELS, trained under cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding).
 PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}}
@@ -638,12 +639,14 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
     if len(above) > 1 and pair_stages is None:  # each degree is trained alone (ep over dp: test_expert_parallel)
         raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
                          "against one process alone); allowed: one of them above 1")
-    over_sharding = layout.sharding_degree > 1 and config.family not in EXPERTS_OVER_SHARDING
-    if degrees["expert_parallel_degree"] > 1 and (over_sharding or layout.pipeline_parallel_degree > 1):
-        raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with sharding or the pipeline is not proven "
-                         f"for {config.family} yet (no test trains it against one process); allowed: expert parallelism "
-                         "over data-parallel ranks only")
-    stages = pair_stages or FAMILY_SHARDING_STAGES.get(config.family, PROVEN_SHARDING_STAGES)
+    over_sharding = config.family in EXPERTS_OVER_SHARDING
+    refused = [what for what, degree in (("sharding", 0 if over_sharding else layout.sharding_degree),
+                                          ("the pipeline", layout.pipeline_parallel_degree)) if degree > 1]
+    if degrees["expert_parallel_degree"] > 1 and refused:
+        raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with {refused[0]} is not proven for "
+                         f"{config.family} yet (no test trains it against one process); allowed: expert parallelism "
+                         f"over data-parallel{' or sharding' if over_sharding else ''} ranks only")
+    stages = pair_stages or PROVEN_SHARDING_STAGES
     if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
                          f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
@@ -670,7 +673,7 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
-    """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, FAMILY_SHARDING_STAGES,
+    """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, PROVEN_SHARDING_STAGES,
     EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, recompute under the
     pipeline, flash attention and core_attn recompute (its latent attention has the plain path only)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
