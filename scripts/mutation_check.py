@@ -383,7 +383,7 @@ MUTATIONS = [
              "return join(with_next_embeddings(super().forward(hidden, documents), next_embeddings), None, carry)",
              (f"{DOCUMENTS}::test_document_ids_travel_through_the_pipeline_stages",
               f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp2]",
-              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp4]")),
+              f"{DOCUMENTS}::test_document_masks_train_like_one_process_under[pp4]", LONG_PP2)),
     # cp: each rank's rotary rows are its chunks' global positions (every rotary family of the cp2 launch, ERNIE
     # 4.5 included; by hand on ernie4_5-tiny alone: its cp2 loss 1.5e-4 off one process's)
     Mutation("cp_rope_local_positions", "cp: the rotary tables' rows of positions 0..s/cp instead of this rank's "

@@ -263,9 +263,6 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
 @pytest.mark.parametrize("keys, world_size, device, expected", [
     (dict(reset_attention_mask=True, eod_token_id=100000), 1, "cpu",
      "eod_token_id: 100000 is outside the model's vocabulary"),
-    (dict(reset_attention_mask=True, pipeline_parallel_degree=2, context_parallel_degree=2,
-          gradient_accumulation_steps=4), 4, "cpu",
-     "reset_attention_mask with pipeline_parallel_degree 2 and context_parallel_degree 2 together is not supported"),
     (dict(reset_attention_mask=True, use_flash_attention=True, model_name_or_path="bloom-tiny"), 1, "gpu",
      "reset_attention_mask with use_flash_attention is not supported for bloom"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),

@@ -22,7 +22,8 @@ accumulation steps of one process).
                         2 (cp2: every family but ERNIE 4.5) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
-                        every layer of both stages, ring / all-to-all steps counted
+                        every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
+                        documents under both (the document ids passed between the stages)
     8 processes, pp4    interleaved (2 virtual stages) x cp2 (LLaMA) and x sep2 (Bloom): the same, both
                         with the kernel options through their CPU stand-ins (each rank's calls counted)
     mixture of experts  Mixtral (also with capacity and z-loss) and Qwen2-MoE under sep2 and cp2, and
@@ -36,7 +37,7 @@ accumulation steps of one process).
                         document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
                         skipped, ALiBi, cp4); LLaMA sep2 with the kernel options (FlashMask's stand-in on the
                         whole sequence's row indices after the all-to-all) and cp2 (FlashMask per ring block,
-                        each with its own row indices)
+                        each with its own row indices); in the pp2 launch LLaMA under pp2 x cp2 and pp2 x sep2
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
                         LLaMA also under sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x
@@ -112,6 +113,8 @@ PIPELINE_MODELS = ("llama", "bloom", "gpt3")  # "<model>-pp": the same model wit
 # (the suite's budget): GPT-3's learned positions under sep2, LLaMA's rotary ones through the ring under cp2
 DOCUMENT_MODELS = ("llama", "gpt3")
 DOCUMENT_RUNS = (("gpt3", "sep2", SEP2), ("llama", "cp2", CP2))
+# ... and LLaMA's under the pipeline over cp2 and sep2 (the pp2 launch): the ids travel between the stages
+DOCUMENT_PP2 = (("llama-docs-cp2pp2", CP2, "pp2cp2"), ("llama-docs-sep2pp2", SEP2, "pp2sep2"))
 DOCUMENT_KEYS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 
 
@@ -499,13 +502,17 @@ def test_pipeline_with_cp2_and_sep2(runs):
     gathers the chunks' losses (models/decoder.py Embeddings, causal_lm_loss); between the stages
     each rank sends its own 16 of the 32 tokens (the hidden states entering every layer, stage 1's
     first layer's being what the p2p brought); the ring (cp) and the all-to-all (sep) run in
-    forward and backward on every stage."""
+    forward and backward on every stage. Packed documents (LLaMA, 2 layers: one a stage) under both:
+    the whole sequences' document ids travel with the micro-batch to stage 1, whose ring masks each
+    block from them (cp) or whose attention masks the whole sequence after the all-to-all (sep)."""
     pp2 = {"pipeline_parallel_degree": 2}
     spec = [{"name": "llama-cp2pp2", "argv": runs.run("llama-cp2pp2", "llama-pp", **CP2, **pp2, **EVALUATION)},
             {"name": "bloom-cp2pp2", "argv": runs.run("bloom-cp2pp2", "bloom-pp", **CP2, **pp2)},
             {"name": "gpt3-cp2pp2-recompute", "argv": runs.run("gpt3-cp2pp2-recompute", "gpt3-pp", **CP2, **pp2,
                                                                   recompute=True, pp_recompute_interval=2)},
             {"name": "llama-sep2pp2", "argv": runs.run("llama-sep2pp2", "llama-pp", **SEP2, **pp2)},
+            # packed documents: the ids passed on between the stages with the hidden states (models/pipeline.py)
+            *({"name": name, "argv": runs.run(name, "llama-docs", **degrees, **pp2)} for name, degrees, _ in DOCUMENT_PP2),
             # the ring's FlashBlocks and sdpa's flash after the all-to-all on both stages of the 1F1B pipeline,
             # through the CPU stand-ins (last: once installed, the stand-ins stay in the process)
             runs.kernels("llama-cp2pp2-kernels", "llama-pp", **CP2, **pp2),
@@ -520,7 +527,7 @@ def test_pipeline_with_cp2_and_sep2(runs):
         for name, seen in observed.items():
             shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
             assert shapes == {(2, 16, 64)}, f"rank {rank} {name}: hidden states entering its layers {shapes}"
-            assert len(seen["decoder_input_shapes"]) == layers_per_stage
+            assert len(seen["decoder_input_shapes"]) == (LAYERS // 2 if "docs" in name else layers_per_stage)
             assert "PipelineParallel" in seen["model_classes"]
         first_stage = "0" in observed["bloom-cp2pp2"]["decoder_input_shapes"]  # holds decoder layer 0
         kv = [[2, 16, 4, 16]] * 2  # Bloom: k and v of 16 tokens, 4 heads of 16 (no grouped kv heads)
@@ -536,8 +543,16 @@ def test_pipeline_with_cp2_and_sep2(runs):
         assert not observed["llama-sep2pp2"]["ring"] and not observed["llama-cp2pp2"]["all_to_all"]
         to_heads = observed["llama-sep2pp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
+        docs = steps * micro_batches * LAYERS // 2  # one layer a stage
+        ring, to_heads = observed["llama-docs-cp2pp2"]["ring"], observed["llama-docs-sep2pp2"]["all_to_all"]
+        assert len(ring.get("forward", [])) == docs and len(ring.get("backward", [])) == 3 * docs, rank
+        assert len(to_heads.get("forward", [])) == 4 * docs and len(to_heads.get("backward", [])) == 4 * docs, rank
     runs.check([("llama-cp2pp2", "llama-pp"), ("bloom-cp2pp2", "bloom-pp"), ("gpt3-cp2pp2-recompute", "gpt3-pp"),
-                ("llama-sep2pp2", "llama-pp"), ("llama-cp2pp2-kernels", "llama-pp"), ("llama-sep2pp2-kernels", "llama-pp")])
+                ("llama-sep2pp2", "llama-pp"), ("llama-cp2pp2-kernels", "llama-pp"), ("llama-sep2pp2-kernels", "llama-pp")]
+               + [(name, "llama-docs") for name, _, _ in DOCUMENT_PP2])
+    for name, _, strategy in DOCUMENT_PP2:
+        record = run_record(runs.out(name))
+        assert record["documents"]["document_masks"] and record["strategy"] == strategy, (name, record["strategy"])
     for name in ("llama-cp2pp2-kernels", "llama-sep2pp2-kernels"):
         assert_stand_ins_ran([observed[name] for _, observed in sorted(ranks.items())], runs.out(name), LLAMA_KERNELS)
     ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))

@@ -734,18 +734,15 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
     # travel with the micro-batch from stage to stage (models/pipeline.py) (tests/test_documents.py, shared
     # launches dp2, tp2, sd2, pp2); under sep the whole sequence's mask fits the heads after the all-to-all,
     # under cp the ring masks each block (models/ring_attention.py DocumentBlocks; flash blocks with FlashMask's
-    # row indices) (tests/test_long_context.py, the sep2/cp2 launch).
+    # row indices) (tests/test_long_context.py, the sep2/cp2 launch); the pipeline over sep or cp passes the
+    # whole sequences' ids between its stages, each stage's attention splitting them as sep / cp alone
+    # (tests/test_long_context.py, the pp2 launch: pp2 x cp2, pp2 x sep2).
     # The interleaved schedule passes the same (hidden, ids) tuples between its chunks (tests/test_documents.py,
     # the shared pp4 launch); DualPipeV's own p2p is not proven with them (unreachable in a build without
     # deep_ep: DualPipeV itself is refused first, check_dualpipev).
     if layout.pipeline_parallel_degree > 1 and layout.dualpipev:
         raise UsageError("reset_attention_mask with dualpipev is not supported yet (proven under 1F1B and the "
                          "interleaved schedule); use virtual_pp_degree instead")
-    split = layout.sep_parallel_degree * layout.context_parallel_degree
-    if layout.pipeline_parallel_degree > 1 and split > 1:
-        name = "sep_parallel_degree" if layout.sep_parallel_degree > 1 else "context_parallel_degree"
-        raise UsageError(f"reset_attention_mask with pipeline_parallel_degree {layout.pipeline_parallel_degree} and "
-                         f"{name} {split} together is not supported yet (each is proven alone); drop one of them")
 
 
 def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
