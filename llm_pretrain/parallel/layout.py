@@ -600,7 +600,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
-# the sep group, MTP).
+# the sep group, MTP); pp2 x dp2 with ep2 over dp in tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
@@ -614,9 +614,14 @@ FAMILY_SHARDING_STAGES = {"deepseek_v3": (1, 2, 3)}
 # Families trained with their experts over the sharding ranks (fleet's expert group, data_parallel_degree 1;
 # tests/test_expert_parallel.py deepseek-ep2sd2s1/s2), not over the data-parallel ranks only
 EXPERTS_OVER_SHARDING = ("deepseek_v3",)
-# Two degrees together where a test trains them (degree keys -> the sharding stages proven with them): Qwen3 is
-# one of tests/test_long_context.py's MODELS, trained under cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding).
-PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}}
+# Two degrees together where a test trains them (degree keys, expert_parallel_degree among them when above 1 ->
+# the sharding stages proven with them): Qwen3 is one of tests/test_long_context.py's MODELS, trained under
+# cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding); DeepSeek-V3 under pp2 x dp2 with ep2 over the
+# data-parallel ranks, MTP on the last stage (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers'
+# layout for it is PP x EP x sharding), without sharding.
+PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)},
+                "deepseek_v3": {frozenset({"pipeline_parallel_degree", "data_parallel_degree",
+                                           "expert_parallel_degree"}): ()}}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -634,12 +639,14 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
             raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
                              f"process); allowed above 1: {', '.join(allowed) or 'none'}")
     above = [f"{key} {value}" for key, value in degrees.items() if value > 1 and key != "expert_parallel_degree"]
-    pair_stages = PROVEN_PAIRS.get(config.family, {}).get(frozenset(a.split()[0] for a in above))
+    combination = frozenset(key for key, value in degrees.items() if value > 1)  # (with ep: proven with the experts split)
+    pair_stages = PROVEN_PAIRS.get(config.family, {}).get(combination)
     if len(above) > 1 and pair_stages is None:  # each degree is trained alone (ep over dp: test_expert_parallel)
         raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
                          "against one process alone); allowed: one of them above 1")
     over_sharding = layout.sharding_degree > 1 and config.family not in EXPERTS_OVER_SHARDING
-    if degrees["expert_parallel_degree"] > 1 and (over_sharding or layout.pipeline_parallel_degree > 1):
+    under_pipeline = layout.pipeline_parallel_degree > 1 and pair_stages is None
+    if degrees["expert_parallel_degree"] > 1 and (over_sharding or under_pipeline):
         raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with sharding or the pipeline is not proven "
                          f"for {config.family} yet (no test trains it against one process); allowed: expert parallelism "
                          "over data-parallel ranks only")
