@@ -654,6 +654,14 @@ MUTATIONS = [
              "models/deepseek_moe.py", "        load, _ = pl.sum_over_data_replicas(self.step_load)\n",
              "        load = self.step_load if self.ep_degree > 1 else pl.sum_over_data_replicas(self.step_load)[0]\n",
              ("tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",)),
+    # Issue 35: DeepSeek-V3 under pp2 x dp2 with ep2 (tests/test_expert_parallel.py pp2dp2ep2-deepseek), its bias moved
+    # by the load of each rank's last micro-batch only (one process: of its last of 4; under the pipeline: of each dp
+    # rank's last of 2, summed over the pair) -- caught at step 2 (loss 8.094310 against 8.093245)
+    Mutation("deepseek_bias_load_last_micro_batch_only", "the routers' load of the bias update counted over the last "
+             "micro-batch of the step only, not summed over the step's micro-batches", "models/deepseek_moe.py",
+             "            self.step_load = self.step_load + self.last_stats.picks\n",
+             "            self.step_load = self.last_stats.picks\n",
+             ("tests/test_expert_parallel.py::test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process",)),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",

@@ -22,7 +22,9 @@ checkpoints, each expert a logical tensor), 1e-5.
 
 Under the pipeline (models/pipeline.py RouterCarry) one more 4-process launch, pp2 x dp2, trains
 mixtral-tiny without and with ep2 and qwen2-moe-tiny with ep2, a capacity factor and the z-loss: one
-decoder layer per stage, so the load-balancing loss, taken over both layers, spans the stages.
+decoder layer per stage, so the load-balancing loss, taken over both layers, spans the stages. The same launch
+trains DeepSeek-V3 with ep2 and its bias rule (2 steps; issue 35): its dense layer 0 on stage 0, its MoE layer 1 and
+MTP block on stage 1, each router's bias moved by the load summed over both micro-batches and the dp pair.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import pytest
 
 from launch_utils import REPO_ROOT, launch
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_same_router_biases, assert_same_router_metrics, assert_same_training,
-    base_arguments, final_weights, run_launch, run_record, run_single, run_spec, train_records, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_router_biases, assert_same_router_metrics,
+    assert_same_training, base_arguments, final_weights, run_launch, run_record, run_single, run_spec, train_records,
+    write_json,
 )
 
 STEPS, STOP = 4, 2
@@ -332,6 +335,10 @@ MOE_PIPELINE_RUNS = {  # name: (model, overrides) trained under pp2 x dp2 and in
     "pp2dp2ep2-qwen": ("qwen2-moe-tiny", {"expert_parallel_degree": 2, "moe_capacity_factor": 0.5,
                                           "router_z_loss_coef": 0.001}),
 }
+# DeepSeek-V3 (issue 35) under pp2 x dp2 with ep2 over the data-parallel ranks, its bias rule on, 2 steps: layer 0
+# (dense) on stage 0; layer 1 and the MTP block (both MoE, their experts split over the dp pair) on stage 1
+DEEPSEEK_PIPELINE = {"pp2dp2ep2-deepseek": ("deepseek-v3-tiny", {
+    **{k: v for k, v in DEEPSEEK.items() if k != "model_name_or_path"}, "expert_parallel_degree": 2})}
 
 
 @pytest.fixture(scope="module")
@@ -340,12 +347,13 @@ def pipelined(tmp_path_factory, embedded_corpus):
     args_file = moe_arguments(embedded_corpus, work)
     single = [argv(args_file, work / f"single-{name}", model_name_or_path=model,
                    **{k: v for k, v in overrides.items() if k != "expert_parallel_degree"})
-              for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]
+              for name, (model, overrides) in {**MOE_PIPELINE_RUNS, **DEEPSEEK_PIPELINE}.items()]
     # the same training without the load-balancing loss: how far it moves the routers
     single.append(argv(args_file, work / "single-no-aux", router_aux_loss_coef=0.0))
     run_single(single, work, "single")
     runs = [argv(args_file, work / name, model_name_or_path=model, pipeline_parallel_degree=2,
-                 gradient_accumulation_steps=2, **overrides) for name, (model, overrides) in MOE_PIPELINE_RUNS.items()]
+                 gradient_accumulation_steps=2, **overrides)
+            for name, (model, overrides) in {**MOE_PIPELINE_RUNS, **DEEPSEEK_PIPELINE}.items()]
     # expert parallelism under the pipeline with the GPU kernels' branches through their CPU stand-ins
     runs.append(run_spec("pp2dp2ep2-kernels", argv(args_file, work / "pp2dp2ep2-kernels", pipeline_parallel_degree=2,
                                                    gradient_accumulation_steps=2, expert_parallel_degree=2,
@@ -385,3 +393,35 @@ def test_moe_under_the_pipeline_with_the_kernel_stand_ins(pipelined):
     assert DEVICE != "cpu" or kernels["stand_ins"] == ["flash_attn", "flash_attn_grad", "fused_rms_norm_quant",
                                                        "fused_rotary_position_embedding"], kernels
     assert "use_fused_swiglu" in kernels["fused_branches"]
+
+
+def check_deepseek_under_the_pipeline(work) -> None:
+    """DeepSeek-V3 under pp2 x dp2 with ep2 over dp (the combination PaddleFormers trains it in: PP x EP): losses
+    (main, MTP), grad norms, router metrics and weights as one process's (the replica check among them: every dp
+    rank's copy of the stage's weights, the router biases included, is the same); both router biases (layer 1's
+    and the MTP block's, on the last stage) moved from the load of the 2 micro-batches summed over the dp pair as one
+    process's; layer 0 on stage 0, layer 1 and the MTP block on stage 1; each dp rank of the last stage wrote its 4
+    of the 8 experts of both MoE blocks."""
+    name = "pp2dp2ep2-deepseek"
+    print(assert_same_training(work / f"single-{name}", work / name, step=2))
+    print(assert_every_replica_matches(work / f"single-{name}", work / name, step=2))
+    assert_same_router_metrics(work / f"single-{name}", work / name)
+    assert_same_router_biases(work / f"single-{name}", work / name)
+    for a, b in zip(train_records(work / f"single-{name}"), train_records(work / name), strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5)
+    record = run_record(work / name)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == "deepseek_v3"
+    assert (layout["pipeline_parallel_degree"], layout["data_parallel_degree"]) == (2, 2)
+    assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1, 2]]], record["built"]["schedule"]
+    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
+    files = {}
+    for block in ("layers.1.mlp", "mtp.block.mlp"):
+        for expert in range(8):
+            [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
+            files.setdefault(expert // 4, set()).add(piece["file"])
+    assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], files
+
+
+def test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process(pipelined):
+    check_deepseek_under_the_pipeline(pipelined)

@@ -600,7 +600,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
-# the sep group, MTP).
+# the sep group, MTP); pp2 x dp2 with ep2 over dp in tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
@@ -615,9 +615,14 @@ PROVEN_SHARDING_STAGES = (1, 2, 3)
 # tests/test_expert_parallel.py's ep2 x sd2 launch, stages 1 and 2: qwen3-global-ep2sd2s*, ernie4_5_moe-ep2sd2s*,
 # deepseek-ep2sd2s*), not over the data-parallel ranks only
 EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
-# Two degrees together where a test trains them (degree keys -> the sharding stages proven with them): Qwen3 is
-# one of tests/test_long_context.py's MODELS, trained under cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding).
-PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}}
+# Two degrees together where a test trains them (degree keys, expert_parallel_degree among them when above 1 ->
+# the sharding stages proven with them): Qwen3 is one of tests/test_long_context.py's MODELS, trained under
+# cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding); DeepSeek-V3 under pp2 x dp2 with ep2 over the
+# data-parallel ranks, MTP on the last stage (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers'
+# layout for it is PP x EP x sharding), without sharding.
+PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)},
+                "deepseek_v3": {frozenset({"pipeline_parallel_degree", "data_parallel_degree",
+                                           "expert_parallel_degree"}): ()}}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -635,13 +640,15 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
             raise UsageError(f"{key}: {value} is not proven for {config.family} yet (no test trains it against one "
                              f"process); allowed above 1: {', '.join(allowed) or 'none'}")
     above = [f"{key} {value}" for key, value in degrees.items() if value > 1 and key != "expert_parallel_degree"]
-    pair_stages = PROVEN_PAIRS.get(config.family, {}).get(frozenset(a.split()[0] for a in above))
+    combination = frozenset(key for key, value in degrees.items() if value > 1)  # (with ep: proven with the experts split)
+    pair_stages = PROVEN_PAIRS.get(config.family, {}).get(combination)
     if len(above) > 1 and pair_stages is None:  # each degree is trained alone (ep over dp: test_expert_parallel)
         raise UsageError(f"{' with '.join(above)} together is not proven for {config.family} yet (each is trained "
                          "against one process alone); allowed: one of them above 1")
     over_sharding = config.family in EXPERTS_OVER_SHARDING
+    under_pipeline = layout.pipeline_parallel_degree if pair_stages is None else 1  # a proven pair may hold it
     refused = [what for what, degree in (("sharding", 0 if over_sharding else layout.sharding_degree),
-                                          ("the pipeline", layout.pipeline_parallel_degree)) if degree > 1]
+                                          ("the pipeline", under_pipeline)) if degree > 1]
     if degrees["expert_parallel_degree"] > 1 and refused:
         raise UsageError(f"expert_parallel_degree: {expert_parallel_degree} with {refused[0]} is not proven for "
                          f"{config.family} yet (no test trains it against one process); allowed: expert parallelism "
