@@ -266,6 +266,11 @@ def test_training_with_document_masks(embedded_corpus, tmp_path):
     (dict(reset_attention_mask=True, use_flash_attention=True, model_name_or_path="bloom-tiny"), 1, "gpu",
      "reset_attention_mask with use_flash_attention is not supported for bloom"),
     (dict(reset_position_ids=True), 1, "cpu", "reset_position_ids: restarting positions without reset_attention_mask"),
+    (dict(reset_attention_mask=True, use_flash_attention=True, pipeline_parallel_degree=2, context_parallel_degree=2,
+          gradient_accumulation_steps=2), 4, "gpu", "reset_attention_mask with the pipeline over sep or cp and use_flash_attention is not proven yet"),
+    (dict(reset_attention_mask=True, pipeline_parallel_degree=4, virtual_pp_degree=2, sep_parallel_degree=2,
+          num_hidden_layers=8, gradient_accumulation_steps=4), 8, "cpu",
+     "reset_attention_mask with the pipeline over sep or cp and virtual_pp_degree is not proven yet"),
     (dict(reset_attention_mask=True, reset_position_ids=True, model_name_or_path="gpt3-tiny", continue_training=True,
           max_seq_length=2048), 1, "cpu", "max_seq_length: 2048 exceeds the model's max_position_embeddings 1024"),
 ])

@@ -750,6 +750,15 @@ def check_document_keys(args: Arguments, config: ModelConfig, layout: Layout, de
     if layout.pipeline_parallel_degree > 1 and layout.dualpipev:
         raise UsageError("reset_attention_mask with dualpipev is not supported yet (proven under 1F1B and the "
                          "interleaved schedule); use virtual_pp_degree instead")
+    if layout.pipeline_parallel_degree > 1 and (layout.sep_parallel_degree > 1 or layout.context_parallel_degree > 1):
+        # What the pp2 launch trains: 1F1B on the plain attention path; FlashMask over sep/cp and the interleaved
+        # schedule over sep/cp are each proven without the other, not together.
+        flash = args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device))
+        if flash or layout.virtual_pp_degree > 1:
+            key, allowed = (("use_flash_attention", "false") if flash else ("virtual_pp_degree", "1"))
+            raise UsageError(f"reset_attention_mask with the pipeline over sep or cp and {key} is not proven yet "
+                             "(trained: pp2 x sep2 and pp2 x cp2, 1F1B, the plain attention path, tests/"
+                             f"test_long_context.py); allowed: {key} {allowed}")
 
 
 def build_model_config(args: Arguments, layout: Layout, device: str) -> tuple[ModelConfig, str | None, list[str]]:
