@@ -310,7 +310,10 @@ LAYOUT_RUNS = {  # launch -> (run name, model, layout keys)
     # dp2-kernels: the GPU branches through the kernel stand-ins (flashmask_attention with the documents' row
     # indices, GQA; fused rope with the positions restarting per document) against the plain path
     "dp2": [("dp2", "gpt3", dict(gradient_accumulation_steps=2)),
-            ("dp2-kernels", "llama", dict(gradient_accumulation_steps=2, **KERNEL_OPTIONS))],
+            ("dp2-kernels", "llama", dict(gradient_accumulation_steps=2, **KERNEL_OPTIONS)),
+            # a mixture of experts, its experts split over the two replicas (the all-to-all carries tokens of
+            # every document; the router sees the same tokens as in one process)
+            ("dp2-ep2", "mixtral", dict(gradient_accumulation_steps=2, expert_parallel_degree=2))],
     "tp2": [("tp2-sp", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True)),
             # FlashMask's [b, 1, s, 1] row indices for each rank's heads
             ("tp2-sp-kernels", "llama", dict(tensor_parallel_degree=2, sequence_parallel=True, **KERNEL_OPTIONS)),
@@ -330,11 +333,12 @@ LAUNCH_PROCESSES = {"pp4": 4}  # the others: 2
 
 
 def document_files(work: Path, corpus: dict) -> dict[str, Path]:
-    """LLaMA (rotary, two layers; "llama-pp": eight, a chunk of one layer each under pp4 x 2 virtual stages) and
-    GPT-3 (learned positions), every document key on."""
+    """LLaMA (rotary, two layers; "llama-pp": eight, a chunk of one layer each under pp4 x 2 virtual stages),
+    GPT-3 (learned positions) and Mixtral (two layers), every document key on."""
     return {name: write_json(work / f"{name}.json", base_arguments(
         corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=layers, **DOCUMENT_KEYS))
-        for name, model, layers in (("llama", "llama", 2), ("gpt3", "gpt3", 2), ("llama-pp", "llama", 8))}
+        for name, model, layers in (("llama", "llama", 2), ("gpt3", "gpt3", 2), ("llama-pp", "llama", 8),
+                                    ("mixtral", "mixtral", 2))}
 
 
 def layout_runs(launch_name: str):
@@ -359,7 +363,7 @@ def document_references(shared_launches, embedded_corpus) -> Path:
 
 @pytest.mark.parametrize("launch_name", sorted(LAYOUT_RUNS))
 def test_document_masks_train_like_one_process_under(launch_name, document_references, shared_launches):
-    """dp2 (GPT-3), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA), pp2 (1F1B;
+    """dp2 (GPT-3; Mixtral with ep2 over the replicas), tp2 + SP (LLaMA; GPT-3 with core_attn recompute), sharding stage 2 (LLaMA), pp2 (1F1B;
     LLaMA, GPT-3 with full recompute), pp4 x 2 virtual stages (interleaved; LLaMA, 8 layers): the losses, grad
     norms and weights of one process with the same document masks (1e-5)."""
     observed = shared_launches.results(launch_name, "documents")
@@ -371,6 +375,9 @@ def test_document_masks_train_like_one_process_under(launch_name, document_refer
             # the flash branch through FlashMask's stand-ins, named so in the run record (built.kernels)
             assert_stand_ins_ran([runs[name] for _, runs in sorted(observed.items())], run,
                                  ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding"))
+        if "ep2" in name:  # the experts were split over the two ranks (the run record's built experts)
+            experts = run_record(run)["built"]["experts"]
+            assert experts == {"expert_parallel_degree": 2, "experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]]}, experts
         if "vpp" in name:  # the interleaved schedule did run, chunks of one layer
             schedule = run_record(run)["built"]["schedule"]
             assert schedule["class"] == "PipelineParallelWithInterleaveFthenB" and schedule["virtual_stages"] == 2

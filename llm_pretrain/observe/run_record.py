@@ -155,6 +155,16 @@ def describe_expert_states(optimizer) -> dict | None:
             "states_kept": sum(optimizer.owns_expert_state(p) for p in optimizer.expert_params)}
 
 
+def describe_experts(model) -> dict | None:
+    """A mixture of experts as built on this rank: the expert-parallel degree and the experts this rank holds
+    (models/moe.py MoE: num_local_experts from ep_rank x local), from its first MoE layer; None without one."""
+    for layer in model.sublayers():
+        if hasattr(layer, "num_local_experts") and hasattr(layer, "ep_degree"):
+            return {"expert_parallel_degree": layer.ep_degree,
+                    "experts": list(range(layer.first_expert, layer.first_expert + layer.num_local_experts))}
+    return None
+
+
 def _sep_gradient_sum(function) -> dict:
     """Under sep or cp: the size of the sep group the stage-2/3 gradients are summed over before the step
     (llm_pretrain/parallel/distributed.py sum_sharded_gradients_over_sep_group marks the function it installs)."""
@@ -327,7 +337,7 @@ def describe_built_run(model, optimizer, precision=None, document_masks: bool = 
              "segment_parallel": describe_segment_parallel(model),
              "context_parallel": describe_context_parallel(model),
              "precision": describe_precision(model, optimizer, precision),
-             "expert_states": describe_expert_states(optimizer),
+             "expert_states": describe_expert_states(optimizer), "experts": describe_experts(model),
              "kernels": describe_kernels(model, document_masks)}
     ranks = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -341,6 +351,11 @@ def describe_built_run(model, optimizer, precision=None, document_masks: bool = 
             recompute[key] = value if key == "pipeline_recompute_interval" else sorted(
                 set(recompute.get(key, [])) | set(value))
     built["recompute"] = recompute
+    built.pop("experts")
+    if any(rank["experts"] for rank in ranks):  # which experts each rank holds (a stage without MoE layers: None)
+        built["experts"] = {"expert_parallel_degree": max((r["experts"] or {}).get("expert_parallel_degree", 1)
+                                                          for r in ranks),
+                            "experts_of_rank": [(r["experts"] or {}).get("experts") for r in ranks]}
     if local["expert_states"] is not None:  # each rank keeps the states of its own share of its experts
         built["expert_states"]["states_kept"] = [rank["expert_states"]["states_kept"] for rank in ranks]
     if local["schedule"] is not None:
