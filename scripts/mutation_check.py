@@ -460,6 +460,13 @@ MUTATIONS = [
              "return layer\n\n\nclass RMSNorm",
              "        if False:\n            pass\n    return layer\n\n\nclass RMSNorm",
              ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    # Issue 34's pairs (sep2 / cp2 x tp2 + SP for Qwen3 and ERNIE 4.5, tests/test_long_context.py PAIR_MODELS): the
+    # clip's norm of tensor-parallel slices summed over fleet's "check" group, the sep / cp ranks included, so each
+    # slice counts twice (PaddleNLP 2.8.1's behaviour; a larger norm clips more). The launch's LLaMA sep2 x tp2 run
+    # fails first; the four new 2-step runs alone fail too (checked by hand, losses 4.7e-4 off at step 2).
+    Mutation("sep_tp_clip_norm_over_check_group", "under sep / cp x tp the clip's norm reduced over fleet's check group "
+             "(sep ranks included), not split_norm_comm's tp / pp groups", "llm_pretrain/parallel/distributed.py",
+             '        hybrid["split_norm_comm"] = True\n', "        pass\n", (SEP_SHARDING,)),
     Mutation("qwen3_global_batch_balance_off", "moe_global_batch_balance set but each rank's own pick frequencies "
              "used", "models/moe.py", "    if not config.moe_global_batch_balance:\n        return stats\n",
              "    if True:\n        return stats\n",

@@ -125,7 +125,8 @@ TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"conte
 EP = [{**DP, "ep": 2}, {**SD1, "ep": 2}, {**SD2, "ep": 2}]
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
 # tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (Qwen3, ERNIE 4.5); EP: test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
+# test_long_context (Qwen3, ERNIE 4.5; also sep2 / cp2 x tp2 and x sharding stage 2, the pairs checked below); EP:
+# test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
 PROVEN_AND_REFUSED = {
     "ernie4_5-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
     "ernie4_5_moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, *EP], [(SEP, "sep_parallel_degree"),
@@ -165,12 +166,20 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         with pytest.raises(RunUsageError, match=f"^pipeline_parallel_degree 2 with data_parallel_degree 2 together is "
                                                 f"not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, pipeline_parallel_degree=2))
-    if preset == "qwen3-tiny":  # one pair proven: cp2 x sharding stage 2 (test_long_context, every dense family)
-        check_proven_layout(config, Layout(world_size=4, context_parallel_degree=2, sharding_degree=2,
-                                           sharding_stage=2))
-        with pytest.raises(RunUsageError, match="^sharding: stage3 is not proven for qwen3 yet .* allowed: stage2$"):
-            check_proven_layout(config, Layout(world_size=4, context_parallel_degree=2, sharding_degree=2,
-                                               sharding_stage=3))
+    if preset in ("qwen3-tiny", "ernie4_5-tiny"):  # pairs proven (test_long_context PAIR_MODELS): sep2 or cp2 with
+        for split in (SEP, CP):                     # tp2 (+ SP), and with sharding 2 at stage 2 only
+            check_proven_layout(config, Layout(world_size=4, **split, **TP))
+            check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=2))
+            for stage in (1, 3):
+                with pytest.raises(RunUsageError, match=f"^sharding: stage{stage} is not proven for {config.family} "
+                                                        "yet .* allowed: stage2$"):
+                    check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=stage))
+            with pytest.raises(RunUsageError, match=f"^data_parallel_degree 2 with {next(iter(split))} 2 together is "
+                                                    f"not proven for {config.family}"):
+                check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, **split))
+        with pytest.raises(RunUsageError, match="^tensor_parallel_degree 2 with sharding_parallel_degree 2 with "
+                                                f"sep_parallel_degree 2 together is not proven for {config.family}"):
+            check_proven_layout(config, Layout(world_size=8, **TP, **SEP, sharding_degree=2, sharding_stage=2))
     if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel or sharding ranks, not the stages
         with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with the pipeline is not proven"):
             check_proven_layout(config, Layout(world_size=2, **PP), 2)

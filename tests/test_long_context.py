@@ -19,7 +19,9 @@ accumulation steps of one process).
                         1 process
     4 processes         sep2 x tp2 (+ sequence parallelism; Bloom's ALiBi slopes sliced by both)
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
-                        2 (cp2: every family but ERNIE 4.5) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head)
+                        2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head);
+                        Qwen3 and ERNIE 4.5 (PAIR_MODELS, 2 steps) under sep2 x tp2 + SP, cp2 x tp2 + SP and
+                        sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
@@ -73,9 +75,17 @@ from parity_utils import (
 
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
-# ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 alone, in the 2-process launch; its other layouts with sep or cp
-# (with tp, dp, sharding, the pipeline) are refused (llm_pretrain/parallel/layout.py PROVEN_DEGREES), not trained here.
+# ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 in the 2-process launch, and PAIR_MODELS' pairs below; its other
+# layouts with sep or cp (with dp, the pipeline, other sharding stages) are refused (llm_pretrain/parallel/layout.py
+# PROVEN_DEGREES, PROVEN_PAIRS), not trained here.
 SEP_CP_MODELS = ("ernie4_5",)
+# Issue 34's dense families (Qwen3's q/k norms, head_dim 32 apart from hidden / heads) also under two degrees at once, in the
+# 4-process launches of test_sep2_with_tp2_dp2_and_sharding: sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x sharding 2 and
+# cp2 x sharding 2 at stage 2 (llm_pretrain/parallel/layout.py PROVEN_PAIRS); "<model>-short": 2 layers for 2 steps
+# of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own one-process
+# references.
+PAIR_MODELS = ("qwen3", "ernie4_5")
+SHORT = {"max_steps": 2, "save_steps": 2, "gradient_accumulation_steps": 1}
 MODELS = tuple(name for name, family in FAMILIES.items()
                if not family.architectures[family.tiny].is_moe and name not in SEP_CP_MODELS) + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
@@ -89,6 +99,8 @@ DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2, "m
             "moe_bias_update_rate": 0.01, "seq_aux_loss_coef": 0.1}
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
+# PAIR_MODELS with sharding 2 at stage 2 (Qwen3's cp2 x sharding is one of MODELS' runs, 5 steps)
+PAIR_SHARDING = (("ernie4_5", "cp2", CP2), ("qwen3", "sep2", SEP2), ("ernie4_5", "sep2", SEP2))
 STOP = 3  # resume pairs stop after this step
 # Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
 KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
@@ -124,6 +136,9 @@ class Runs:
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS))
             for model in (*MODELS, *SEP_CP_MODELS)}
+        self.files.update({f"{model}-short": write_json(work / f"{model}-short.json", base_arguments(
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **SHORT))
+            for model in PAIR_MODELS})
         self.files.update({model: write_json(work / f"{model}.json", base_arguments(
             corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
         self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
@@ -158,8 +173,9 @@ class Runs:
 
     def check(self, names_and_models) -> None:
         for name, model in names_and_models:
-            diffs = assert_same_training(self.reference(model), self.out(name))
-            diffs["every_replica"] = assert_every_replica_matches(self.reference(model), self.out(name))
+            step = SHORT["max_steps"] if model.endswith("-short") else 5
+            diffs = assert_same_training(self.reference(model), self.out(name), step=step)
+            diffs["every_replica"] = assert_every_replica_matches(self.reference(model), self.out(name), step=step)
             if model in MOE_MODELS:
                 assert_same_router_metrics(self.reference(model), self.out(name))
             print(f"{name} vs single-process {model}: {diffs}")
@@ -219,6 +235,7 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
     setup = Runs(tmp_path_factory.mktemp("long_context"), embedded_corpus)
     references = [argv(setup.files[model], setup.reference(model))
                   for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
+                                *(f"{m}-short" for m in PAIR_MODELS),
                                 *(f"{m}-docs" for m in DOCUMENT_MODELS), "deepseek")]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
@@ -322,6 +339,9 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("bloom-cp2tp2", "bloom", **cp2tp2),
                              runs.run("mixtral-capped-sep2tp2-sp", "mixtral-capped", **tp2, sequence_parallel=True),
                              runs.run("qwen2_moe-cp2tp2-sp", "qwen2_moe", **cp2tp2, sequence_parallel=True),
+                             # q/k norms per head on tp's heads, then sep's (or the ring's chunks); SP's slices
+                             *[runs.run(f"{model}-{name}-sp", f"{model}-short", **degrees, sequence_parallel=True)
+                               for model in PAIR_MODELS for name, degrees in (("sep2tp2", tp2), ("cp2tp2", cp2tp2))],
                              # sdpa's flash on the heads of tp, then of sep; the fused RMSNorm on SP's sequence slices
                              runs.kernels("llama-sep2tp2-sp-kernels", **tp2, sequence_parallel=True),
                              # the ring's FlashBlocks on tp's heads; the fused RMSNorm on SP's slices of cp's chunks
@@ -330,7 +350,8 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     runs.check([("llama-sep2tp2-sp", "llama"), ("bloom-sep2tp2", "bloom"), ("gpt3-sep2tp2-sp", "gpt3"),
                 ("llama-cp2tp2-sp", "llama"), ("bloom-cp2tp2", "bloom"),
                 ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe"),
-                ("llama-sep2tp2-sp-kernels", "llama"), ("llama-cp2tp2-sp-kernels", "llama")])
+                ("llama-sep2tp2-sp-kernels", "llama"), ("llama-cp2tp2-sp-kernels", "llama")]
+               + [(f"{model}-{name}-sp", f"{model}-short") for model in PAIR_MODELS for name in ("sep2tp2", "cp2tp2")])
     runs.check_stand_ins(sep2tp2, "llama-sep2tp2-sp-kernels")
     runs.check_stand_ins(sep2tp2, "llama-cp2tp2-sp-kernels", micro_batches=4, ring=True)  # tp's ranks: all 4
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
@@ -359,6 +380,9 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
                              runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
                              *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
+                             *[runs.run(f"{model}-{name}sd2-stage2", f"{model}-short", **degrees, sharding="stage2",
+                                        per_device_train_batch_size=1)
+                               for model, name, degrees in PAIR_SHARDING],
                              runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
                              runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3),
                              # the ring's FlashBlocks under GroupShardedStage2 (its gradient buffer, our sep-group sum)
@@ -371,6 +395,7 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                          runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
+                *[(f"{model}-{name}sd2-stage2", f"{model}-short") for model, name, _ in PAIR_SHARDING],
                 ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom"),
                 ("llama-cp2sd2-stage2-kernels", "llama"), ("llama-cp2sd2-kernels", "llama"),
                 ("llama-cp2sd2-stage3-kernels", "llama"), ("llama-sep2sd2-kernels", "llama"),

@@ -594,7 +594,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
 # tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
 # over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
-# (ep over dp or sharding aside). Larger degrees of a proven one run the same code. Every other layout of these
+# (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
@@ -616,11 +616,16 @@ PROVEN_SHARDING_STAGES = (1, 2, 3)
 # deepseek-ep2sd2s*), not over the data-parallel ranks only
 EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # Two degrees together where a test trains them (degree keys, expert_parallel_degree among them when above 1 ->
-# the sharding stages proven with them): Qwen3 is one of tests/test_long_context.py's MODELS, trained under
-# cp2 x sharding stage 2 (test_sep2_with_tp2_dp2_and_sharding); DeepSeek-V3 under pp2 x dp2 with ep2 over the
+# the sharding stages proven with them; () when the pair has no sharding): tests/test_long_context.py
+# test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
+# sep2 x sharding 2 and cp2 x sharding 2 at stage 2; DeepSeek-V3 is trained under pp2 x dp2 with ep2 over the
 # data-parallel ranks, MTP on the last stage (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers'
 # layout for it is PP x EP x sharding), without sharding.
-PROVEN_PAIRS = {"qwen3": {frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)},
+_SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
+                   frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
+                   frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
+                   frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
+PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                 "deepseek_v3": {frozenset({"pipeline_parallel_degree", "data_parallel_degree",
                                            "expert_parallel_degree"}): ()}}
 
