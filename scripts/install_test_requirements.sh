@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v etcd > /dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -q etcd-server > /dev/null || { apt-get update -q > /dev/null && apt-get install -y -q etcd-server > /dev/null; }
 fi
 pip install -q -r requirements-test.txt
