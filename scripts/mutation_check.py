@@ -635,6 +635,24 @@ MUTATIONS = [
     Mutation("deepseek_ring_scale_not_mla", "under cp the ring scales the latent attention's scores by 1/sqrt(q head dim) "
              "instead of MLA's YaRN-corrected softmax_scale", "models/mla.py",
              "            q = q * (self.softmax_scale * math.sqrt(self.q_head_dim))\n", "            q = q\n", (LONG_SEP2,)),
+    # DeepSeek-V3 with packed documents under sep2 / cp2 x tp2 + SP (tests/test_long_context.py
+    # deepseek-docs-sep2tp2-sp, -cp2tp2-sp): the sequence-wise balance loss's sums counted once per tensor-parallel
+    # rank as well (tp's ranks route the same tokens); the documents' mask dropped by MLA under sep, their ids under cp
+    Mutation("deepseek_seq_balance_counted_over_tp", "under sep x tp the sequence-wise balance loss's picks and score "
+             "sums are taken once per tensor-parallel rank too (as if summed over tp's ranks, which route the same "
+             "tokens)", "models/deepseek_moe.py",
+             "            sums = pl.sum_over_segments(c, paddle.concat([picks, score_sums], axis=-1))\n",
+             "            sums = pl.sum_over_segments(c, paddle.concat([picks, score_sums], axis=-1)) * "
+             "pl.tensor_parallel_rank_and_degree(c)[1]\n", (SEP_SHARDING,)),
+    Mutation("deepseek_mla_document_mask_dropped_under_sep", "under sep the latent attention drops the documents' mask "
+             "after its all-to-all (later documents see earlier ones)", "models/mla.py",
+             "        if documents is not None:\n            scores = scores + documents.mask\n",
+             "        if documents is not None and self.sep_degree == 1:\n            scores = scores + documents.mask\n",
+             (SEP_SHARDING,)),
+    Mutation("deepseek_mla_ring_without_document_ids", "under cp the latent attention's ring gets no document ids (its "
+             "blocks unmasked by the documents)", "models/mla.py",
+             "                                 documents.ids if documents is not None else None)",
+             "                                 None)", (SEP_SHARDING,)),
     # DeepSeek-V3 under pp2: the next tokens' embeddings riding to the last stage's MTP module without their gradient
     # (the first stage's embedding never learns from MTP); the pipeline's step without the bias update
     Mutation("deepseek_pp_mtp_embedding_grad_dropped", "under the pipeline the next tokens' embeddings reach the last "

@@ -376,20 +376,28 @@ def test_segment_and_context_parallelism_are_accepted(key, embedded_corpus, tmp_
     assert getattr(layout, key) == 2 and layout.data_parallel_degree == 1
 
 
-def test_unproven_pairs_with_sep_or_cp_are_refused_in_one_line(embedded_corpus, tmp_path):
+@pytest.mark.parametrize("split", ["sep_parallel_degree", "context_parallel_degree"])
+def test_sep_or_cp_with_tp_and_documents_are_accepted_and_the_rest_refused_in_one_line(split, embedded_corpus, tmp_path):
+    """Proven (tests/test_long_context.py DEEPSEEK_PAIRS): sep2 / cp2 x tp2 + SP with packed documents
+    (deepseek-docs-sep2tp2-sp, -cp2tp2-sp). Refused in one line: sep / cp with sharding (not trained for DeepSeek-V3)
+    or with dp."""
     from llm_pretrain.parallel.layout import check_layout_and_model
 
-    args = _arguments(embedded_corpus, tmp_path, sep_parallel_degree=2, tensor_parallel_degree=2)
-    with pytest.raises(UsageError) as raised:
-        check_layout_and_model(args, 4, "cpu")
-    message = str(raised.value)
-    assert "\n" not in message and "together is not proven for deepseek_v3" in message, message
-    args = _arguments(embedded_corpus, tmp_path, context_parallel_degree=2, reset_attention_mask=True)
-    with pytest.raises(UsageError) as raised:
-        check_layout_and_model(args, 2, "cpu")
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith("reset_attention_mask with context_parallel_degree 2 is not "
-                                                       "proven for deepseek_v3"), message
+    accepted = [({"tensor_parallel_degree": 2, "sequence_parallel": True}, 4),
+                ({"tensor_parallel_degree": 2, "sequence_parallel": True, "reset_attention_mask": True}, 4),
+                ({"reset_attention_mask": True}, 2)]
+    for overrides, world in accepted:
+        layout, _, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, **{split: 2}, **overrides),
+                                                 world, "cpu")
+        assert getattr(layout, split) == 2 and layout.data_parallel_degree == 1, overrides
+    refused = [({"sharding_parallel_degree": 2, "sharding": "stage2"}, 4,
+                f"sharding_parallel_degree 2 with {split} 2 together is not proven for deepseek_v3"),
+               ({}, 4, f"data_parallel_degree 2 with {split} 2 together is not proven for deepseek_v3")]
+    for overrides, world, start in refused:
+        with pytest.raises(UsageError) as raised:
+            check_layout_and_model(_arguments(embedded_corpus, tmp_path, **{split: 2}, **overrides), world, "cpu")
+        message = str(raised.value)
+        assert "\n" not in message and message.startswith(start), message
 
 
 def test_data_parallelism_is_accepted(embedded_corpus, tmp_path):

@@ -21,7 +21,8 @@ accumulation steps of one process).
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
                         2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head);
                         Qwen3 and ERNIE 4.5 (PAIR_MODELS, 2 steps) under sep2 x tp2 + SP, cp2 x tp2 + SP and
-                        sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2
+                        sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2; DeepSeek-V3 with
+                        packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP (DEEPSEEK_PAIRS)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
@@ -97,8 +98,16 @@ MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
 # below the tolerance), and under cp2
 DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2, "max_steps": 2, "save_steps": 2,
             "moe_bias_update_rate": 0.01, "seq_aux_loss_coef": 0.1}
+# ... and "deepseek-docs-short" (one micro-batch of 2 a step, as PAIR_MODELS' "-short"; packed documents, DOCUMENT_KEYS)
+# in PAIR_MODELS' 4-process launch under sep2 x tp2 + SP and cp2 x tp2 + SP: MLA's heads split by tp (the latents
+# replicated), then sep's all-to-all with the whole sequence's document mask, or cp's ring with the document ids; the
+# sequence-wise loss and the bias load summed over the sep group, not over tp's ranks (they route the same tokens).
+# One run a pair with the documents on (the suite's budget: about 5 s of CPU a 4-process run); DeepSeek-V3's sep2 /
+# cp2 x sharding are refused (llm_pretrain/parallel/layout.py PROVEN_PAIRS).
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
+DEEPSEEK_PAIRS = (("deepseek-docs-sep2tp2-sp", {**SEP2, "tensor_parallel_degree": 2, "sequence_parallel": True}),
+                  ("deepseek-docs-cp2tp2-sp", {**CP2, "tensor_parallel_degree": 2, "sequence_parallel": True}))
 # PAIR_MODELS with sharding 2 at stage 2 (Qwen3's cp2 x sharding is one of MODELS' runs, 5 steps)
 PAIR_SHARDING = (("ernie4_5", "cp2", CP2), ("qwen3", "sep2", SEP2), ("ernie4_5", "sep2", SEP2))
 STOP = 3  # resume pairs stop after this step
@@ -148,6 +157,8 @@ class Runs:
             corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **DOCUMENT_KEYS))
             for model in DOCUMENT_MODELS})
         self.files["deepseek"] = write_json(work / "deepseek.json", base_arguments(corpus, work, **DEEPSEEK))
+        self.files["deepseek-docs-short"] = write_json(work / "deepseek-docs-short.json", base_arguments(
+            corpus, work, **DEEPSEEK, gradient_accumulation_steps=1, **DOCUMENT_KEYS))
 
     def reference(self, model: str) -> Path:
         return self.work / "single" / model
@@ -206,13 +217,14 @@ def assert_same_router_metrics(reference: Path, other: Path) -> None:
     assert any(r["tokens_dropped"] for r in ref) == ("capped" in reference.name)
 
 
-def check_deepseek(runs: Runs, name: str) -> None:
-    """DeepSeek-V3 under sep2 or cp2 (issue 35): losses (main and MTP), grad norms, router metrics, weights, AdamW
-    states and the routers' correction biases (moved by the load of the whole sequences) equal one process's, every
-    replica the same on both ranks; each rank holds 16 of the 32 tokens between the layers; under sep 2 of the 4 heads
-    inside the latent attention (its all-to-all, rotary positions the whole sequence's), under cp chunks 0 and 3 of 4
+def check_deepseek(runs: Runs, name: str, model: str = "deepseek") -> None:
+    """DeepSeek-V3 under sep2 or cp2 (issue 35), alone or with tp2 + SP and packed documents: losses (main and MTP),
+    grad norms, router metrics, weights, AdamW states and the routers' correction biases (moved by the load of the
+    whole sequences, summed over sep, not over tp) equal one process's, every replica the same on every rank;
+    each rank holds 16 of the 32 tokens between the layers; under sep 2 of the 4 heads inside the latent attention (its
+    all-to-all, rotary positions the whole sequence's; under tp2 1: tp's 2, then sep's), under cp chunks 0 and 3 of 4
     (the ring over k and v, MLA's softmax scale)."""
-    reference, out = runs.reference("deepseek"), runs.out(name)
+    reference, out = runs.reference(model), runs.out(name)
     steps = DEEPSEEK["max_steps"]
     diffs = assert_same_training(reference, out, step=steps)
     diffs["every_replica"] = assert_every_replica_matches(reference, out, step=steps)
@@ -221,13 +233,14 @@ def check_deepseek(runs: Runs, name: str) -> None:
     for a, b in zip(train_records(reference), train_records(out), strict=True):
         assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5), (b, a)
     built = run_record(out)["built"]
-    if name.endswith("sep2"):
+    if "sep2" in name:
         split = built["segment_parallel"]
-        assert split["tokens_per_rank"] == 16 and split["attention_heads_per_rank"] == 2, built
+        heads = 1 if "tp2" in name else 2
+        assert split["tokens_per_rank"] == 16 and split["attention_heads_per_rank"] == heads, built
     else:
         ring = built["context_parallel"]
         assert ring["tokens_per_rank"] == 16 and ring["chunks_of_2cp"] == [0, 3], built
-    print(f"{name} vs single-process deepseek: {diffs}")
+    print(f"{name} vs single-process {model}: {diffs}")
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +249,7 @@ def runs(tmp_path_factory, embedded_corpus) -> Runs:
     references = [argv(setup.files[model], setup.reference(model))
                   for model in (*MODELS, *SEP_CP_MODELS, *MOE_MODELS, *(f"{m}-pp" for m in PIPELINE_MODELS),
                                 *(f"{m}-short" for m in PAIR_MODELS),
-                                *(f"{m}-docs" for m in DOCUMENT_MODELS), "deepseek")]
+                                *(f"{m}-docs" for m in DOCUMENT_MODELS), "deepseek", "deepseek-docs-short")]
     # First half of "1 process -> sep2" (the second half runs in the sep2 launch).
     references.append(setup.run("single-to-sep2", exit_interval=STOP))
     references.append(setup.run("single-to-cp2", exit_interval=STOP))
@@ -342,6 +355,7 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              # q/k norms per head on tp's heads, then sep's (or the ring's chunks); SP's slices
                              *[runs.run(f"{model}-{name}-sp", f"{model}-short", **degrees, sequence_parallel=True)
                                for model in PAIR_MODELS for name, degrees in (("sep2tp2", tp2), ("cp2tp2", cp2tp2))],
+                             *[runs.run(name, "deepseek-docs-short", **degrees) for name, degrees in DEEPSEEK_PAIRS],
                              # sdpa's flash on the heads of tp, then of sep; the fused RMSNorm on SP's sequence slices
                              runs.kernels("llama-sep2tp2-sp-kernels", **tp2, sequence_parallel=True),
                              # the ring's FlashBlocks on tp's heads; the fused RMSNorm on SP's slices of cp's chunks
@@ -352,6 +366,10 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                 ("mixtral-capped-sep2tp2-sp", "mixtral-capped"), ("qwen2_moe-cp2tp2-sp", "qwen2_moe"),
                 ("llama-sep2tp2-sp-kernels", "llama"), ("llama-cp2tp2-sp-kernels", "llama")]
                + [(f"{model}-{name}-sp", f"{model}-short") for model in PAIR_MODELS for name in ("sep2tp2", "cp2tp2")])
+    for name, _ in DEEPSEEK_PAIRS:  # (packed documents through MLA: test_documents.py proves its masks matter)
+        check_deepseek(runs, name, "deepseek-docs-short")
+        record = run_record(runs.out(name))
+        assert record["layout"]["tensor_parallel_degree"] == 2 and record["documents"]["document_masks"], name
     runs.check_stand_ins(sep2tp2, "llama-sep2tp2-sp-kernels")
     runs.check_stand_ins(sep2tp2, "llama-cp2tp2-sp-kernels", micro_batches=4, ring=True)  # tp's ranks: all 4
     assert run_record(runs.out("bloom-cp2tp2"))["strategy"] == "tp2cp2"
