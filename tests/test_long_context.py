@@ -40,7 +40,8 @@ accumulation steps of one process).
                         document, this rank's chunks of them; tests/test_ring_blocks.py: blocks masked entirely
                         skipped, ALiBi, cp4); LLaMA sep2 with the kernel options (FlashMask's stand-in on the
                         whole sequence's row indices after the all-to-all) and cp2 (FlashMask per ring block,
-                        each with its own row indices); in the pp2 launch LLaMA under pp2 x cp2 and pp2 x sep2
+                        each with its own row indices); in the pp2 launch LLaMA under pp2 x cp2 and pp2 x sep2;
+                        DeepSeek-V3's latent attention under sep2 x tp2 + SP and cp2 x tp2 + SP (4 processes)
     kernel stand-ins    in the sep2/cp2 launch: LLaMA sep2 (sdpa's flash), LLaMA, Bloom (ALiBi) and Mixtral
                         cp2 (the ring's FlashBlocks) with the kernel options through their CPU stand-ins;
                         LLaMA also under sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x dp2, cp2 x dp2, cp2 x
