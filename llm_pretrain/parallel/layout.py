@@ -521,7 +521,7 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
                          "experts on sharding ranks and asserts dp_degree 1 (fleet/base/topology.py:878-880); use "
                          "sharding over all data replicas, or data parallelism without sharding")
     if experts_over_sharding(layout, ep):
-        check_experts_over_sharding(args, layout, ep)
+        check_experts_over_sharding(args, layout, ep, config.family)
     elif ep > 1 and layout.data_parallel_degree % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel degree "
                          f"({layout.data_parallel_degree}): the experts are split over groups of data-parallel "
@@ -553,22 +553,19 @@ def experts_over_sharding(layout: Layout, ep: int) -> bool:
     return ep > 1 and layout.sharding_stage > 0 and layout.data_parallel_degree == 1
 
 
-def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> None:
+def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family: str = "") -> None:
     """What fleet's expert group over sharding ranks cannot honour (llm_pretrain/parallel/expert_optimizer.py)."""
     stage, sd = layout.sharding_stage, layout.sharding_degree
     if stage == 3:
         raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
                          "parameter over the whole sharding group, whose ranks hold different experts); use stage1 "
                          "or stage2")
-    if layout.pipeline_parallel_degree > 1:
-        # Refused rather than made to work: fleet's pipeline asserts its own optimizer class, and the experts'
-        # clip (expert_optimizer.ShardedGlobalNormClip) sums squares over the sharding group only.
-        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} cannot be combined with "
-                         f"expert_parallel_degree {ep} over sharding ranks (sharding stage{stage}): fleet's pipeline "
-                         "train_batch asserts a HybridParallelOptimizer (pipeline_parallel.py:1311-1313), which the "
-                         "experts' own optimizer beside fleet's sharding optimizer is not, and their global-norm "
-                         "clip sums over the sharding group only, not the stages; use data parallelism for pipeline "
-                         "x experts (no sharding), or expert_parallel_degree 1")
+    pipeline_pair = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
+    if layout.pipeline_parallel_degree > 1 and pipeline_pair not in PROVEN_PAIRS.get(family, {}):
+        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} with expert_parallel_degree {ep} "
+                         f"over sharding ranks is not proven for {family} yet (no test trains it against one process; "
+                         "deepseek_v3 is trained so); use data parallelism for pipeline x experts (no sharding), or "
+                         "expert_parallel_degree 1")
     if sd % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
                          "split over groups of sharding ranks; fleet's moe_sharding degree is their quotient)")
@@ -627,7 +624,9 @@ _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}):
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                 "deepseek_v3": {frozenset({"pipeline_parallel_degree", "data_parallel_degree",
-                                           "expert_parallel_degree"}): ()}}
+                                           "expert_parallel_degree"}): (),
+                                frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
+                                           "expert_parallel_degree"}): (1,)}}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
