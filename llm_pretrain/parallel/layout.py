@@ -597,7 +597,8 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
-# the sep group, MTP); pp2 x dp2 with ep2 over dp in tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS).
+# the sep group, MTP); pp2 x dp2 with ep2 over dp in tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS),
+# and pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek, the shared pp2sd2 launch).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
@@ -617,7 +618,8 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
 # sep2 x sharding 2 and cp2 x sharding 2 at stage 2; DeepSeek-V3 is trained under pp2 x dp2 with ep2 over the
 # data-parallel ranks, MTP on the last stage (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers'
-# layout for it is PP x EP x sharding), without sharding.
+# layout for it is PP x EP x sharding), without sharding, and under pp2 x sd2 stage 1 with ep2 over the sharding ranks
+# (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no other stage).
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
