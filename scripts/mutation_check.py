@@ -311,8 +311,9 @@ MUTATIONS = [
              "backward", "models/moe.py", "return back if ctx.grad_scale == 1.0 else back * ctx.grad_scale",
              "return back", ("tests/test_expert_parallel.py::test_ep2_trains_like_one_process",)),
     Mutation("pp_experts_over_sharding_accepted", "pipeline x expert parallelism over sharding no longer refused",
-             "llm_pretrain/parallel/layout.py", "    if layout.pipeline_parallel_degree > 1:\n        # Refused rather",
-             "    if False:\n        # Refused rather",
+             "llm_pretrain/parallel/layout.py",
+             "    if layout.pipeline_parallel_degree > 1 and pipeline_pair not in PROVEN_PAIRS.get(family, {}):\n",
+             "    if False:\n",
              ("tests/test_moe.py::test_moe_refuses_the_layouts_it_cannot_honour_yet",
               "tests/test_moe.py::"
               "test_pipeline_with_experts_over_sharding_is_refused_alike_by_the_trainer_and_llm_plan")),
@@ -687,6 +688,21 @@ MUTATIONS = [
              "            self.step_load = self.step_load + self.last_stats.picks\n",
              "            self.step_load = self.last_stats.picks\n",
              ("tests/test_expert_parallel.py::test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process",)),
+    # Issue 33 item 2: pp2 x sd2 stage 1 x ep2 (tests/test_expert_parallel.py pp2sd2ep2-deepseek): the experts' pair
+    # of optimizers' global norm without the sum over the sharding group, or without the one over the stages
+    Mutation("pipeline_expert_clip_skips_sharding_group", "the global-norm clip of the experts' optimizer pair not "
+             "summed over the sharding group (each sharding rank clips by the norm of its own share)",
+             "llm_pretrain/parallel/expert_optimizer.py",
+             "        dist.all_reduce(squares, group=self.sharding_group)\n",
+             "        pass\n",
+             ("tests/test_expert_parallel.py::"
+              "test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_process",)),
+    Mutation("pipeline_expert_clip_skips_stages", "the global-norm clip of the experts' optimizer pair not summed over "
+             "the pipeline stages", "llm_pretrain/parallel/expert_optimizer.py",
+             "        if self.pipeline_group is not None:  # each stage's sum, over the stages\n",
+             "        if False:\n",
+             ("tests/test_expert_parallel.py::"
+              "test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_process",)),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",

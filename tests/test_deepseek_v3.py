@@ -460,16 +460,33 @@ def test_pipeline_with_expert_parallelism_over_data_parallel_ranks_is_accepted(e
     assert planned == layout
 
 
+def test_pipeline_with_expert_parallelism_over_sharding_ranks_is_accepted(embedded_corpus, tmp_path):
+    """pp2 x sharding stage 1 with ep2 over the sharding ranks (PaddleFormers' PP x EP x sharding) is proven:
+    tests/test_expert_parallel.py pp2sd2ep2-deepseek; the planner takes it too."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+    from llm_pretrain.planner.estimate import validated_setup
+
+    args = _arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=2, expert_parallel_degree=2, sharding="stage1",
+                      gradient_accumulation_steps=2, moe_bias_update_rate=0.01)
+    layout, config, _, _ = check_layout_and_model(args, 4, "cpu")
+    assert (layout.pipeline_parallel_degree, layout.sharding_degree, layout.sharding_stage,
+            layout.data_parallel_degree, config.expert_parallel_degree) == (2, 2, 1, 1, 2)
+    _, planned, _ = validated_setup(args, 4, "cpu")
+    assert planned == layout
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
-    # the pipeline with data parallelism is proven only with the experts split over the dp ranks (ep2), and not
-    # with tensor parallelism or with the experts over sharding ranks
+    # the pipeline with data parallelism or sharding is proven only with the experts split over those ranks (ep2;
+    # sharding stage 1), and not with tensor parallelism
     ({"pipeline_parallel_degree": 2}, 4,
      "pipeline_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"pipeline_parallel_degree": 2, "expert_parallel_degree": 2, "tensor_parallel_degree": 2}, 8,
      "tensor_parallel_degree 2 with pipeline_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
-    ({"pipeline_parallel_degree": 2, "expert_parallel_degree": 2, "sharding": "stage1"}, 4,
+    ({"pipeline_parallel_degree": 2, "sharding": "stage1"}, 4,
      "pipeline_parallel_degree 2 with sharding_parallel_degree 2 together is not proven"),
+    ({"pipeline_parallel_degree": 2, "expert_parallel_degree": 2, "sharding": "stage2"}, 4,
+     "sharding: stage2 is not proven for deepseek_v3"),
     ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
      "tensor_parallel_degree 2 with pipeline_parallel_degree 2 together is not proven"),
     ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from launch_utils import REPO_ROOT, launch
+from shared_launches import contribute, once
 from parity_utils import (
     DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_router_biases, assert_same_router_metrics,
     assert_same_training, base_arguments, final_weights, run_launch, run_record, run_single, run_spec, train_records,
@@ -425,3 +426,54 @@ def check_deepseek_under_the_pipeline(work) -> None:
 
 def test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process(pipelined):
     check_deepseek_under_the_pipeline(pipelined)
+
+
+# DeepSeek-V3 under pp2 x sharding 2 (stage 1) with ep2 over the sharding ranks (PaddleFormers' PP x EP x sharding):
+# the session's one pp2 x sd2 launch (tests/shared_launches.py), its one-process reference made once beside it
+PP_SHARDED = "pp2sd2ep2-deepseek"
+
+
+def _pp_sharded_runs(work, corpus):
+    args_file = moe_arguments(corpus, work)
+    overrides = {k: v for k, v in DEEPSEEK.items()}
+    once(work / "single.done", lambda: run_single([argv(args_file, work / f"single-{PP_SHARDED}", **overrides)],
+                                                  work, "single"))
+    return [{"name": PP_SHARDED, "argv": argv(args_file, work / PP_SHARDED, **overrides, pipeline_parallel_degree=2,
+                                              gradient_accumulation_steps=2, expert_parallel_degree=2,
+                                              sharding="stage1")}]
+
+
+contribute("pp2sd2", 4, "expert_parallel", _pp_sharded_runs)
+
+
+def test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_process(shared_launches):
+    """pp2 x sd2 stage 1 x ep2 (issue 33 item 2): losses (main, MTP), grad norms with the clip active at step 2 (its
+    global norm summed over the sharding pair, then the stages: expert_optimizer.ShardedGlobalNormClip), weights,
+    every sharding rank's copy of the stage's replicated weights and the router biases as one process's. Mechanism:
+    stage 1 (layer 1 and the MTP block, the experts) steps through the experts' pair of optimizers that fleet's
+    pipeline takes for a HybridParallelOptimizer, stage 0 (dense) through fleet's own; each sharding rank of stage 1
+    holds and writes 4 of the 8 experts of both MoE blocks."""
+    observed = shared_launches.results("pp2sd2", "expert_parallel")
+    work = shared_launches.work_dir("expert_parallel")
+    single, run = work / f"single-{PP_SHARDED}", work / PP_SHARDED
+    print(assert_same_training(single, run, step=2))
+    print(assert_every_replica_matches(single, run, step=2))
+    assert_same_router_metrics(single, run)
+    assert_same_router_biases(single, run)
+    records = train_records(run)
+    assert records[-1]["grad_norm"] > 1.0, records  # the clip (max_grad_norm 1) scales step 2
+    for a, b in zip(train_records(single), records, strict=True):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], abs=1e-5)
+    record = run_record(run)
+    layout = record["layout"]
+    assert (layout["pipeline_parallel_degree"], layout["sharding_degree"], layout["sharding_stage"]) == (2, 2, 1)
+    assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1, 2]]], record["built"]["schedule"]
+    classes = [observed[rank][PP_SHARDED]["optimizer_classes"][0] for rank in range(4)]
+    assert classes == ["HybridParallelOptimizer"] * 2 + ["PipelineExpertShardedOptimizer"] * 2, classes
+    index = json.loads((run / "checkpoint-2" / "tensors.index.json").read_text())
+    files = {}
+    for block in ("layers.1.mlp", "mtp.block.mlp"):
+        for expert in range(8):
+            [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
+            files.setdefault(expert // 4, set()).add(piece["file"])
+    assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], files

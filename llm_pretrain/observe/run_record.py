@@ -357,7 +357,8 @@ def describe_built_run(model, optimizer, precision=None, document_masks: bool = 
                                                           for r in ranks),
                             "experts_of_rank": [(r["experts"] or {}).get("experts") for r in ranks]}
     if local["expert_states"] is not None:  # each rank keeps the states of its own share of its experts
-        built["expert_states"]["states_kept"] = [rank["expert_states"]["states_kept"] for rank in ranks]
+        # (None on a pipeline stage without MoE layers)
+        built["expert_states"]["states_kept"] = [(rank["expert_states"] or {}).get("states_kept") for rank in ranks]
     if local["schedule"] is not None:
         from paddle.distributed import fleet
 

@@ -30,8 +30,13 @@ group (not averaged: fleet's reduce_gradients would divide by that group's size 
 Clip: one global norm over both (`ShardedGlobalNormClip`): each rank's squares of the dense gradients it
 owns plus those of the expert gradients it owns, summed over the sharding group (every expert has one
 owner among all ranks), as fleet's clips sum the owned dense squares over the sharding group
-(hybrid_parallel_optimizer.py:69-80, group_sharded_utils.py:171-172; with tp, pp and dp 1, which
-layout.check_experts_over_sharding requires, that is all they reduce); the experts are scaled alike.
+(hybrid_parallel_optimizer.py:69-80, group_sharded_utils.py:171-172), then under the pipeline over the
+stages (:100-105), a tied embedding's second copy left out (:100-108); with tp and dp 1, which
+layout.check_experts_over_sharding requires, that is all they reduce. The experts are scaled alike.
+Pipeline (stage 1 only): fleet's PipelineParallel.train_batch asserts a HybridParallelOptimizer
+(pipeline_parallel.py:1311-1313) and then only calls its step() and clear_grad() (:1791-1813), so the pair is
+given that class (`PipelineExpertShardedOptimizer`), as PaddleFormers keeps one fleet optimizer in front of its
+expert and dense parameters.
 """
 
 from __future__ import annotations
@@ -65,9 +70,9 @@ class ShardedGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     owns and `expert_grads` (this rank's own experts' gradients, set before each step), squares summed over
     the sharding group. `scale` and `last_norm`: those of the last step."""
 
-    def __init__(self, clip_norm: float, sharding_group):
+    def __init__(self, clip_norm: float, sharding_group, pipeline_group=None):
         super().__init__(clip_norm)
-        self.sharding_group = sharding_group
+        self.sharding_group, self.pipeline_group = sharding_group, pipeline_group
         self.expert_grads: list = []
         self.scale = self.last_norm = None
 
@@ -75,9 +80,11 @@ class ShardedGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     def _dygraph_clip(self, params_grads):
         squares = paddle.zeros([], dtype="float32")
         for param, grad in list(params_grads) + [(None, g) for g in self.expert_grads]:
-            if grad is not None and getattr(param, "need_clip", True):
+            if grad is not None and getattr(param, "need_clip", True) and getattr(param, "is_firstly_shared", True):
                 squares += paddle.sum(paddle.square(grad.astype("float32")))
         dist.all_reduce(squares, group=self.sharding_group)
+        if self.pipeline_group is not None:  # each stage's sum, over the stages
+            dist.all_reduce(squares, group=self.pipeline_group)
         self.last_norm = paddle.sqrt(squares)
         self.scale = self.clip_norm / paddle.maximum(self.last_norm, paddle.full([], self.clip_norm, dtype="float32"))
         return scaled(params_grads, self.scale)
@@ -187,6 +194,20 @@ class ExpertShardedOptimizer:
         return getattr(self.__dict__["_inner_opt"], name)
 
 
+def pipeline_expert_sharded_optimizer(*args):
+    """An ExpertShardedOptimizer that is a fleet HybridParallelOptimizer for the pipeline's type check
+    (pipeline_parallel.py:1311-1313); the pair's own step, clear_grad and attribute forwarding come first in
+    the method order, and HybridParallelOptimizer.__init__ is not run (the dense optimizer is fleet's own)."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelOptimizer,
+    )
+
+    class PipelineExpertShardedOptimizer(ExpertShardedOptimizer, HybridParallelOptimizer):
+        pass
+
+    return PipelineExpertShardedOptimizer(*args)
+
+
 def split_expert_optimizer(model, optimizer):
     """(the optimizer over the replicated weights only, an AdamW like it over this rank's experts, the
     experts). Before fleet's wrappers: they partition the optimizer's parameter list.
@@ -235,7 +256,8 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
     model, optimizer = wrap_dense(model, optimizer)
     clip = None
     if clip_norm is not None:
-        clip = ShardedGlobalNormClip(clip_norm, hcg.get_sharding_parallel_group())
+        pipeline = hcg.get_pipe_parallel_group() if hcg.get_pipe_parallel_world_size() > 1 else None
+        clip = ShardedGlobalNormClip(clip_norm, hcg.get_sharding_parallel_group(), pipeline)
         inner = optimizer
         while inner is not None:  # fleet's clip sits on the innermost optimizer (its wrappers forward to it)
             if isinstance(inner.__dict__.get("_grad_clip"), (HybridParallelClipGrad, GroupShardedClipGrad)):
@@ -245,4 +267,5 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
     replicas = hcg.get_moe_sharding_parallel_group() if hcg.get_moe_sharding_parallel_world_size() > 1 else None
     if replicas is not None:
         expert_optimizer = DygraphShardingOptimizer(expert_optimizer, MoeShardingView(hcg))
-    return model, ExpertShardedOptimizer(optimizer, expert_optimizer, experts, replicas, clip)
+    pair = pipeline_expert_sharded_optimizer if hcg.get_pipe_parallel_world_size() > 1 else ExpertShardedOptimizer
+    return model, pair(optimizer, expert_optimizer, experts, replicas, clip)

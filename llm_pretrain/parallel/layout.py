@@ -521,7 +521,7 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
                          "experts on sharding ranks and asserts dp_degree 1 (fleet/base/topology.py:878-880); use "
                          "sharding over all data replicas, or data parallelism without sharding")
     if experts_over_sharding(layout, ep):
-        check_experts_over_sharding(args, layout, ep)
+        check_experts_over_sharding(args, layout, ep, config.family)
     elif ep > 1 and layout.data_parallel_degree % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide the data-parallel degree "
                          f"({layout.data_parallel_degree}): the experts are split over groups of data-parallel "
@@ -553,22 +553,19 @@ def experts_over_sharding(layout: Layout, ep: int) -> bool:
     return ep > 1 and layout.sharding_stage > 0 and layout.data_parallel_degree == 1
 
 
-def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> None:
+def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family: str = "") -> None:
     """What fleet's expert group over sharding ranks cannot honour (llm_pretrain/parallel/expert_optimizer.py)."""
     stage, sd = layout.sharding_stage, layout.sharding_degree
     if stage == 3:
         raise UsageError(f"sharding: stage3 cannot be combined with expert_parallel_degree {ep} (stage 3 slices every "
                          "parameter over the whole sharding group, whose ranks hold different experts); use stage1 "
                          "or stage2")
-    if layout.pipeline_parallel_degree > 1:
-        # Refused rather than made to work: fleet's pipeline asserts its own optimizer class, and the experts'
-        # clip (expert_optimizer.ShardedGlobalNormClip) sums squares over the sharding group only.
-        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} cannot be combined with "
-                         f"expert_parallel_degree {ep} over sharding ranks (sharding stage{stage}): fleet's pipeline "
-                         "train_batch asserts a HybridParallelOptimizer (pipeline_parallel.py:1311-1313), which the "
-                         "experts' own optimizer beside fleet's sharding optimizer is not, and their global-norm "
-                         "clip sums over the sharding group only, not the stages; use data parallelism for pipeline "
-                         "x experts (no sharding), or expert_parallel_degree 1")
+    pipeline_pair = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
+    if layout.pipeline_parallel_degree > 1 and pipeline_pair not in PROVEN_PAIRS.get(family, {}):
+        raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} with expert_parallel_degree {ep} "
+                         f"over sharding ranks is not proven for {family} yet (no test trains it against one process; "
+                         "deepseek_v3 is trained so); use data parallelism for pipeline x experts (no sharding), or "
+                         "expert_parallel_degree 1")
     if sd % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
                          "split over groups of sharding ranks; fleet's moe_sharding degree is their quotient)")
@@ -601,7 +598,8 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
 # the sep group, MTP; with tp2 + SP and packed documents: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
-# tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS).
+# tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS), and pp2 x sd2 stage 1 with ep2 over the sharding
+# ranks (pp2sd2ep2-deepseek, the shared pp2sd2 launch).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
                   "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
@@ -623,8 +621,9 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the bias load
 # summed over the sep group, not over tp; its pairs with sharding are not trained: about 4 s of the suite's CPU a run);
 # DeepSeek-V3 is also trained under pp2 x dp2 with ep2 over the data-parallel ranks, MTP on the last stage
-# (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), without
-# sharding.
+# (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), and under
+# pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
+# other stage).
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
@@ -632,7 +631,9 @@ _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}):
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                 "deepseek_v3": {**{pair: () for pair in _SEQUENCE_PAIRS if "tensor_parallel_degree" in pair},
                                 frozenset({"pipeline_parallel_degree", "data_parallel_degree",
-                                           "expert_parallel_degree"}): ()}}
+                                           "expert_parallel_degree"}): (),
+                                frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
+                                           "expert_parallel_degree"}): (1,)}}
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
