@@ -95,6 +95,9 @@ SHORT_EXTRA = {DEEPSEEK_SHORT: {"moe_bias_update_rate": 0.01}}
 # models/pipeline.py MoEDecoderLayer), Qwen3 (the q/k norms), ERNIE 4.5 dense (interleaved rotary pairs; ~1 s a
 # run in these launches on an idle machine).
 LAYOUT_SHORT_MOE = ("qwen3-moe-short", "ernie4_5_moe-short")
+# ... and Qwen3-MoE under tp2 and tp2 + SP (every layer sparse: each expert's gate/up and down split over the ranks,
+# the router whole; check_qwen3_moe_tp2), beside ERNIE 4.5 MoE's TP_ONLY runs
+QWEN3_MOE_SHORT = "qwen3-moe-short"
 LAYOUT_SHORT = LAYOUT_SHORT_MOE + ("qwen3-short", "ernie4_5-short")
 SHORT_FILES.update({name: (name.removesuffix("-short"), 2) for name in LAYOUT_SHORT})
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
@@ -325,7 +328,9 @@ def deepseek_tp2_runs(parity: Parity) -> list[list[str]]:
     """DeepSeek-V3 (issue 35): deepseek-v3-short (MLA, 1 dense + 1 MoE layer, MTP, the bias rule) for 2 steps."""
     tp = {"tensor_parallel_degree": 2}
     return [parity.run(f"{DEEPSEEK_SHORT}-tp2", DEEPSEEK_SHORT, **tp),
-            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)]
+            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)] + [
+        parity.run(f"{QWEN3_MOE_SHORT}-tp2{sp}", QWEN3_MOE_SHORT, **tp, **options)
+        for sp, options in (("", {}), ("-sp", {"sequence_parallel": True}))]
 
 
 # DeepSeek-V3 under tp2, as PaddleFormers 0.4.1 splits it (deepseek_v2/modeling.py DeepseekV2Attention.__init__):
@@ -374,6 +379,21 @@ def check_deepseek_tp2(parity: Parity, observed: dict) -> None:
         assert len(hooks) == 3 * 6 + 1 + 4 and all(calls == [4 * steps, steps] for calls in hooks.values()), hooks
 
 
+def check_qwen3_moe_tp2(parity: Parity, observed: dict) -> None:
+    """qwen3-moe-short under tp2 and tp2 + SP: losses, grad norms, weights, AdamW moments and the router metrics as
+    one process's, every replica (router, norms, q/k norms) the same on both ranks; fleet's TensorParallel wrapper,
+    each rank holding about half the weights (the experts split too), under SP 32 of the 64 tokens between layers."""
+    names = [f"{QWEN3_MOE_SHORT}-tp2", f"{QWEN3_MOE_SHORT}-tp2-sp"]
+    parity.check([(name, QWEN3_MOE_SHORT) for name in names])
+    for name in names:
+        assert_same_router_metrics(parity.references[QWEN3_MOE_SHORT], parity.out(name))
+        for seen in observations(observed, name):
+            assert "TensorParallel" in seen["model_classes"], seen["model_classes"]
+            assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], seen["parameter_elements"]
+            shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+            assert shapes == ({(32, 64)} if name.endswith("-sp") else {(2, 32, 64)}), (name, shapes)
+
+
 def test_tensor_parallel(parity, shared_launches):
     observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
@@ -390,6 +410,7 @@ def test_tensor_parallel(parity, shared_launches):
     assert run_record(parity.out("tp2"))["strategy"] == "tp2"
     for sp in ("", "-sp"):  # ERNIE 4.5 MoE's router metrics (one row per MoE layer) as one process's
         assert_same_router_metrics(parity.references["ernie4_5_moe"], parity.out(f"ernie4_5_moe-tp2{sp}"))
+    check_qwen3_moe_tp2(parity, observed)
     # Llama 3.1 (the others: mech::test_sequence_parallel_and_recompute_under_tp2): fleet's wrapper, about half
     # the weights per rank, 32 of the 64 tokens of a micro-batch between layers, every norm's SP hook
     # all-reducing once per step (5 steps of 4 micro-batches)
