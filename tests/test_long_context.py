@@ -32,7 +32,8 @@ accumulation steps of one process).
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 and cp2 (MLA's
                         all-to-all or ring, the sequence-wise loss over whole sequences, MTP): also its MTP losses
-                        and router biases
+                        and router biases; Qwen3-MoE (global-batch balancing) and ERNIE 4.5 MoE (the bias rule:
+                        its correction bias too) under sep2 and cp2, 2 steps of one micro-batch
     packed documents    in the sep2/cp2 launch, reset_attention_mask, reset_position_ids and eod_mask_loss on:
                         GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per

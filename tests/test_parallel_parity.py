@@ -4,7 +4,7 @@ References run once in one plain process (the tiny preset of every family record
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
 uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2, tp2 + SP, pp2 and sd2
-stage 1; qwen3-moe-tiny, ernie4_5_moe-tiny, qwen3-tiny and ernie4_5-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
+stage 1; qwen3-moe-tiny (2 layers, 2 steps) in tp2 and tp2 + SP; qwen3-moe-tiny, ernie4_5_moe-tiny, qwen3-tiny and ernie4_5-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
 Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs

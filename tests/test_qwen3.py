@@ -4,8 +4,8 @@ config.json reading (and what is refused), the q/k norms and the head width apar
 The same function as PaddleFormers 0.4.1's Qwen3ForCausalLM (logits and loss, same weights) is judged in
 its own environment by scripts/verify_paddleformers.py (benchmarks/paddleformers_parity.md, checked by
 tests/test_paddleformers_parity.py); its layouts: tp2 (+ SP), dp2, pp2 and sharding stages 1-3 in tests/test_parallel_parity.py, sep2
-and cp2, alone and with tp2 (+ SP) or sharding stage 2, in tests/test_long_context.py; Qwen3-MoE's: dp2, pp2 and sharding
-stages 1-3 in tests/test_parallel_parity.py, ep2 over dp2 and over sd2 (stages 1, 2) with global-batch balancing in
+and cp2, alone and with tp2 (+ SP) or sharding stage 2, in tests/test_long_context.py; Qwen3-MoE's: tp2 (+ SP), dp2, pp2 and sharding
+stages 1-3 in tests/test_parallel_parity.py, sep2 and cp2 in tests/test_long_context.py, ep2 over dp2 and over sd2 (stages 1, 2) with global-batch balancing in
 tests/test_expert_parallel.py; the others are refused
 (tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line).
 """
