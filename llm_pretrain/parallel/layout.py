@@ -591,7 +591,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # ----------------------------------------------------------------------------- the model a layout trains
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
 # against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP,
-# Qwen3-MoE's there as QWEN3_MOE_SHORT; LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
+# Qwen3-MoE's there as QWEN3_MOE_TP; LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
 # tests/test_long_context.py (sep2, cp2; Qwen3-MoE with global-batch balancing and ERNIE 4.5 MoE with its bias rule as
 # "<family>-short", the router statistics summed over the sep group) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
 # over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
