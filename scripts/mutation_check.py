@@ -493,6 +493,12 @@ MUTATIONS = [
              "            paddle.distributed.all_reduce(picks, group=group)\n"
              "            ranks = group.nranks\n",
              ("tests/test_expert_parallel.py::test_qwen3_moe_ep2_with_global_batch_balancing_trains_like_one_process",)),
+    # Issue 34: Qwen3-MoE and ERNIE 4.5 MoE under sep / cp (tests/test_long_context.py's -short runs): each rank's
+    # router statistics kept to its own part of the sequences (the sum's all-reduce skipped)
+    Mutation("moe_router_stats_sep_sum_skipped", "under sep / cp the router statistics (picks and probability sums, so "
+             "Qwen3-MoE's global-batch picks and ERNIE 4.5 MoE's bias load) not summed over the sep group",
+             "models/parallel_layers.py", "    return _SumOverGroup.apply(x, sequence_group())\n", "    return x\n",
+             ("tests/test_qwen3.py::test_router_statistics_under_sep_and_cp_cover_the_whole_sequence",)),
     Mutation("pipeline_dense_layer_as_moe", "under the pipeline a dense layer of a mixture of experts adds router "
              "statistics to the carry as a MoE layer", "models/pipeline.py",
              "        if isinstance(self.mlp, MoE):  # (DeepSeek-V3's first layers are dense)\n",

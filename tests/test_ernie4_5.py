@@ -124,16 +124,14 @@ TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"conte
 # ep2 over dp2, over sd2 stages 1 and 2 (test_expert_parallel: qwen3-global-ep2*, ernie-moe-ep2*)
 EP = [{**DP, "ep": 2}, {**SD1, "ep": 2}, {**SD2, "ep": 2}]
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
-# tp2 (+ SP): test_parallel_parity TP_ONLY; dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (Qwen3, ERNIE 4.5; also sep2 / cp2 x tp2 and x sharding stage 2, the pairs checked below); EP:
+# tp2 (+ SP): test_parallel_parity TP_ONLY (Qwen3-MoE: QWEN3_MOE_TP); dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
+# test_long_context (all four; Qwen3, ERNIE 4.5 also sep2 / cp2 x tp2 and x sharding stage 2, the pairs checked below); EP:
 # test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
 PROVEN_AND_REFUSED = {
     "ernie4_5-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
-    "ernie4_5_moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, *EP], [(SEP, "sep_parallel_degree"),
-                                                              (CP, "context_parallel_degree")]),
+    "ernie4_5_moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP, *EP], []),
     "qwen3-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
-    "qwen3-moe-tiny": ([DP, PP, SD1, SD2, SD3, *EP], [(TP, "tensor_parallel_degree"), (SEP, "sep_parallel_degree"),
-                                                      (CP, "context_parallel_degree")]),
+    "qwen3-moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP, *EP], []),
 }
 # every one with pp2 proven: the pipeline's virtual stages are not
 NOT_PROVEN_ANYWHERE = [({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "world_size": 2},
@@ -180,6 +178,11 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         with pytest.raises(RunUsageError, match="^tensor_parallel_degree 2 with sharding_parallel_degree 2 with "
                                                 f"sep_parallel_degree 2 together is not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=8, **TP, **SEP, sharding_degree=2, sharding_stage=2))
+    if preset in ("qwen3-moe-tiny", "ernie4_5_moe-tiny"):  # sep2 / cp2 each alone: no pair trains them
+        for split in (SEP, CP):
+            with pytest.raises(RunUsageError, match=f"^tensor_parallel_degree 2 with {next(iter(split))} 2 together is "
+                                                    f"not proven for {config.family}"):
+                check_proven_layout(config, Layout(world_size=4, **split, **TP))
     if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel or sharding ranks, not the stages
         with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with the pipeline is not proven"):
             check_proven_layout(config, Layout(world_size=2, **PP), 2)

@@ -33,7 +33,8 @@ accumulation steps of one process).
                         sep2 / cp2 x tp2 + SP: per-step losses, grad norms, final weights and the router
                         metrics of train_log.jsonl equal one process's; DeepSeek-V3 under sep2 and cp2 (MLA's
                         all-to-all or ring, the sequence-wise loss over whole sequences, MTP): also its MTP losses
-                        and router biases
+                        and router biases; Qwen3-MoE (global-batch balancing) and ERNIE 4.5 MoE (the bias rule:
+                        its correction bias too) under sep2 and cp2, 2 steps of one micro-batch
     packed documents    in the sep2/cp2 launch, reset_attention_mask, reset_position_ids and eod_mask_loss on:
                         GPT-3 sep2 (the whole sequence's mask after the all-to-all; learned positions of this
                         rank's tokens), LLaMA cp2 (the ring masks each block; rotary positions restarting per
@@ -93,7 +94,13 @@ MODELS = tuple(name for name, family in FAMILIES.items()
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
               "mixtral-capped": {"model_name_or_path": "mixtral-tiny", "moe_capacity_factor": 0.5,
                                  "router_z_loss_coef": 0.001},
-              "qwen2_moe": {"model_name_or_path": "qwen2-moe-tiny"}}
+              "qwen2_moe": {"model_name_or_path": "qwen2-moe-tiny"},
+              # Issue 34's mixtures of experts, "-short" (SHORT: 2 steps of one micro-batch): Qwen3-MoE with global-batch
+              # balancing (its picks summed over the sep group, then over the data replicas: none here), ERNIE 4.5 MoE
+              # with the bias rule on (the load of the whole sequences moves the same bias on both ranks); the sums'
+              # mechanism in one process: tests/test_qwen3.py::test_router_statistics_under_sep_and_cp_cover_the_whole_sequence
+              "qwen3_moe-short": {"model_name_or_path": "qwen3-moe-tiny", "moe_global_batch_balance": True, **SHORT},
+              "ernie4_5_moe-short": {"model_name_or_path": "ernie4_5_moe-tiny", "moe_bias_update_rate": 0.01, **SHORT}}
 # DeepSeek-V3 (issue 35) under sep2: deepseek-v3-tiny (MLA, 1 dense + 1 MoE layer, MTP) for 2 steps with the bias
 # rule on and the sequence-wise balance loss at 0.1 (published 0.0001: a loss of a rank's half sequences would hide
 # below the tolerance), and under cp2
@@ -317,6 +324,9 @@ def test_sep2_every_family_and_resume(runs):
             assert run_record(runs.out(name))["built"]["context_parallel"]["transfers"] == "overlapped", name
     for name in ("deepseek-sep2", "deepseek-cp2"):
         check_deepseek(runs, name)
+    for name in ("sep2", "cp2"):  # ERNIE 4.5 MoE's correction bias (layer 1) moved as one process's
+        assert_same_router_biases(runs.reference("ernie4_5_moe-short"), runs.out(f"ernie4_5_moe-short-{name}"),
+                                  step=SHORT["max_steps"], expected=("layers.1.mlp",))
     record = run_record(runs.out("gpt3-cp2"))
     assert record["strategy"] == "cp2" and record["layout"]["context_parallel_degree"] == 2
     assert record["built"]["context_parallel"] == {"degree": 2, "tokens_per_rank": 16, "chunks_of_2cp": [0, 3],

@@ -4,7 +4,7 @@ References run once in one plain process (the tiny preset of every family record
 the other families with 2 (FAMILY_LAYERS) and again with 8 for the interleaved pp4 (8 chunks); plus llama3-tiny, Llama 3.1's rotary scaling, in every 2-process launch and pp4;
 mixtral-tiny in pp2 x tp2 and pp4; mixtral-tiny and qwen2-moe-tiny with 4 layers for 2 steps in dp2, the
 uneven pp2 split and sd2; deepseek-v3-tiny with its bias rule on for 2 steps in dp2, tp2, tp2 + SP, pp2 and sd2
-stage 1; qwen3-moe-tiny, ernie4_5_moe-tiny, qwen3-tiny and ernie4_5-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
+stage 1; qwen3-moe-tiny (2 layers, 2 steps of one micro-batch) in tp2 and tp2 + SP; qwen3-moe-tiny, ernie4_5_moe-tiny, qwen3-tiny and ernie4_5-tiny with 2 layers for 2 steps in dp2, pp2 and sd2 stage 1).
 Each
 test is one `paddle.distributed.launch` that runs several trainings with the same degrees, each
 compared with its reference (tolerance 1e-5, fp32); the dp2, tp2, pp2, sd2, tp2 x sd2 and pp4 runs
@@ -28,7 +28,7 @@ the runs added for Llama 3.1 and the mixtures of experts also check that the lay
 below): gradients local until the last micro-batch (dp2), the stage's wrappers and the recomputed layers
 (sd2), each stage's layers (pp2, uneven pp2), the schedule and its chunks (pp4), TP + SP (tp2).
 
-The global batch is always 8 samples: gradient_accumulation_steps = 4 / data replicas.
+The global batch is 8 samples (gradient_accumulation_steps = 4 / data replicas), but for qwen3-moe-tp (2: one micro-batch).
 
 The dp2, tp2, pp2, sd2 and pp4 launches also train runs named *-kernels: flash attention, the fused rotary
 embedding, RMSNorm and LayerNorm on (and swiglu) through their CPU stand-ins (llm_pretrain/cpu/kernel_standins.py,
@@ -95,8 +95,14 @@ SHORT_EXTRA = {DEEPSEEK_SHORT: {"moe_bias_update_rate": 0.01}}
 # models/pipeline.py MoEDecoderLayer), Qwen3 (the q/k norms), ERNIE 4.5 dense (interleaved rotary pairs; ~1 s a
 # run in these launches on an idle machine).
 LAYOUT_SHORT_MOE = ("qwen3-moe-short", "ernie4_5_moe-short")
+# ... and Qwen3-MoE under tp2 and tp2 + SP (every layer sparse: each expert's gate/up and down split over the ranks,
+# the router whole; check_qwen3_moe_tp2), beside ERNIE 4.5 MoE's TP_ONLY runs: 2 layers, 2 steps of one micro-batch
+# of 2 (global batch 2, its own reference: 4 micro-batches a step cost ~7 s of CPU for the two runs, one ~2)
+QWEN3_MOE_TP = "qwen3-moe-tp"
 LAYOUT_SHORT = LAYOUT_SHORT_MOE + ("qwen3-short", "ernie4_5-short")
 SHORT_FILES.update({name: (name.removesuffix("-short"), 2) for name in LAYOUT_SHORT})
+SHORT_FILES[QWEN3_MOE_TP] = ("qwen3-moe", 2)
+SHORT_EXTRA[QWEN3_MOE_TP] = {"gradient_accumulation_steps": 1}
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
 # over the sharding ranks in tests/test_expert_parallel.py)
 MOE_SHARDING = {"mixtral-short": (3,), "qwen2-moe-short": (1, 2, 3)}
@@ -325,7 +331,9 @@ def deepseek_tp2_runs(parity: Parity) -> list[list[str]]:
     """DeepSeek-V3 (issue 35): deepseek-v3-short (MLA, 1 dense + 1 MoE layer, MTP, the bias rule) for 2 steps."""
     tp = {"tensor_parallel_degree": 2}
     return [parity.run(f"{DEEPSEEK_SHORT}-tp2", DEEPSEEK_SHORT, **tp),
-            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)]
+            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)] + [
+        parity.run(f"{QWEN3_MOE_TP}-tp2{sp}", QWEN3_MOE_TP, **tp, **options)
+        for sp, options in (("", {}), ("-sp", {"sequence_parallel": True}))]
 
 
 # DeepSeek-V3 under tp2, as PaddleFormers 0.4.1 splits it (deepseek_v2/modeling.py DeepseekV2Attention.__init__):
@@ -374,6 +382,21 @@ def check_deepseek_tp2(parity: Parity, observed: dict) -> None:
         assert len(hooks) == 3 * 6 + 1 + 4 and all(calls == [4 * steps, steps] for calls in hooks.values()), hooks
 
 
+def check_qwen3_moe_tp2(parity: Parity, observed: dict) -> None:
+    """qwen3-moe-tp under tp2 and tp2 + SP: losses, grad norms, weights, AdamW moments and the router metrics as
+    one process's, every replica (router, norms, q/k norms) the same on both ranks; fleet's TensorParallel wrapper,
+    each rank holding about half the weights (the experts split too), under SP 32 of the 64 tokens between layers."""
+    names = [f"{QWEN3_MOE_TP}-tp2", f"{QWEN3_MOE_TP}-tp2-sp"]
+    parity.check([(name, QWEN3_MOE_TP) for name in names])
+    for name in names:
+        assert_same_router_metrics(parity.references[QWEN3_MOE_TP], parity.out(name))
+        for seen in observations(observed, name):
+            assert "TensorParallel" in seen["model_classes"], seen["model_classes"]
+            assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], seen["parameter_elements"]
+            shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+            assert shapes == ({(32, 64)} if name.endswith("-sp") else {(2, 32, 64)}), (name, shapes)
+
+
 def test_tensor_parallel(parity, shared_launches):
     observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
@@ -390,6 +413,7 @@ def test_tensor_parallel(parity, shared_launches):
     assert run_record(parity.out("tp2"))["strategy"] == "tp2"
     for sp in ("", "-sp"):  # ERNIE 4.5 MoE's router metrics (one row per MoE layer) as one process's
         assert_same_router_metrics(parity.references["ernie4_5_moe"], parity.out(f"ernie4_5_moe-tp2{sp}"))
+    check_qwen3_moe_tp2(parity, observed)
     # Llama 3.1 (the others: mech::test_sequence_parallel_and_recompute_under_tp2): fleet's wrapper, about half
     # the weights per rank, 32 of the 64 tokens of a micro-batch between layers, every norm's SP hook
     # all-reducing once per step (5 steps of 4 micro-batches)

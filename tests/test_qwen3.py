@@ -4,8 +4,8 @@ config.json reading (and what is refused), the q/k norms and the head width apar
 The same function as PaddleFormers 0.4.1's Qwen3ForCausalLM (logits and loss, same weights) is judged in
 its own environment by scripts/verify_paddleformers.py (benchmarks/paddleformers_parity.md, checked by
 tests/test_paddleformers_parity.py); its layouts: tp2 (+ SP), dp2, pp2 and sharding stages 1-3 in tests/test_parallel_parity.py, sep2
-and cp2, alone and with tp2 (+ SP) or sharding stage 2, in tests/test_long_context.py; Qwen3-MoE's: dp2, pp2 and sharding
-stages 1-3 in tests/test_parallel_parity.py, ep2 over dp2 and over sd2 (stages 1, 2) with global-batch balancing in
+and cp2, alone and with tp2 (+ SP) or sharding stage 2, in tests/test_long_context.py; Qwen3-MoE's: tp2 (+ SP), dp2, pp2 and sharding
+stages 1-3 in tests/test_parallel_parity.py, sep2 and cp2 in tests/test_long_context.py, ep2 over dp2 and over sd2 (stages 1, 2) with global-batch balancing in
 tests/test_expert_parallel.py; the others are refused
 (tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line).
 """
@@ -258,6 +258,68 @@ def test_global_batch_balancing_is_one_process_over_the_whole_batch(monkeypatch)
     local_loss, local_grads = two_ranks(global_balance=False)
     assert abs(local_loss - single_loss) > 1e-3
     assert np.abs(local_grads["layers.0.mlp.gate.weight"] - single_grads["layers.0.mlp.gate.weight"]).max() > 1e-4
+
+
+# sep: each rank holds one half of every sequence; cp: chunks i and 2cp-1-i of 4 (models/ring_attention.py)
+SEQUENCE_SPLITS = {"sep": ("sep_parallel_degree", [[0, 1], [2, 3]]), "cp": ("context_parallel_degree", [[0, 3], [1, 2]])}
+
+
+@pytest.mark.parametrize("split", SEQUENCE_SPLITS)
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "ernie4_5_moe-tiny"])
+def test_router_statistics_under_sep_and_cp_cover_the_whole_sequence(monkeypatch, preset, split):
+    """Qwen3-MoE (with global-batch balancing) and ERNIE 4.5 MoE (its correction bias's load) under sep2 / cp2:
+    two ranks, each routing its part of every sequence, sum their router statistics over the sep group
+    (pl.sum_over_segments; the all-reduce here given the other rank's) -> on both ranks the picks, the token
+    counts, the balancing loss, ERNIE's bias load and the bias moved by it are one process's over the whole
+    sequences, and the two ranks' router gradients sum (fleet's sep reduction) to one process's. Each rank's own
+    picks are not (the test would not see a skipped sum otherwise). The launches: tests/test_long_context.py."""
+    import paddle.distributed as dist
+
+    import models.parallel_layers as pl
+    from models.moe import MoE, router_losses
+
+    key, chunks = SEQUENCE_SPLITS[split]
+    config = ARCHITECTURES[preset].replace(seq_length=16, moe_global_batch_balance=preset.startswith("qwen3"))
+    model = CausalLM(config)
+    init_weights(model, config, 0)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 16, config.hidden_size)), dtype="float32")
+    parts = [paddle.concat([x[:, 4 * c:4 * c + 4] for c in chunks[rank]], axis=1) for rank in (0, 1)]
+
+    def route(layer_config, hidden):
+        """The layer's statistics, balancing loss, router gradient and (ERNIE) bias load after one training forward."""
+        moe.config = layer_config
+        moe.clear_gradients()
+        if hasattr(moe, "step_load"):
+            moe.step_load = paddle.zeros_like(moe.step_load)
+        moe(hidden)
+        stats = moe.last_stats
+        balance = router_losses(layer_config, [stats])[0]
+        (balance + (stats.seq_balance if stats.seq_balance is not None else 0)).backward()
+        return stats, float(balance), moe.gate.weight.grad.numpy().copy(), getattr(moe, "step_load", None)
+
+    whole, whole_balance, whole_grad, whole_load = route(config, x)
+    split_config = config.replace(**{key: 2})
+    sent = {0: [], 1: []}  # what each rank gives the all-reduces of one forward
+    monkeypatch.setattr(pl, "sequence_group", lambda: None)
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, r=rank: sent[r].append(t.clone()))
+        route(split_config, parts[rank])
+    own = route(config, parts[0])[0].picks  # rank 0's own picks (its part routed as one process): not the whole's
+    assert np.abs(own.numpy() - whole.picks.numpy()).max() >= 4
+    grads = []
+    for rank in (0, 1):
+        other = iter(sent[1 - rank])
+        monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: paddle.assign(t + next(other), output=t))
+        stats, balance, grad, load = route(split_config, parts[rank])
+        np.testing.assert_array_equal(stats.picks.numpy(), whole.picks.numpy())
+        assert stats.tokens == whole.tokens == 32 and (stats.pick_tokens or stats.tokens) == 32
+        assert abs(balance - whole_balance) < 1e-6, (rank, balance, whole_balance)
+        if load is not None:  # ERNIE 4.5 MoE: the bias moves by the whole sequences' load, alike on both ranks
+            np.testing.assert_array_equal(load.numpy(), whole_load.numpy())
+            assert abs(float(stats.seq_balance) - float(whole.seq_balance)) < 1e-6
+        grads.append(grad)
+    np.testing.assert_allclose(grads[0] + grads[1], whole_grad, rtol=1e-4, atol=1e-7)
 
 
 def test_global_batch_balancing_bad_input_is_one_line():

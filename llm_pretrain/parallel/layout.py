@@ -587,9 +587,10 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 
 # ----------------------------------------------------------------------------- the model a layout trains
 # Families whose layouts are proven one by one (issue 34): family -> the degrees that may exceed 1, each proven
-# against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP;
-# LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
-# tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
+# against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP,
+# Qwen3-MoE's there as QWEN3_MOE_TP; LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
+# tests/test_long_context.py (sep2, cp2; Qwen3-MoE with global-batch balancing and ERNIE 4.5 MoE with its bias rule as
+# "<family>-short", the router statistics summed over the sep group) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
 # over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
 # (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
@@ -602,9 +603,11 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # ranks (pp2sd2ep2-deepseek, the shared pp2sd2 launch).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
 PROVEN_DEGREES = {"qwen3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
-                  "qwen3_moe": _DP_PP_SD + ("expert_parallel_degree",),
+                  "qwen3_moe": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD
+                  + ("expert_parallel_degree",),
                   "ernie4_5": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD,
-                  "ernie4_5_moe": ("tensor_parallel_degree",) + _DP_PP_SD + ("expert_parallel_degree",),
+                  "ernie4_5_moe": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree") + _DP_PP_SD
+                  + ("expert_parallel_degree",),
                   "deepseek_v3": ("tensor_parallel_degree", "sep_parallel_degree", "context_parallel_degree")
                   + _DP_PP_SD + ("expert_parallel_degree",)}
 # Every stage, each family in the shared sd2 launch (test_parallel_parity test_sharding_stages: LAYOUT_SHORT,
