@@ -506,10 +506,6 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
             raise UsageError(f"moe_global_batch_balance: true needs a mixture-of-experts model ({config.family} has "
                              "no experts; allowed: false)")
         return
-    if getattr(args, "moe_global_batch_balance", False) and layout.pipeline_parallel_degree > 1:
-        # models/pipeline.py RouterCarry passes each layer's token count on, not the global batch's
-        raise UsageError(f"moe_global_batch_balance: true is not supported under the pipeline yet "
-                         f"(pipeline_parallel_degree {layout.pipeline_parallel_degree}; allowed: 1)")
     experts, top_k = config.num_experts, config.num_experts_per_tok
     if not 1 <= top_k <= experts:
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
@@ -620,14 +616,22 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
 # sep2 x sharding 2 and cp2 x sharding 2 at stage 2; DeepSeek-V3 is trained under pp2 x dp2 with ep2 over the
 # data-parallel ranks, MTP on the last stage (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers'
-# layout for it is PP x EP x sharding), without sharding.
+# layout for it is PP x EP x sharding), without sharding; so are Qwen3-MoE (with global-batch balancing: the picks
+# summed over the stage's dp pair, their token count carried to the last stage) and ERNIE 4.5 MoE (its correction
+# bias moved by the bias rule; layer 0 dense on stage 0): tests/test_expert_parallel.py pp2dp2ep2-qwen3-global,
+# pp2dp2ep2-ernie.
+_PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
-                "deepseek_v3": {frozenset({"pipeline_parallel_degree", "data_parallel_degree",
-                                           "expert_parallel_degree"}): ()}}
+                **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")}}
+
+
+# Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
+# tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps)
+PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -662,11 +666,13 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
     if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
                          f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
-    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
+    interleaved = config.family in PROVEN_INTERLEAVED and not layout.dualpipev and len(above) == 1  # (pp alone)
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev) and not interleaved:
         schedule = "pipeline_parallel_config: use_dualpipev" if layout.dualpipev else \
             f"virtual_pp_degree: {layout.virtual_pp_degree}"
-        raise UsageError(f"{schedule} is not proven for {config.family} yet (no test trains it against one process); "
-                         "allowed: the 1F1B schedule (virtual_pp_degree 1)")
+        allowed = " (or the interleaved one with the pipeline alone)" if config.family in PROVEN_INTERLEAVED else ""
+        raise UsageError(f"{schedule} is not proven for {config.family} in this layout yet (no test trains it against "
+                         f"one process); allowed: the 1F1B schedule (virtual_pp_degree 1){allowed}")
 
 
 def check_layout_and_model(args: Arguments, world_size: int, device: str
