@@ -589,8 +589,8 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int) -> Non
 # against one process (1e-5, fp32) by a shared launch of tests/test_parallel_parity.py (TP_ONLY: tp2 and tp2 + SP;
 # LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
 # tests/test_long_context.py (sep2, cp2) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
-# over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
-# (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
+# over sd2 stages 1 and 2). The pipeline: 1F1B (virtual stages for PROVEN_INTERLEAVED only, no DualPipeV); one degree
+# above 1 at a time (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
 # tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
