@@ -730,6 +730,13 @@ MUTATIONS = [
              "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")', "PROVEN_INTERLEAVED = ()",
              ("tests/test_parallel_parity.py::test_pp4_interleaved",
               "tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line")),
+    Mutation("deepseek_pp_recompute_off", "full recompute silently off under the pipeline for a model with MTP "
+             "(DeepSeek-V3): PipelineLayer built without recompute segments", "models/pipeline.py",
+             "            recompute_interval=pp_recompute_interval if full_recompute else 0,\n",
+             "            recompute_interval=pp_recompute_interval if full_recompute and not config.num_nextn_predict_layers "
+             "else 0,\n",
+             ("tests/test_expert_parallel.py::"
+              "test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_process",)),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",

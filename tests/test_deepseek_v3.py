@@ -461,16 +461,18 @@ def test_pipeline_with_expert_parallelism_over_data_parallel_ranks_is_accepted(e
 
 
 def test_pipeline_with_expert_parallelism_over_sharding_ranks_is_accepted(embedded_corpus, tmp_path):
-    """pp2 x sharding stage 1 with ep2 over the sharding ranks (PaddleFormers' PP x EP x sharding) is proven:
-    tests/test_expert_parallel.py pp2sd2ep2-deepseek; the planner takes it too."""
+    """pp2 x sharding stage 1 with ep2 over the sharding ranks (PaddleFormers' PP x EP x sharding), with full recompute
+    under the pipeline (the MTP block's segment among them), is proven: tests/test_expert_parallel.py
+    pp2sd2ep2-deepseek; the planner takes it too."""
     from llm_pretrain.parallel.layout import check_layout_and_model
     from llm_pretrain.planner.estimate import validated_setup
 
     args = _arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=2, expert_parallel_degree=2, sharding="stage1",
-                      gradient_accumulation_steps=2, moe_bias_update_rate=0.01)
+                      gradient_accumulation_steps=2, moe_bias_update_rate=0.01, recompute=True)
     layout, config, _, _ = check_layout_and_model(args, 4, "cpu")
     assert (layout.pipeline_parallel_degree, layout.sharding_degree, layout.sharding_stage,
             layout.data_parallel_degree, config.expert_parallel_degree) == (2, 2, 1, 1, 2)
+    assert config.recompute and config.recompute_granularity == "full"
     _, planned, _ = validated_setup(args, 4, "cpu")
     assert planned == layout
 
@@ -493,7 +495,8 @@ def test_pipeline_with_expert_parallelism_over_sharding_ranks_is_accepted(embedd
      "virtual_pp_degree: 2 is not proven"),
     ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
      "pipeline_layers_per_stage: [1, 3] is not supported"),
-    ({"pipeline_parallel_degree": 2, "recompute": True}, 2, "recompute: true under pipeline_parallel_degree 2"),
+    ({"pipeline_parallel_degree": 2, "recompute": True, "recompute_granularity": "core_attn"}, 2,
+     "recompute_granularity: core_attn is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
      "sharding_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"sharding": "stage3", "pipeline_parallel_degree": 2}, 4,

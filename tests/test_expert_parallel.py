@@ -341,9 +341,11 @@ MOE_PIPELINE_RUNS = {  # name: (model, overrides) trained under pp2 x dp2 and in
                                           "router_z_loss_coef": 0.001}),
 }
 # DeepSeek-V3 (issue 35) under pp2 x dp2 with ep2 over the data-parallel ranks, its bias rule on, 2 steps: layer 0
-# (dense) on stage 0; layer 1 and the MTP block (both MoE, their experts split over the dp pair) on stage 1
+# (dense) on stage 0; layer 1 and the MTP block (both MoE, their experts split over the dp pair) on stage 1; the
+# attention blocks recomputed in backward (full_attn, inside the layers; recompute changes no number)
 DEEPSEEK_PIPELINE = {"pp2dp2ep2-deepseek": ("deepseek-v3-tiny", {
-    **{k: v for k, v in DEEPSEEK.items() if k != "model_name_or_path"}, "expert_parallel_degree": 2})}
+    **{k: v for k, v in DEEPSEEK.items() if k != "model_name_or_path"}, "expert_parallel_degree": 2,
+    "recompute": True, "recompute_granularity": "full_attn"})}
 
 
 # Issue 34's mixtures of experts under pp2 x dp2 with ep2 over dp, 2 steps, compared with runs of the `trained`
@@ -366,7 +368,8 @@ def pipelined(tmp_path_factory, embedded_corpus):
     work = tmp_path_factory.mktemp("expert_pipeline")
     args_file = moe_arguments(embedded_corpus, work)
     single = [argv(args_file, work / f"single-{name}", model_name_or_path=model,
-                   **{k: v for k, v in overrides.items() if k != "expert_parallel_degree"})
+                   **{k: v for k, v in overrides.items() if k not in ("expert_parallel_degree", "recompute",
+                                                                      "recompute_granularity")})
               for name, (model, overrides) in {**MOE_PIPELINE_RUNS, **DEEPSEEK_PIPELINE}.items()]
     # the same training without the load-balancing loss: how far it moves the routers
     single.append(argv(args_file, work / "single-no-aux", router_aux_loss_coef=0.0))
@@ -423,7 +426,8 @@ def check_deepseek_under_the_pipeline(work) -> None:
     rank's copy of the stage's weights, the router biases included, is the same); both router biases (layer 1's
     and the MTP block's, on the last stage) moved from the load of the 2 micro-batches summed over the dp pair as one
     process's; layer 0 on stage 0, layer 1 and the MTP block on stage 1; each dp rank of the last stage wrote its 4
-    of the 8 experts of both MoE blocks."""
+    of the 8 experts of both MoE blocks; the attention blocks of the three recomputed (full_attn), as one process
+    that does not recompute."""
     name = "pp2dp2ep2-deepseek"
     print(assert_same_training(work / f"single-{name}", work / name, step=2))
     print(assert_every_replica_matches(work / f"single-{name}", work / name, step=2))
@@ -436,6 +440,7 @@ def check_deepseek_under_the_pipeline(work) -> None:
     assert record["model_config"]["family"] == "deepseek_v3"
     assert (layout["pipeline_parallel_degree"], layout["data_parallel_degree"]) == (2, 2)
     assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1, 2]]], record["built"]["schedule"]
+    assert record["built"]["recompute"] == {"full_attn": [0, 1, 2], "pipeline_recompute_interval": 0}, record["built"]
     index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
     files = {}
     for block in ("layers.1.mlp", "mtp.block.mlp"):
@@ -459,9 +464,11 @@ def _pp_sharded_runs(work, corpus):
     overrides = {k: v for k, v in DEEPSEEK.items()}
     once(work / "single.done", lambda: run_single([argv(args_file, work / f"single-{PP_SHARDED}", **overrides)],
                                                   work, "single"))
+    # full recompute under the pipeline: fleet's PipelineLayer segments of one function each (pp_recompute_interval 1),
+    # the MTP block's among them (models/pipeline.py); the reference does not recompute
     return [{"name": PP_SHARDED, "argv": argv(args_file, work / PP_SHARDED, **overrides, pipeline_parallel_degree=2,
                                               gradient_accumulation_steps=2, expert_parallel_degree=2,
-                                              sharding="stage1")}]
+                                              sharding="stage1", recompute=True)}]
 
 
 contribute("pp2sd2", 4, "expert_parallel", _pp_sharded_runs)
@@ -473,7 +480,9 @@ def test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_p
     every sharding rank's copy of the stage's replicated weights and the router biases as one process's. Mechanism:
     stage 1 (layer 1 and the MTP block, the experts) steps through the experts' pair of optimizers that fleet's
     pipeline takes for a HybridParallelOptimizer, stage 0 (dense) through fleet's own; each sharding rank of stage 1
-    holds and writes 4 of the 8 experts of both MoE blocks."""
+    holds and writes 4 of the 8 experts of both MoE blocks. Full recompute under the pipeline (the reference has
+    none): every decoder layer of a stage and the MTP block ran forward twice per micro-batch (once more in
+    backward, fleet's recompute_hybrid), and the run record says so."""
     observed = shared_launches.results("pp2sd2", "expert_parallel")
     work = shared_launches.work_dir("expert_parallel")
     single, run = work / f"single-{PP_SHARDED}", work / PP_SHARDED
@@ -489,6 +498,11 @@ def test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_p
     layout = record["layout"]
     assert (layout["pipeline_parallel_degree"], layout["sharding_degree"], layout["sharding_stage"]) == (2, 2, 1)
     assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1, 2]]], record["built"]["schedule"]
+    assert record["built"]["recompute"] == {"full": [0, 1, 2], "pipeline_recompute_interval": 1}, record["built"]
+    stage_layers = {0: [0], 1: [0], 2: [1, 2], 3: [1, 2]}  # (2: the MTP block's decoder block)
+    for rank, layers in stage_layers.items():  # 4 micro-batches: 4 forwards, 4 more in backward
+        calls = observed[rank][PP_SHARDED]["calls"]["forward"]
+        assert {layer: calls.count(layer) for layer in set(calls)} == {layer: 8 for layer in layers}, (rank, calls)
     classes = [observed[rank][PP_SHARDED]["optimizer_classes"][0] for rank in range(4)]
     assert classes == ["HybridParallelOptimizer"] * 2 + ["PipelineExpertShardedOptimizer"] * 2, classes
     index = json.loads((run / "checkpoint-2" / "tensors.index.json").read_text())

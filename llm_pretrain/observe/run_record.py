@@ -253,7 +253,10 @@ def pipeline_recomputed_layers(layers) -> list[int]:
     recompute_interval, and a segment is recomputed only if its input needs a gradient
     (`_need_recompute`). The first segment of stage 0 takes the token ids, so the decoder layers
     that share a segment with the embedding are not recomputed (none when the interval is 1)."""
-    from models.decoder import DecoderLayer
+    from models.decoder import DecoderLayer, MTPLayer
+
+    def index(function):  # DeepSeek-V3's MTP block: its decoder block's index (num_hidden_layers)
+        return function.block.layer_index if isinstance(function, MTPLayer) else function.layer_index
 
     interval = layers._recompute_interval
     if interval <= 0:
@@ -265,7 +268,7 @@ def pipeline_recomputed_layers(layers) -> list[int]:
         for start in range(0, len(functions), interval):
             if layers._stage_id == 0 and chunk_index == 0 and start == 0:
                 continue  # input: the token ids (stop_gradient)
-            recomputed += [f.layer_index for f in functions[start:start + interval] if isinstance(f, DecoderLayer)]
+            recomputed += [index(f) for f in functions[start:start + interval] if isinstance(f, (DecoderLayer, MTPLayer))]
     return recomputed
 
 

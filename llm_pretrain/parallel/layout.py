@@ -701,8 +701,10 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, PROVEN_SHARDING_STAGES,
-    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, recompute under the
-    pipeline, flash attention and core_attn recompute (its latent attention has the plain path only)."""
+    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, flash attention and
+    core_attn recompute (its latent attention has the plain path only). Recompute under the pipeline (full: fleet's
+    PipelineLayer segments, the MTP block among them; full_attn) is proven by pp2sd2ep2-deepseek and
+    pp2dp2ep2-deepseek (tests/test_expert_parallel.py)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
@@ -713,12 +715,6 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
         raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} is not supported for "
                          f"{config.family} yet (its pipeline with MTP on the last stage is proven under 1F1B with an "
                          f"even split; allowed: no pipeline_layers_per_stage)")
-    if layout.pipeline_parallel_degree > 1 and args.recompute:
-        # fleet's recompute segments of a PipelineLayer would take in the MTP block (models/pipeline.py PipelineMTP),
-        # which no test has run recomputed
-        raise UsageError(f"recompute: true under pipeline_parallel_degree {layout.pipeline_parallel_degree} is not "
-                         f"supported for {config.family} yet (its pipeline with MTP is proven without recompute; "
-                         f"allowed: false)")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")

@@ -29,11 +29,13 @@ from llm_pretrain.arguments import Arguments, validate_arguments
 from llm_pretrain.errors import UsageError
 from llm_pretrain.planner import device_memory_mb, estimate_setup
 from llm_pretrain.planner.estimate import validated_setup
+from llm_pretrain.parallel.layout import PROVEN_DEGREES, PROVEN_PAIRS, check_proven_layout, plan_layout
 from llm_pretrain.planner.memory import MB, Setup, _sharding_ranks_to_check, rank_memory
 
 DEFAULT_HEADROOM = 0.10  # keep 10 % of the card free (CUDA context, NCCL buffers, allocator growth)
 RECOMPUTE_CHOICES = (None, "full_attn", "core_attn", "full")
 PROGRESS_DELAY_S = 2  # search(progress=True) shows its bar once it has run this long
+_PP_SD_EP = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,6 +97,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
 
     config = resolve_model(model)[0]
     base = base_arguments(model, seq, device)
+    if config.uses_mla:  # latent attention has the plain path only (layout.py check_deepseek_v3 refuses flash)
+        base["use_flash_attention"] = False
     if documents:
         base["reset_attention_mask"] = True
     for tp, split_key, split, pp, vpp, stage, sd, dp, sp in layout_degrees(
@@ -109,6 +113,11 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
                 tail["use_flash_attention"] = False
         # the experts split over the data-parallel ranks (models/moe.py)
         experts = config.is_moe and not stage and not split_key and dp > 1 and config.num_experts % dp == 0
+        # or, under the pipeline, over the sharding ranks where that triple is proven (DeepSeek-V3's pp x sharding
+        # stage 1 x ep, PaddleFormers' layout: layout.py PROVEN_PAIRS); no other family gets these candidates
+        over_sharding = (config.is_moe and pp > 1 and dp == 1 and sd > 1 and not split_key and tp == 1
+                         and config.num_experts % sd == 0
+                         and stage in PROVEN_PAIRS.get(config.family, {}).get(_PP_SD_EP, ()))
         for recompute, micro in itertools.product(RECOMPUTE_CHOICES,
                                                   _micro_batches(global_batch, replicas, max_micro_batch)):
             args = dict(base, **degrees, per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
@@ -117,6 +126,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
             yield args
             if experts:
                 yield dict(args, expert_parallel_degree=dp)
+            if over_sharding:
+                yield dict(args, expert_parallel_degree=sd)
 
 
 def refusal_reason(message: str) -> str:
@@ -209,6 +220,7 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
     too_large: list[tuple[float, int, dict]] = []  # heap of (-excess, order, entry): the `closest` smallest
     memo: dict = {}  # stage parameters and chunks shared by the candidates (_MemoSetup)
     floors: dict[tuple, float | None] = {}  # per layout (the candidate's keys but VARIANT_KEYS): _state_floor_mb
+    degree_refusals: dict[tuple, str | None] = {}  # per layout: refused_by_degrees's message, None when proven
 
     def out_of_reach(floor_mb: float | None) -> bool:
         """A candidate needing at least floor_mb neither fits nor is among the closest misses: its excess would
@@ -219,11 +231,32 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
 
     every = list(candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp,
                             documents=mean_document_length is not None))
+    from models.registry import resolve_model
+
+    config = resolve_model(model)[0]
+
+    def refused_by_degrees(values: dict) -> None:
+        """The trainer's proven-degree refusal (check_proven_layout, one of validated_setup's checks) before the
+        memory floor: for a family with PROVEN_DEGREES most layouts are refused, and DeepSeek-V3's floors (a
+        671B-parameter setup each) took minutes. Same refusals, same picks; other families: nothing here."""
+        if config.family in PROVEN_DEGREES:
+            check_proven_layout(config, plan_layout(Arguments(**values), gpus), values.get("expert_parallel_degree", 1))
     for values in tqdm(every, desc="search", unit=" layouts", delay=PROGRESS_DELAY_S, file=sys.stderr,
                        disable=not progress, dynamic_ncols=True, leave=False):
         examined += 1
+        key = tuple(item for item in values.items() if item[0] not in VARIANT_KEYS)
+        if key not in degree_refusals:  # (the degrees are the same for a layout's variants)
+            try:
+                refused_by_degrees(values)
+                degree_refusals[key] = None
+            except UsageError as error:
+                degree_refusals[key] = str(error)
+        if degree_refusals[key] is not None:
+            refused += 1
+            reason = reasons.setdefault(refusal_reason(degree_refusals[key]), {"count": 0, "example": degree_refusals[key]})
+            reason["count"] += 1
+            continue
         if limit is not None:
-            key = tuple(item for item in values.items() if item[0] not in VARIANT_KEYS)
             if key not in floors:
                 floors[key] = _state_floor_mb(values, gpus, device, memo)
             if out_of_reach(floors[key]):
