@@ -535,3 +535,46 @@ def test_tiny_preset_trains_with_the_bias_rule_and_mtp_logged(embedded_corpus, t
     bias = final_weights(tmp_path / "out", step=12)["layers.1.mlp.e_score_correction_bias"]
     # whole steps of 0.001, at most one per optimizer step (neither the optimizer nor weight decay touched it)
     assert 0 < np.abs(bias).max() <= 0.012 + 1e-6 and np.allclose(bias * 1000, np.round(bias * 1000), atol=1e-3)
+
+
+def test_the_smallest_h800_cluster_at_4k_is_the_argument_files_336_in_pp21_sd16():
+    """Issue 35 item 5, the claim of docs/parallel-layouts.md and the README: over the layouts the trainer accepts for
+    DeepSeek-V3 that could fit (pp x sharding stage 1 with ep = the sharding degree, micro-batch 1, full recompute,
+    global batch 512), no count of H800-80G from 240 up to 335 fits at 4,096 tokens (PaddleFormers' 256 in
+    pp8 x sd32 x ep32 included: the plain attention's transients), and 336 in pp21 x sd16 x ep16 does: the layout of
+    configs/deepseek_v3/pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json. The planner's own checks and estimate."""
+    import json
+    from pathlib import Path
+
+    from llm_pretrain.arguments import Arguments, validate_arguments
+    from llm_pretrain.errors import UsageError as RunUsageError
+    from llm_pretrain.planner import device_memory_mb, estimate_setup
+    from llm_pretrain.planner.estimate import validated_setup
+    from llm_pretrain.planner.search import _MemoSetup, base_arguments
+
+    device, global_batch = "H800-80G", 512
+    limit = device_memory_mb(device) * 0.9
+    base = dict(base_arguments("deepseek-ai/DeepSeek-V3", 4096, device), use_flash_attention=False)
+    layouts = sorted((pp * sd, pp, sd) for pp in range(2, 62) for sd in (2, 4, 8, 16, 32, 64, 128, 256)
+                     if 240 <= pp * sd <= 336)
+    memo, fits, peak = {}, {}, {}
+    for gpus, pp, sd in layouts:
+        values = dict(base, pipeline_parallel_degree=pp, sharding="stage1", sharding_parallel_degree=sd,
+                      expert_parallel_degree=sd, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                      gradient_accumulation_steps=global_batch // sd, recompute=True, recompute_granularity="full")
+        try:
+            args = Arguments(**values)
+            validate_arguments(args)
+            setup, _, _ = validated_setup(args, gpus, device)
+        except RunUsageError:  # e.g. more stages than fleet's uniform split fills
+            continue
+        reserved = estimate_setup(_MemoSetup.of(setup, memo), device, {"gpus_per_node": 8})["peak_mem_reserved_mb"]
+        peak[gpus, pp, sd] = reserved
+        fits[gpus, pp, sd] = reserved <= limit
+    assert peak[256, 8, 32] > limit, peak  # PaddleFormers' layout, here without flash attention for MLA
+    assert [layout for layout, fit in fits.items() if fit] == [(336, 21, 16)], peak
+    file = Path(__file__).parent.parent / "configs" / "deepseek_v3" / "pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json"
+    values = json.loads(file.read_text())
+    assert (values["pipeline_parallel_degree"], values["sharding_parallel_degree"], values["expert_parallel_degree"],
+            values["sharding"], values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
+            * values["sharding_parallel_degree"]) == (21, 16, 16, "stage1", global_batch)
