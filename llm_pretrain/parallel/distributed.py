@@ -296,6 +296,12 @@ def use_expert_parallel_clip(optimizer, model) -> None:
     # stages with them: fleet's computes the same norm but not bitwise the same scale, and a tied embedding's two
     # copies (first and last stage) would then drift apart (the replica check saw it, pp2dp2ep2-ernie)
     from paddle.distributed import fleet
+
+    if not expert_groups and fleet.get_hybrid_communicate_group().get_sharding_parallel_world_size() > 1:
+        # ... unless the experts are over the sharding ranks (pp2sd2ep2-deepseek): there the experts' stages clip with
+        # expert_optimizer.py's norm summed over the sharding group and then the stages, as fleet's clip on this
+        # stage does; the clip above sums over tp and the stages only (the norm would miss the other sharding rank's)
+        return
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelClipGrad, HybridParallelOptimizer,
     )
