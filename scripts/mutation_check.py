@@ -718,7 +718,7 @@ MUTATIONS = [
              "    for h in held:\n        target = _stage3_storage(h.param) if h.stage3_slice else h.param\n",
              "    for h in held:\n        if h.name.endswith(\"e_score_correction_bias\"):\n            continue\n"
              "        target = _stage3_storage(h.param) if h.stage3_slice else h.param\n",
-             (f"{RESUME_ANY}[deepseek-tp2-to-pp2]", f"{RESUME_ANY}[ernie4_5_moe-sd2_stage2-to-tp2]")),
+             (f"{RESUME_ANY}[deepseek-tp2-to-pp2]", f"{RESUME_ANY}[ernie4_5_moe-sd2_stage2-to-dp2]")),
     Mutation("expert_load_max_mean_over_routers", "the logged max/mean expert load divides by the router count "
              "instead of the expert count", "models/moe.py",
              "picks.max(axis=1) * picks.shape[1] /", "picks.max(axis=1) * picks.shape[0] /",
