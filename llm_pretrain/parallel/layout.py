@@ -591,11 +591,12 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # Qwen3-MoE's there as QWEN3_MOE_TP; LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
 # tests/test_long_context.py (sep2, cp2; Qwen3-MoE with global-batch balancing and ERNIE 4.5 MoE with its bias rule as
 # "<family>-short", the router statistics summed over the sep group) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
-# over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages, no DualPipeV); one degree above 1 at a time
+# over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages but INTERLEAVED_PROVEN's, no DualPipeV); one degree above 1 at a time
 # (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
-# tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
+# tests/test_parallel_parity.py (deepseek-v3-short), pp3 interleaved and in uneven 1F1B stages in
+# tests/test_uneven_pipeline.py (INTERLEAVED_PROVEN), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
 # the sep group, MTP; with tp2 + SP and packed documents: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
@@ -637,6 +638,11 @@ PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                                            "expert_parallel_degree"}): (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
                                            "expert_parallel_degree"}): (1,)}}
+# Families trained under fleet's interleaved schedule with the pipeline alone (no other degree above 1): DeepSeek-V3 in
+# tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a chunk, the MTP
+# block in the last chunk of the last stage; fleet's PipelineParallelWithInterleaveFthenB), beside its uneven 1F1B run
+# (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone)
+INTERLEAVED_PROVEN = ("deepseek_v3",)
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -671,11 +677,16 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
     if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
                          f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
-    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev):
+    pipeline_alone = combination == {"pipeline_parallel_degree"}
+    interleaved = config.family in INTERLEAVED_PROVEN and pipeline_alone and not layout.dualpipev
+    if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev) and not interleaved:
         schedule = "pipeline_parallel_config: use_dualpipev" if layout.dualpipev else \
             f"virtual_pp_degree: {layout.virtual_pp_degree}"
-        raise UsageError(f"{schedule} is not proven for {config.family} yet (no test trains it against one process); "
-                         "allowed: the 1F1B schedule (virtual_pp_degree 1)")
+        others = [degree for degree in above if not degree.startswith("pipeline")]
+        together = f" with {others[0]}" if others and config.family in INTERLEAVED_PROVEN else ""
+        alone = ", or virtual stages with no other degree above 1" if config.family in INTERLEAVED_PROVEN else ""
+        raise UsageError(f"{schedule}{together} is not proven for {config.family} yet (no test trains it against one "
+                         f"process); allowed: the 1F1B schedule (virtual_pp_degree 1){alone}")
 
 
 def check_layout_and_model(args: Arguments, world_size: int, device: str
@@ -695,18 +706,30 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, PROVEN_SHARDING_STAGES,
-    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, recompute under the
-    pipeline, flash attention and core_attn recompute (its latent attention has the plain path only)."""
+    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages beside another degree or
+    interleaved, recompute under the pipeline, flash attention and core_attn recompute (its latent attention has the plain path only)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    if layout.pipeline_parallel_degree > 1 and layout.pipeline_layers_per_stage:
-        raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} is not supported for "
-                         f"{config.family} yet (its pipeline with MTP on the last stage is proven under 1F1B with an "
-                         f"even split; allowed: no pipeline_layers_per_stage)")
+    others = [f"{key} {value}" for key, value in (
+        ("tensor_parallel_degree", layout.tensor_parallel_degree), ("data_parallel_degree", layout.data_parallel_degree),
+        ("sharding_parallel_degree", layout.sharding_degree), ("sep_parallel_degree", layout.sep_parallel_degree),
+        ("context_parallel_degree", layout.context_parallel_degree)) if value > 1]
+    pp = layout.pipeline_parallel_degree
+    split = pipeline_split(config.num_hidden_layers, pp, pipeline_chunks(layout), layout.pipeline_layers_per_stage)
+    if pp > 1 and len(set(split)) > 1 and (layout.virtual_pp_degree > 1 or (others and layout.pipeline_layers_per_stage)):
+        # uneven stages (MTP in the last one) are trained under 1F1B with the pipeline alone (tests/
+        # test_uneven_pipeline.py deepseek-pp3-1-3-2: fleet's list of boundaries), not interleaved (models/pipeline.py
+        # ChunkBoundaries); an explicit split not beside another degree either (fleet's uniform split, PaddleNLP's
+        # fallback for layers that do not divide, stays as before)
+        key = "pipeline_layers_per_stage" if layout.pipeline_layers_per_stage else "num_hidden_layers"
+        value = list(layout.pipeline_layers_per_stage) if layout.pipeline_layers_per_stage else config.num_hidden_layers
+        what = others[0] if others else f"virtual_pp_degree {layout.virtual_pp_degree}"
+        raise UsageError(f"{key}: {value} gives uneven stages {split}, which with {what} are not supported for "
+                         f"{config.family} yet (proven under 1F1B with the pipeline alone); allowed: an even split")
     if layout.pipeline_parallel_degree > 1 and args.recompute:
         # fleet's recompute segments of a PipelineLayer would take in the MTP block (models/pipeline.py PipelineMTP),
         # which no test has run recomputed
