@@ -22,7 +22,7 @@ losses, so Megatron-LM's MoEAuxLossAutoScaler (megatron/core/transformer/moe/moe
 layer's own aux loss attached to its hidden states, its gradient injected in backward) would give each
 stage a gradient built from its own layers' f only. Instead each layer's router statistics ride
 along the hidden states from stage to stage (`RouterCarry`: one row per layer, [L, E + 1] with
-gradient and [L, E + 2] without), the last stage's loss takes them apart into the layers'
+gradient and [L, E + 3] without), the last stage's loss takes them apart into the layers'
 RouterStats and adds the same auxiliary losses as one process (decoder.add_router_losses), and
 autograd sends d loss / d (router sums) back to each stage through fleet's p2p with the hidden
 states' gradients (pipeline_parallel.py _backward_step: every output without stop_gradient). One
@@ -62,7 +62,8 @@ TIED_EMBEDDING = "tied_embedding"
 class RouterCarry:
     """The router statistics of a micro-batch's layers so far, as the two tensors fleet's p2p sends
     between stages: `sums` [L, E + 1] (layer l's router probabilities summed over tokens, and its
-    z-loss sum; with gradient) and `counts` [L, E + 2] (its picks per expert, pairs dropped, tokens;
+    z-loss sum; with gradient) and `counts` [L, E + 3] (its picks per expert, pairs dropped, tokens, and the
+    tokens the picks were counted over: more under global-batch balancing, models/moe.py global_batch_stats;
     no gradient). Row l is filled by decoder layer l, the others stay 0."""
 
     @staticmethod
@@ -75,7 +76,7 @@ class RouterCarry:
         # send matches, so under the interleaved schedule a stage's dense chunk and its MoE chunk must send alike
         # (in evaluation, without gradients, neither has one)
         sums.stop_gradient = not paddle.is_grad_enabled()
-        return sums, paddle.zeros([layers, experts + 2], dtype="float32")
+        return sums, paddle.zeros([layers, experts + 3], dtype="float32")
 
     @staticmethod
     def add(sums, counts, layer_index: int, stats: RouterStats):
@@ -88,7 +89,8 @@ class RouterCarry:
                                                seq_balance.reshape([1])]).astype("float32")
             counts = counts + row * paddle.concat([stats.picks.astype("float32"),
                                                    stats.dropped.astype("float32").reshape([1]),
-                                                   paddle.full([1], stats.tokens, dtype="float32")])
+                                                   paddle.full([1], stats.tokens, dtype="float32"),
+                                                   paddle.full([1], stats.pick_tokens or stats.tokens, dtype="float32")])
         return sums, counts
 
     @staticmethod
@@ -96,10 +98,10 @@ class RouterCarry:
         """Every MoE layer's RouterStats again (the single-process model's list, the MTP block's last), on the last
         stage."""
         experts = config.num_experts
-        tokens = counts[:, experts + 1].numpy().astype("int64")
+        tokens = counts[:, experts + 1:].numpy().astype("int64")  # [L, 2]: tokens, pick tokens
         return [RouterStats(picks=counts[l, :experts], prob_sum=sums[l, :experts], z_sum=sums[l, experts],
-                            dropped=counts[l, experts].astype("int64"), tokens=int(tokens[l]),
-                            seq_balance=sums[l, experts + 1])
+                            dropped=counts[l, experts].astype("int64"), tokens=int(tokens[l, 0]),
+                            pick_tokens=int(tokens[l, 1]), seq_balance=sums[l, experts + 1])
                 for l in range(config.num_hidden_layers + config.num_nextn_predict_layers) if config.is_moe_layer(l)]
 
 

@@ -710,6 +710,27 @@ MUTATIONS = [
              "        if False:\n",
              ("tests/test_expert_parallel.py::"
               "test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_process",)),
+    # Issue 34: Qwen3-MoE's global-batch balancing under the pipeline (pp2dp2ep2-qwen3-global): the router carry
+    # passes the rank's token count on instead of the dp pair's, so the last stage's f_e doubles -- caught at step 1
+    # (loss 6.416608 against 6.335910; also test_qwen3's carry test)
+    Mutation("pipeline_carry_drops_pick_tokens", "the pipeline's router carry keeps each layer's own token count, not "
+             "the tokens its globally summed picks were counted over", "models/pipeline.py",
+             'paddle.full([1], stats.pick_tokens or stats.tokens, dtype="float32")])',
+             'paddle.full([1], stats.tokens, dtype="float32")])',
+             ("tests/test_expert_parallel.py::test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference",
+              "tests/test_qwen3.py::test_the_pipelines_router_carry_keeps_the_global_batchs_token_count")),
+    # Issue 34: ERNIE 4.5 MoE under pp2 x dp2 x ep2 (pp2dp2ep2-ernie): its dense stage 0 keeps fleet's clip, whose scale
+    # is not bitwise the experts' stage's; the tied embedding's two copies drift apart (the run's replica check fails)
+    Mutation("expertless_stage_keeps_fleets_clip", "a pipeline stage without experts keeps fleet's global-norm clip",
+             "llm_pretrain/parallel/distributed.py",
+             "    if not expert_groups and not (config is not None and config.is_moe and config.expert_parallel_degree > 1):",
+             "    if not expert_groups:",
+             ("tests/test_expert_parallel.py::test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference",)),
+    # Issue 34: Qwen3's and ERNIE 4.5's proven interleaved pipeline no longer allowed (their pp4 x vpp2 runs refused)
+    Mutation("issue34_interleaved_refused", "Qwen3's and ERNIE 4.5's proven interleaved pipeline refused",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")', "PROVEN_INTERLEAVED = ()",
+             ("tests/test_parallel_parity.py::test_pp4_interleaved",
+              "tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line")),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
     # its experts over the sharding ranks no longer allowed
     Mutation("deepseek_experts_over_sharding_refused", "DeepSeek-V3's proven ep2 over the sharding ranks refused",

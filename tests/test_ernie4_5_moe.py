@@ -147,3 +147,29 @@ def test_tiny_trains_through_run_pretrain_with_the_bias_rule(embedded_corpus, tm
     bias = weights["layers.1.mlp.e_score_correction_bias"]
     assert 0 < np.abs(bias).max() <= 0.012 + 1e-6 and np.allclose(bias * 1000, np.round(bias * 1000), atol=1e-3)
     assert "layers.0.mlp.e_score_correction_bias" not in weights and "layers.0.mlp.gate_proj.weight" in weights
+
+
+@pytest.mark.parametrize("model, extra", [("ernie4_5_moe-tiny", {"moe_bias_update_rate": 0.01}),
+                                          ("qwen3-moe-tiny", {"moe_global_batch_balance": True})])
+def test_pipeline_with_expert_parallelism_over_data_parallel_ranks_is_accepted(model, extra, embedded_corpus, tmp_path):
+    """pp2 x dp2 with ep2 over dp (tests/test_expert_parallel.py pp2dp2ep2-ernie, pp2dp2ep2-qwen3-global): the trainer's
+    check and the planner (llm-plan's validated_setup) give the same layout; without ep it stays refused."""
+    from llm_pretrain.arguments import parse_arguments
+    from llm_pretrain.parallel.layout import check_layout_and_model
+    from llm_pretrain.planner.estimate import validated_setup
+    from llm_pretrain.selfcheck.parity import write_json
+    from parity_utils import base_arguments
+
+    def arguments(**overrides):
+        data = base_arguments(embedded_corpus, tmp_path, model_name_or_path=model, num_hidden_layers=2,
+                              pipeline_parallel_degree=2, gradient_accumulation_steps=2,
+                              output_dir=str(tmp_path / "out"), **extra, **overrides)
+        return parse_arguments([str(write_json(tmp_path / "args.json", data))])[0]
+
+    args = arguments(expert_parallel_degree=2)
+    layout, config, _, _ = check_layout_and_model(args, 4, "cpu")
+    assert (layout.pipeline_parallel_degree, layout.data_parallel_degree, config.expert_parallel_degree) == (2, 2, 2)
+    assert validated_setup(args, 4, "cpu")[1] == layout
+    with pytest.raises(UsageError, match="^pipeline_parallel_degree 2 with data_parallel_degree 2 together is not "
+                                         "proven"):
+        check_layout_and_model(arguments(expert_parallel_degree=1), 4, "cpu")

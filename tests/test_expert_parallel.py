@@ -24,7 +24,9 @@ Under the pipeline (models/pipeline.py RouterCarry) one more 4-process launch, p
 mixtral-tiny without and with ep2 and qwen2-moe-tiny with ep2, a capacity factor and the z-loss: one
 decoder layer per stage, so the load-balancing loss, taken over both layers, spans the stages. The same launch
 trains DeepSeek-V3 with ep2 and its bias rule (2 steps; issue 35): its dense layer 0 on stage 0, its MoE layer 1 and
-MTP block on stage 1, each router's bias moved by the load summed over both micro-batches and the dp pair.
+MTP block on stage 1, each router's bias moved by the load summed over both micro-batches and the dp pair; and issue
+34's ERNIE 4.5 MoE (the same layout of dense and MoE layers, its correction bias) and Qwen3-MoE with global-batch
+balancing, with ep2 (ISSUE34_PIPELINE).
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def trained(tmp_path_factory, embedded_corpus):
                               argv(args_file, work / "qwen3-global-ep2", **QWEN3_GLOBAL, expert_parallel_degree=2,
                                    per_device_train_batch_size=4, gradient_accumulation_steps=1),
                               argv(args_file, work / "deepseek-ep2", **DEEPSEEK, **ep2),
-                              argv(args_file, work / "ernie-moe-ep2", **ERNIE_MOE, **ep2)]}
+                              argv(args_file, work / "ernie-moe-ep2", **ERNIE_MOE, **ep2),
+                              # the reference of pp2dp2ep2-qwen3-global (below): the same micro-batches balanced together
+                              argv(args_file, work / "qwen3-global-ep2-acc2", **QWEN3_GLOBAL, **ep2)]}
     result = launch(str(WORKER), 2, [str(write_json(work / "ep2.plan.json", plan))], log_dir=work / "ep2.log",
                     timeout=900, device=DEVICE)
     result.check()
@@ -342,6 +346,21 @@ DEEPSEEK_PIPELINE = {"pp2dp2ep2-deepseek": ("deepseek-v3-tiny", {
     **{k: v for k, v in DEEPSEEK.items() if k != "model_name_or_path"}, "expert_parallel_degree": 2})}
 
 
+# Issue 34's mixtures of experts under pp2 x dp2 with ep2 over dp, 2 steps, compared with runs of the `trained`
+# fixture: ERNIE 4.5 MoE (layer 0 dense on stage 0, layer 1's experts and correction bias, moved by the bias rule,
+# on stage 1) with single-ernie-moe (one process, the same arguments); Qwen3-MoE (both layers sparse: each stage
+# splits its experts over its dp pair) with global-batch balancing with qwen3-global-ep2-acc2 (ep2 over dp2, 2
+# micro-batches of 2 a rank): micro-batch j of dp rank r holds samples 4r + 2j, 4r + 2j + 1, and the balancing sums
+# the picks of both ranks' micro-batch j, which no one-process run groups together (its micro-batches are
+# contiguous; qwen3-global-ep2, 1 micro-batch a rank, is the one-process one). Name -> (model, overrides,
+# reference in `trained`).
+ISSUE34_PIPELINE = {
+    "pp2dp2ep2-qwen3-global": ("qwen3-moe-tiny", {**{k: v for k, v in QWEN3_GLOBAL.items() if k != "model_name_or_path"},
+                                                  "expert_parallel_degree": 2}, "qwen3-global-ep2-acc2"),
+    "pp2dp2ep2-ernie": ("ernie4_5_moe-tiny", {**{k: v for k, v in ERNIE_MOE.items() if k != "model_name_or_path"},
+                                              "expert_parallel_degree": 2}, "single-ernie-moe")}
+
+
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory, embedded_corpus):
     work = tmp_path_factory.mktemp("expert_pipeline")
@@ -355,6 +374,8 @@ def pipelined(tmp_path_factory, embedded_corpus):
     runs = [argv(args_file, work / name, model_name_or_path=model, pipeline_parallel_degree=2,
                  gradient_accumulation_steps=2, **overrides)
             for name, (model, overrides) in {**MOE_PIPELINE_RUNS, **DEEPSEEK_PIPELINE}.items()]
+    runs += [argv(args_file, work / name, model_name_or_path=model, pipeline_parallel_degree=2,
+                  gradient_accumulation_steps=2, **overrides) for name, (model, overrides, _) in ISSUE34_PIPELINE.items()]
     # expert parallelism under the pipeline with the GPU kernels' branches through their CPU stand-ins
     runs.append(run_spec("pp2dp2ep2-kernels", argv(args_file, work / "pp2dp2ep2-kernels", pipeline_parallel_degree=2,
                                                    gradient_accumulation_steps=2, expert_parallel_degree=2,
@@ -477,3 +498,33 @@ def test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_p
             [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
             files.setdefault(expert // 4, set()).add(piece["file"])
     assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], files
+
+
+@pytest.mark.parametrize("name", ISSUE34_PIPELINE)
+def test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference(trained, pipelined, name):
+    """Qwen3-MoE (global-batch balancing: each layer's picks summed over its stage's dp pair, and the tokens they
+    were counted over carried to the last stage with them, models/pipeline.py RouterCarry) and ERNIE 4.5 MoE (its
+    correction bias moved by the load of the 2 micro-batches summed over the dp pair) under pp2 x dp2 with ep2 over
+    dp: losses, grad norms, router metrics and weights as their reference's (ISSUE34_PIPELINE), every dp replica of
+    every weight and AdamW state the same, ERNIE's bias moved and equal to one process's; one layer a stage, each
+    dp rank of a stage holding experts wrote its half of them, to different files."""
+    reference = trained[0] / ISSUE34_PIPELINE[name][2]
+    work = pipelined
+    print(assert_same_training(reference, work / name, step=2))
+    print(assert_every_replica_matches(reference, work / name, step=2))
+    assert_same_router_metrics(reference, work / name)
+    record = run_record(work / name)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == ISSUE34_PIPELINE[name][0].removesuffix("-tiny").replace("-", "_")
+    assert (layout["pipeline_parallel_degree"], layout["data_parallel_degree"]) == (2, 2)
+    assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1]]], record["built"]["schedule"]
+    if name == "pp2dp2ep2-ernie":  # layer 0 dense: stage 1 holds the experts and the bias
+        assert_same_router_biases(reference, work / name, expected=("layers.1.mlp",))
+    experts = record["model_config"]["num_experts"]
+    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
+    for layer in (0, 1) if name == "pp2dp2ep2-qwen3-global" else (1,):
+        files = {}
+        for expert in range(experts):
+            [piece] = index["tensors"][f"layers.{layer}.mlp.experts.{expert}.down_proj.weight"]["slices"]
+            files.setdefault(expert // (experts // 2), set()).add(piece["file"])
+        assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], (layer, files)

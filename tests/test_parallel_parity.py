@@ -65,7 +65,8 @@ from shared_launches import contribute
 # Issue 34's families, trained in tp2 (+ SP) here with 2 layers for 5 steps (and Qwen3 in sep2/cp2,
 # tests/test_long_context.py): Qwen3, ERNIE 4.5 and ERNIE 4.5 MoE (layer 0 dense, 1 MoE with the correction bias
 # and shared experts); besides, LAYOUT_SHORT below. Their other layouts llm_pretrain/parallel/layout.py
-# PROVEN_DEGREES refuses; the other launches (pp4, the 4-process ones, the mechanism files) do not train them.
+# PROVEN_DEGREES refuses; the other launches (the 4-process ones, the mechanism files) do not train them, but for
+# Qwen3's and ERNIE 4.5's interleaved pp4 (INTERLEAVED_SHORT).
 TP_ONLY = ("qwen3", "ernie4_5", "ernie4_5_moe")
 FAMILIES = tuple(family.tiny.removesuffix("-tiny") for family in FAMILY_RECORDS.values()
                  if family.name != "llama" and not family.architectures[family.tiny].is_moe
@@ -103,6 +104,10 @@ LAYOUT_SHORT = LAYOUT_SHORT_MOE + ("qwen3-short", "ernie4_5-short")
 SHORT_FILES.update({name: (name.removesuffix("-short"), 2) for name in LAYOUT_SHORT})
 SHORT_FILES[QWEN3_MOE_TP] = ("qwen3-moe", 2)
 SHORT_EXTRA[QWEN3_MOE_TP] = {"gradient_accumulation_steps": 1}
+# Issue 34's dense families under the interleaved pp4 (2 virtual stages of one layer a rank, 8 layers for 2 steps:
+# "<family>-pp4-short"); llm_pretrain/parallel/layout.py PROVEN_INTERLEAVED
+INTERLEAVED_SHORT = ("qwen3", "ernie4_5")
+SHORT_FILES.update({f"{family}-pp4-short": (family, 8) for family in INTERLEAVED_SHORT})
 # family -> sharding stages in sd2 without ep: Qwen2-MoE's three, Mixtral's 3 (its stages 1 and 2 train with ep2
 # over the sharding ranks in tests/test_expert_parallel.py)
 MOE_SHARDING = {"mixtral-short": (3,), "qwen2-moe-short": (1, 2, 3)}
@@ -628,18 +633,21 @@ def pp4_runs(parity: Parity) -> list[list[str]]:
         parity.run(f"{family}-pp4vpp2", f"{family}-pp4", **degrees) for family in FAMILIES] + [
         parity.run("mixtral-pp4vpp2-recompute", "mixtral", **degrees, recompute=True, **MOE_EVALUATION),
         parity.run("llama3-pp4vpp2", "llama3", **degrees, **eight),
-        parity.kernels("pp4vpp2-kernels", **degrees), parity.kernels("mixtral-pp4vpp2-kernels", "mixtral", **degrees)]
+        parity.kernels("pp4vpp2-kernels", **degrees), parity.kernels("mixtral-pp4vpp2-kernels", "mixtral", **degrees)] + [
+        parity.run(f"{family}-pp4vpp2-short", f"{family}-pp4-short", **degrees) for family in INTERLEAVED_SHORT]
 
 
 def test_pp4_interleaved(parity, shared_launches):
     observed = shared_launches.results("pp4", "parity")
     parity.check([("pp4vpp2", "llama")] + [(f"{family}-pp4vpp2", f"{family}-pp4") for family in FAMILIES]
+                 + [(f"{family}-pp4vpp2-short", f"{family}-pp4-short") for family in INTERLEAVED_SHORT]
                  + [("mixtral-pp4vpp2-recompute", "mixtral"), ("llama3-pp4vpp2", "llama3"),
                     ("pp4vpp2-kernels", "llama"), ("mixtral-pp4vpp2-kernels", "mixtral")])
     for name in ("pp4vpp2-kernels", "mixtral-pp4vpp2-kernels"):
         assert_stand_ins_ran(observations(observed, name), parity.out(name), LLAMA_KERNELS)
     fthenb = "PipelineParallelWithInterleaveFthenB"  # 4 micro-batches of 2 on 4 stages (below 2 x pp)
     for name, cls in ([(f"{family}-pp4vpp2", fthenb) for family in FAMILIES]
+                      + [(f"{family}-pp4vpp2-short", fthenb) for family in INTERLEAVED_SHORT]
                       + [("llama3-pp4vpp2", "PipelineParallelWithInterleave"), ("mixtral-pp4vpp2-recompute", fthenb)]):
         schedule = run_record(parity.out(name))["built"]["schedule"]  # 2 chunks of one layer per stage
         assert schedule["class"] == cls and schedule["virtual_stages"] == 2, (name, schedule)

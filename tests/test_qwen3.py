@@ -330,6 +330,27 @@ def test_global_batch_balancing_bad_input_is_one_line():
     args = SimpleNamespace(expert_parallel_degree=1, moe_global_batch_balance=True)
     with pytest.raises(UsageError, match="^moe_global_batch_balance: true needs a mixture-of-experts model"):
         check_mixture_of_experts(args, ARCHITECTURES["qwen3-tiny"], Layout())
-    with pytest.raises(UsageError, match="^moe_global_batch_balance: true is not supported under the pipeline"):
-        check_mixture_of_experts(args, ARCHITECTURES["qwen3-moe-tiny"], Layout(pipeline_parallel_degree=2))
     check_mixture_of_experts(args, ARCHITECTURES["qwen3-moe-tiny"], Layout(data_parallel_degree=2))
+    # under the pipeline too (tests/test_expert_parallel.py pp2dp2ep2-qwen3-global)
+    check_mixture_of_experts(args, ARCHITECTURES["qwen3-moe-tiny"], Layout(pipeline_parallel_degree=2))
+
+
+def test_the_pipelines_router_carry_keeps_the_global_batchs_token_count():
+    """Under the pipeline a layer's statistics reach the last stage's loss through models/pipeline.py RouterCarry:
+    with global-batch balancing the picks are the data replicas' sum, so the tokens they were counted over must
+    ride along too (the loss's f_e = picks / pick_tokens; with the rank's own token count f_e doubles on 2 ranks)."""
+    import paddle
+
+    from models.moe import RouterStats
+    from models.pipeline import RouterCarry
+
+    config = ARCHITECTURES["qwen3-moe-tiny"]
+    experts = config.num_experts
+    stats = RouterStats(picks=paddle.arange(experts, dtype="float32"), prob_sum=paddle.ones([experts]),
+                        z_sum=paddle.zeros([]), dropped=paddle.zeros([], dtype="int64"), tokens=32, pick_tokens=64)
+    carry = RouterCarry.start(config)
+    for layer in range(config.num_hidden_layers):
+        carry = RouterCarry.add(*carry, layer, stats)
+    back = RouterCarry.stats(config, *carry)
+    assert [(s.tokens, s.pick_tokens) for s in back] == [(32, 64)] * config.num_hidden_layers
+    np.testing.assert_array_equal(back[1].picks.numpy(), np.arange(experts))

@@ -260,7 +260,8 @@ class ExpertParallelGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
         if self.tensor_parallel_group is not None:
             dist.all_reduce(squares["split"], group=self.tensor_parallel_group)
             dist.all_reduce(squares["expert"], group=self.tensor_parallel_group)
-        dist.all_reduce(squares["expert"], group=self.expert_group)
+        if self.expert_group is not None:  # (None: a pipeline stage without experts)
+            dist.all_reduce(squares["expert"], group=self.expert_group)
         total = squares["replicated"] + squares["split"] + squares["expert"]
         if self.pipeline_group is not None:
             dist.all_reduce(total, group=self.pipeline_group)
@@ -288,8 +289,12 @@ def use_expert_parallel_clip(optimizer, model) -> None:
     parameters marked no_sync (paddle/distributed/parallel.py:484; the hybrid optimizer's
     _hybrid_sync_grad, hybrid_parallel_optimizer.py:626-638, would average different experts)."""
     expert_groups = [p.expert_group for p in model.parameters() if getattr(p, "expert_parallel", False)]
-    if not expert_groups:
+    config = getattr(getattr(model, "_layers", model), "config", None)  # (fleet's wrapper holds the model in _layers)
+    if not expert_groups and not (config is not None and config.is_moe and config.expert_parallel_degree > 1):
         return
+    # A pipeline stage without experts (ERNIE 4.5 MoE's and DeepSeek-V3's dense layer 0) takes the same clip as the
+    # stages with them: fleet's computes the same norm but not bitwise the same scale, and a tied embedding's two
+    # copies (first and last stage) would then drift apart (the replica check saw it, pp2dp2ep2-ernie)
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelClipGrad, HybridParallelOptimizer,
@@ -307,7 +312,8 @@ def use_expert_parallel_clip(optimizer, model) -> None:
         if isinstance(clip, HybridParallelClipGrad):
             clip = clip._clip
         if type(clip) is paddle.nn.ClipGradByGlobalNorm:
-            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0], tp_group, pp_group)
+            inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0] if expert_groups else None,
+                                                            tp_group, pp_group)
         inner = inner.__dict__.get("_inner_opt")
 
 

@@ -506,10 +506,6 @@ def check_mixture_of_experts(args: Arguments, config: ModelConfig, layout: Layou
             raise UsageError(f"moe_global_batch_balance: true needs a mixture-of-experts model ({config.family} has "
                              "no experts; allowed: false)")
         return
-    if getattr(args, "moe_global_batch_balance", False) and layout.pipeline_parallel_degree > 1:
-        # models/pipeline.py RouterCarry passes each layer's token count on, not the global batch's
-        raise UsageError(f"moe_global_batch_balance: true is not supported under the pipeline yet "
-                         f"(pipeline_parallel_degree {layout.pipeline_parallel_degree}; allowed: 1)")
     experts, top_k = config.num_experts, config.num_experts_per_tok
     if not 1 <= top_k <= experts:
         raise UsageError(f"model: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
@@ -591,12 +587,12 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # Qwen3-MoE's there as QWEN3_MOE_TP; LAYOUT_SHORT: 2 layers for 2 steps in dp2, the 1F1B pp2 and sharding stages 1-3) or
 # tests/test_long_context.py (sep2, cp2; Qwen3-MoE with global-batch balancing and ERNIE 4.5 MoE with its bias rule as
 # "<family>-short", the router statistics summed over the sep group) or tests/test_expert_parallel.py (Qwen3-MoE, ERNIE 4.5 MoE: ep2 over dp2 and
-# over sd2 stages 1 and 2). The pipeline: 1F1B only (no virtual stages but INTERLEAVED_PROVEN's, no DualPipeV); one degree above 1 at a time
+# over sd2 stages 1 and 2). The pipeline: 1F1B (virtual stages for PROVEN_INTERLEAVED only, no DualPipeV); one degree above 1 at a time
 # (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
 # tests/test_parallel_parity.py (deepseek-v3-short), pp3 interleaved and in uneven 1F1B stages in
-# tests/test_uneven_pipeline.py (INTERLEAVED_PROVEN), ep2 over dp2 and over sd2 stages 1 and 2 in
+# tests/test_uneven_pipeline.py (PROVEN_INTERLEAVED), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
 # the sep group, MTP; with tp2 + SP and packed documents: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
@@ -627,22 +623,26 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # DeepSeek-V3 is also trained under pp2 x dp2 with ep2 over the data-parallel ranks, MTP on the last stage
 # (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), and under
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
-# other stage).
+# other stage); so are Qwen3-MoE (with global-batch balancing: the picks summed over the stage's dp pair, their
+# token count carried to the last stage) and ERNIE 4.5 MoE (its correction bias moved by the bias rule; layer 0 dense
+# on stage 0) under pp2 x dp2 x ep2: tests/test_expert_parallel.py pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie.
+_PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
+                **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},
                 "deepseek_v3": {**{pair: () for pair in _SEQUENCE_PAIRS if "tensor_parallel_degree" in pair},
-                                frozenset({"pipeline_parallel_degree", "data_parallel_degree",
-                                           "expert_parallel_degree"}): (),
+                                _PP_DP_EP: (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
                                            "expert_parallel_degree"}): (1,)}}
-# Families trained under fleet's interleaved schedule with the pipeline alone (no other degree above 1): DeepSeek-V3 in
-# tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a chunk, the MTP
-# block in the last chunk of the last stage; fleet's PipelineParallelWithInterleaveFthenB), beside its uneven 1F1B run
-# (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone)
-INTERLEAVED_PROVEN = ("deepseek_v3",)
+# Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
+# tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps);
+# DeepSeek-V3 in tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a
+# chunk, the MTP block in the last chunk of the last stage; fleet's PipelineParallelWithInterleaveFthenB), beside its
+# uneven 1F1B run (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone)
+PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -677,16 +677,13 @@ def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_deg
     if layout.sharding_degree > 1 and layout.sharding_stage not in stages:
         raise UsageError(f"sharding: stage{layout.sharding_stage} is not proven for {config.family} yet (no test trains "
                          f"it against one process); allowed: {', '.join(f'stage{s}' for s in stages)}")
-    pipeline_alone = combination == {"pipeline_parallel_degree"}
-    interleaved = config.family in INTERLEAVED_PROVEN and pipeline_alone and not layout.dualpipev
+    interleaved = config.family in PROVEN_INTERLEAVED and not layout.dualpipev and len(above) == 1  # (pp alone)
     if layout.pipeline_parallel_degree > 1 and (layout.virtual_pp_degree > 1 or layout.dualpipev) and not interleaved:
         schedule = "pipeline_parallel_config: use_dualpipev" if layout.dualpipev else \
             f"virtual_pp_degree: {layout.virtual_pp_degree}"
-        others = [degree for degree in above if not degree.startswith("pipeline")]
-        together = f" with {others[0]}" if others and config.family in INTERLEAVED_PROVEN else ""
-        alone = ", or virtual stages with no other degree above 1" if config.family in INTERLEAVED_PROVEN else ""
-        raise UsageError(f"{schedule}{together} is not proven for {config.family} yet (no test trains it against one "
-                         f"process); allowed: the 1F1B schedule (virtual_pp_degree 1){alone}")
+        allowed = " (or the interleaved one with the pipeline alone)" if config.family in PROVEN_INTERLEAVED else ""
+        raise UsageError(f"{schedule} is not proven for {config.family} in this layout yet (no test trains it against "
+                         f"one process); allowed: the 1F1B schedule (virtual_pp_degree 1){allowed}")
 
 
 def check_layout_and_model(args: Arguments, world_size: int, device: str
