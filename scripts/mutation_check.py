@@ -728,7 +728,8 @@ MUTATIONS = [
              ("tests/test_expert_parallel.py::test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference",)),
     # Issue 34: Qwen3's and ERNIE 4.5's proven interleaved pipeline no longer allowed (their pp4 x vpp2 runs refused)
     Mutation("issue34_interleaved_refused", "Qwen3's and ERNIE 4.5's proven interleaved pipeline refused",
-             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")', "PROVEN_INTERLEAVED = ()",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("deepseek_v3",)',
              ("tests/test_parallel_parity.py::test_pp4_interleaved",
               "tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line")),
     # Issue 35: DeepSeek-V3's layouts through PROVEN_DEGREES (no twin check): sep/cp listed as proven for it, and
@@ -768,6 +769,10 @@ MUTATIONS = [
              "        descs += [LayerDesc(PipelineMTP, config)] if config.num_nextn_predict_layers else []\n",
              "        descs.insert(-1, LayerDesc(PipelineMTP, config)) if config.num_nextn_predict_layers else None\n",
              (UNEVEN_STAGES,)),
+    Mutation("deepseek_interleaved_refused", "DeepSeek-V3's proven interleaved pipeline refused",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")',
+             ("tests/test_deepseek_v3.py::test_interleaved_and_uneven_pipeline_stages_are_accepted",)),
     Mutation("router_carry_of_dense_chunk_without_gradient", "the router carry a dense chunk starts sent without a "
              "gradient", "models/pipeline.py", "        sums.stop_gradient = not paddle.is_grad_enabled()\n",
              "        pass\n", (UNEVEN_STAGES,)),
