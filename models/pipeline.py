@@ -69,7 +69,14 @@ class RouterCarry:
     @staticmethod
     def start(config: ModelConfig):
         layers, experts = config.num_hidden_layers + config.num_nextn_predict_layers, config.num_experts
-        return paddle.zeros([layers, experts + 2], dtype="float32"), paddle.zeros([layers, experts + 3], dtype="float32")
+        sums = paddle.zeros([layers, experts + 2], dtype="float32")
+        # `sums` has a gradient also when a chunk's layers are all dense (DeepSeek-V3's, ERNIE 4.5 MoE's first ones)
+        # and leaves the carry untouched: fleet's p2p describes a stage's sends once, by its tensors without
+        # stop_gradient (pp_utils/p2p_communication.py SendRecvMeta._obtain_send_message), and asserts every later
+        # send matches, so under the interleaved schedule a stage's dense chunk and its MoE chunk must send alike
+        # (in evaluation, without gradients, neither has one)
+        sums.stop_gradient = not paddle.is_grad_enabled()
+        return sums, paddle.zeros([layers, experts + 3], dtype="float32")
 
     @staticmethod
     def add(sums, counts, layer_index: int, stats: RouterStats):

@@ -43,6 +43,7 @@ TP4_ALIBI = "tests/test_gqa_replication.py::test_tp4_sp_alibi_takes_each_ranks_s
 ACCUMULATION = ("tests/test_accumulation_scaling.py::test_fp32_accumulation_matches_paddlenlp_trainer_and_one_batch",
                 "tests/test_accumulation_scaling.py::test_fp16_scaler_accumulation_matches_one_batch")
 MOE_PIPELINE = "tests/test_expert_parallel.py::test_moe_under_the_pipeline_trains_like_one_process"
+UNEVEN_STAGES = "tests/test_uneven_pipeline.py::test_uneven_stages_train_like_one_process"
 TOKENS_PER_CARD = "tests/test_accumulation_scaling.py::test_tokens_per_card_are_global_tokens_over_cards"
 LONG_PP2 = "tests/test_long_context.py::test_pipeline_with_cp2_and_sep2"
 SEP_SHARDING = "tests/test_long_context.py::test_sep2_with_tp2_dp2_and_sharding"
@@ -728,7 +729,8 @@ MUTATIONS = [
              ("tests/test_expert_parallel.py::test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference",)),
     # Issue 34: Qwen3's and ERNIE 4.5's proven interleaved pipeline no longer allowed (their pp4 x vpp2 runs refused)
     Mutation("issue34_interleaved_refused", "Qwen3's and ERNIE 4.5's proven interleaved pipeline refused",
-             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")', "PROVEN_INTERLEAVED = ()",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("deepseek_v3",)',
              ("tests/test_parallel_parity.py::test_pp4_interleaved",
               "tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line")),
     Mutation("deepseek_pp_recompute_off", "full recompute silently off under the pipeline for a model with MTP "
@@ -773,6 +775,22 @@ MUTATIONS = [
              "instead of the expert count", "models/moe.py",
              "picks.max(axis=1) * picks.shape[1] /", "picks.max(axis=1) * picks.shape[0] /",
              ("tests/test_moe.py::test_router_metrics_report_max_over_mean_load_per_router",)),
+    # Issue 35 item 4: DeepSeek-V3 interleaved (pp3 x 2 virtual stages) and in uneven 1F1B stages
+    # (tests/test_uneven_pipeline.py deepseek-pp3vpp2, deepseek-pp3-1-3-2): the MTP block before the last decoder
+    # layer (the last chunk still, but fed by the layer before), and the router carry of a dense chunk sent without
+    # a gradient (the interleaved stage's two chunks send unlike tensors: fleet's p2p meta check fails)
+    Mutation("deepseek_pipeline_mtp_before_last_layer", "DeepSeek-V3's MTP block built before the last decoder layer "
+             "under the pipeline", "models/pipeline.py",
+             "        descs += [LayerDesc(PipelineMTP, config)] if config.num_nextn_predict_layers else []\n",
+             "        descs.insert(-1, LayerDesc(PipelineMTP, config)) if config.num_nextn_predict_layers else None\n",
+             (UNEVEN_STAGES,)),
+    Mutation("deepseek_interleaved_refused", "DeepSeek-V3's proven interleaved pipeline refused",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")',
+             ("tests/test_deepseek_v3.py::test_interleaved_and_uneven_pipeline_stages_are_accepted",)),
+    Mutation("router_carry_of_dense_chunk_without_gradient", "the router carry a dense chunk starts sent without a "
+             "gradient", "models/pipeline.py", "        sums.stop_gradient = not paddle.is_grad_enabled()\n",
+             "        pass\n", (UNEVEN_STAGES,)),
 ]
 
 

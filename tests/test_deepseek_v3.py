@@ -477,6 +477,22 @@ def test_pipeline_with_expert_parallelism_over_sharding_ranks_is_accepted(embedd
     assert planned == layout
 
 
+@pytest.mark.parametrize("overrides", [
+    {"virtual_pp_degree": 2, "num_hidden_layers": 6}, {"pipeline_layers_per_stage": [1, 3, 2], "num_hidden_layers": 6}])
+def test_interleaved_and_uneven_pipeline_stages_are_accepted(overrides, embedded_corpus, tmp_path):
+    """pp3 x 2 virtual stages and uneven 1F1B stages, the MTP block in the last chunk, are proven:
+    tests/test_uneven_pipeline.py deepseek-pp3vpp2 and deepseek-pp3-1-3-2; the planner takes them too."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+    from llm_pretrain.planner.estimate import validated_setup
+
+    args = _arguments(embedded_corpus, tmp_path, pipeline_parallel_degree=3, gradient_accumulation_steps=3,
+                      moe_bias_update_rate=0.01, **overrides)
+    layout, _, _, _ = check_layout_and_model(args, 3, "cpu")
+    assert (layout.pipeline_parallel_degree, layout.virtual_pp_degree) == (3, overrides.get("virtual_pp_degree", 1))
+    _, planned, _ = validated_setup(args, 3, "cpu")
+    assert planned == layout
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     # the pipeline with data parallelism or sharding is proven only with the experts split over those ranks (ep2;
@@ -491,10 +507,15 @@ def test_pipeline_with_expert_parallelism_over_sharding_ranks_is_accepted(embedd
      "sharding: stage2 is not proven for deepseek_v3"),
     ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, 4,
      "tensor_parallel_degree 2 with pipeline_parallel_degree 2 together is not proven"),
-    ({"pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "num_hidden_layers": 4}, 2,
-     "virtual_pp_degree: 2 is not proven"),
-    ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4}, 2,
-     "pipeline_layers_per_stage: [1, 3] is not supported"),
+    # virtual stages and uneven ones are proven with the pipeline alone (tests/test_uneven_pipeline.py deepseek-pp3vpp2,
+    # deepseek-pp3-1-3-2), not beside ep over dp, and not both together
+    ({"pipeline_parallel_degree": 3, "virtual_pp_degree": 2, "num_hidden_layers": 6, "expert_parallel_degree": 2,
+      "gradient_accumulation_steps": 3}, 6, "virtual_pp_degree: 2 is not proven for deepseek_v3 in this layout"),
+    ({"pipeline_parallel_degree": 2, "pipeline_layers_per_stage": [1, 3], "num_hidden_layers": 4,
+      "expert_parallel_degree": 2, "gradient_accumulation_steps": 2}, 4,
+     "pipeline_layers_per_stage: [1, 3] gives uneven stages [1, 3], which with data_parallel_degree 2 are not supported"),
+    ({"pipeline_parallel_degree": 3, "virtual_pp_degree": 2, "pipeline_layers_per_stage": [1, 1, 1, 1, 1, 2],
+      "num_hidden_layers": 7, "gradient_accumulation_steps": 3}, 3, "which with virtual_pp_degree 2 are not supported"),
     ({"pipeline_parallel_degree": 2, "recompute": True, "recompute_granularity": "core_attn"}, 2,
      "recompute_granularity: core_attn is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,

@@ -13,7 +13,9 @@ session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.p
                  (8 micro-batches of 1); with the kernel options through their CPU stand-ins: the 8-layer
                  automatic split, GPT-3's (the fast LayerNorm's stand-in), the resume (the pp2 part plain),
                  that interleaved split again and pp3 [3, 2, 3] (each stage's stand-in calls: as many as the
-                 layers it holds make); pp3 over 4 layers and the interleaved split keep pp3's plain path
+                 layers it holds make); pp3 over 4 layers and the interleaved split keep pp3's plain path;
+                 DeepSeek-V3 (6 layers, MTP, the bias rule, 2 steps) interleaved pp3 x 2 and in uneven stages
+                 [1, 3, 2], its MTP block in the last chunk of the last stage (check_deepseek)
 
 and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
 in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
@@ -27,14 +29,20 @@ import pytest
 from launch_utils import REPO_ROOT, launch
 from llm_pretrain.parallel.layout import paddle_has_deep_ep
 from parity_utils import (
-    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_training, assert_stand_ins_ran,
-    base_arguments, run_launch, run_record, run_single, run_spec, write_json,
+    DEVICE, KERNEL_OPTIONS, argv, assert_every_replica_matches, assert_same_router_biases, assert_same_router_metrics,
+    assert_same_training, assert_stand_ins_ran, base_arguments, run_launch, run_record, run_single, run_spec,
+    train_records, write_json,
 )
 from schedule_orders import first_step, fthenb_balanced, interleaved
 from shared_launches import contribute
 
 MECHANISM_WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
-MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"}}
+MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"},
+          # DeepSeek-V3 (issue 35): layer 0 dense as published, MTP, the bias rule; 6 micro-batches of 1 (at least
+          # 2 x pp3: fleet's PipelineParallelWithInterleave), 2 steps
+          "deepseek": {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 6, "max_steps": 2,
+                       "save_steps": 2, "moe_bias_update_rate": 0.01, "per_device_train_batch_size": 2,
+                       "gradient_accumulation_steps": 3}}
 PP2, PP3 = {"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 3}
 # 8 micro-batches of 1 (the same 8 samples per step): at least 2 x pp, fleet's PipelineParallelWithInterleave
 INTERLEAVED = dict(PP3, virtual_pp_degree=2, pipeline_layers_per_stage=[1, 2, 1, 1, 2, 1],
@@ -56,6 +64,11 @@ RUNS = {
     "pp3vpp2-kernels": ("llama", 3, dict(INTERLEAVED, **KERNEL_OPTIONS), [[[0], [4]], [[1, 2], [5, 6]], [[3], [7]]]),
     "pp3-3-2-3-kernels": ("llama", 3, dict(PP3, pipeline_layers_per_stage=[3, 2, 3], **KERNEL_OPTIONS),
                           [[[0, 1, 2]], [[3, 4]], [[5, 6, 7]]]),
+    # DeepSeek-V3's MTP block (decoder layer 6) in the last chunk of the last stage: interleaved (fleet's even
+    # "layer:DecoderLayer" segmentation, chunk v x 3 + s on stage s) and uneven 1F1B
+    "deepseek-pp3vpp2": ("deepseek", 3, dict(PP3, virtual_pp_degree=2), [[[0], [3]], [[1], [4]], [[2], [5, 6]]]),
+    "deepseek-pp3-1-3-2": ("deepseek", 3, dict(PP3, pipeline_layers_per_stage=[1, 3, 2]),
+                           [[[0]], [[1, 2, 3]], [[4, 5, 6]]]),
 }
 # Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints). Under pp3 with
 # the kernel options through their stand-ins: a checkpoint of the plain path resumed on the kernels' branches.
@@ -108,12 +121,14 @@ def test_uneven_stages_train_like_one_process(uneven):
     expected.update({name: (model, layers) for name, (model, *_, layers) in RESUMES.items()})
     for name, (model, layers) in expected.items():
         reference, out = uneven / "single" / model, uneven / name
-        diffs = assert_same_training(reference, out)
-        diffs["every_replica"] = assert_every_replica_matches(reference, out)
+        step = MODELS[model].get("max_steps", 5)
+        diffs = assert_same_training(reference, out, step=step)
+        diffs["every_replica"] = assert_every_replica_matches(reference, out, step=step)
         print(f"{name} vs single-process {model}: {diffs}")
         # The mechanism: each stage holds the layers of the split (read from the built PipelineLayer).
         assert run_record(out)["built"]["schedule"]["chunk_layers"] == layers, name
     assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
+    check_deepseek(uneven)
     assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
         "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
     # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the norms twice, and the
@@ -135,6 +150,24 @@ def test_uneven_stages_train_like_one_process(uneven):
                                "fused_rotary_position_embedding": forwards * layers, "fused_rms_norm_quant": norms})})
         assert_stand_ins_ran([PP3_OBSERVED[rank]["observations"][str(uneven / name)] for rank in sorted(PP3_OBSERVED)],
                              uneven / name, tuple(counts[0]), counts)
+
+
+def check_deepseek(uneven) -> None:
+    """DeepSeek-V3 (issue 35) interleaved and in uneven 1F1B stages (the parity and chunk layers above): fleet's
+    schedule class and 2 virtual stages, the MTP block (decoder layer 6) in the last chunk of the last stage, the
+    MTP losses, the router metrics (the MTP block's router among them, its statistics carried through every chunk)
+    and the router biases of the five MoE layers and the MTP block moved as one process's."""
+    reference = uneven / "single" / "deepseek"
+    for name, cls, stages in (("deepseek-pp3vpp2", "PipelineParallelWithInterleaveFthenB", 2),
+                              ("deepseek-pp3-1-3-2", "PipelineParallel", 1)):
+        schedule = run_record(uneven / name)["built"]["schedule"]
+        assert schedule["class"] == cls and schedule["virtual_stages"] == stages, (name, schedule)
+        assert schedule["chunk_layers"][-1][-1][-1] == 6, (name, schedule)  # the MTP block: last
+        ref, got = train_records(reference), train_records(uneven / name)
+        assert all(abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 for a, b in zip(ref, got, strict=True)), (ref, got)
+        assert_same_router_metrics(reference, uneven / name)
+        assert_same_router_biases(reference, uneven / name,
+                                  expected=tuple(f"layers.{i}.mlp" for i in range(1, 6)) + ("mtp.block.mlp",))
 
 
 @pytest.mark.parametrize("overrides, words", [

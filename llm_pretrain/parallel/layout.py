@@ -591,7 +591,8 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # (ep over dp or sharding, and PROVEN_PAIRS, aside). Larger degrees of a proven one run the same code. Every other layout of these
 # families is refused until a test trains it.
 # DeepSeek-V3 (issue 35): tp2 (+SP), pp2 (1F1B, MTP on the last stage), dp2 and sd2 stages 1-3 in
-# tests/test_parallel_parity.py (deepseek-v3-short), ep2 over dp2 and over sd2 stages 1 and 2 in
+# tests/test_parallel_parity.py (deepseek-v3-short), pp3 interleaved and in uneven 1F1B stages in
+# tests/test_uneven_pipeline.py (PROVEN_INTERLEAVED), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
 # the sep group, MTP; with tp2 + SP and packed documents: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
@@ -636,11 +637,12 @@ PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                                 _PP_DP_EP: (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
                                            "expert_parallel_degree"}): (1,)}}
-
-
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
-# tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps)
-PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")
+# tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps);
+# DeepSeek-V3 in tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a
+# chunk, the MTP block in the last chunk of the last stage; fleet's PipelineParallelWithInterleaveFthenB), beside its
+# uneven 1F1B run (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone)
+PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:
@@ -701,20 +703,32 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
 
 def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
     """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, PROVEN_SHARDING_STAGES,
-    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages, flash attention and
-    core_attn recompute (its latent attention has the plain path only). Recompute under the pipeline (full: fleet's
-    PipelineLayer segments, the MTP block among them; full_attn) is proven by pp2sd2ep2-deepseek and
-    pp2dp2ep2-deepseek (tests/test_expert_parallel.py)."""
+    EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages beside another degree or
+    interleaved, flash attention and core_attn recompute (its latent attention has the plain path only). Recompute
+    under the pipeline (full: fleet's PipelineLayer segments, the MTP block among them; full_attn) is proven by
+    pp2sd2ep2-deepseek and pp2dp2ep2-deepseek (tests/test_expert_parallel.py)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     if rate and not config.has_correction_bias:
         raise UsageError(f"moe_bias_update_rate: {rate} needs a router with a correction bias (deepseek_v3, ernie4_5_moe; "
                          f"{config.family} has none; allowed: 0)")
     if not (config.uses_mla or config.router_score == "sigmoid" or config.num_nextn_predict_layers):
         return
-    if layout.pipeline_parallel_degree > 1 and layout.pipeline_layers_per_stage:
-        raise UsageError(f"pipeline_layers_per_stage: {list(layout.pipeline_layers_per_stage)} is not supported for "
-                         f"{config.family} yet (its pipeline with MTP on the last stage is proven under 1F1B with an "
-                         f"even split; allowed: no pipeline_layers_per_stage)")
+    others = [f"{key} {value}" for key, value in (
+        ("tensor_parallel_degree", layout.tensor_parallel_degree), ("data_parallel_degree", layout.data_parallel_degree),
+        ("sharding_parallel_degree", layout.sharding_degree), ("sep_parallel_degree", layout.sep_parallel_degree),
+        ("context_parallel_degree", layout.context_parallel_degree)) if value > 1]
+    pp = layout.pipeline_parallel_degree
+    split = pipeline_split(config.num_hidden_layers, pp, pipeline_chunks(layout), layout.pipeline_layers_per_stage)
+    if pp > 1 and len(set(split)) > 1 and (layout.virtual_pp_degree > 1 or (others and layout.pipeline_layers_per_stage)):
+        # uneven stages (MTP in the last one) are trained under 1F1B with the pipeline alone (tests/
+        # test_uneven_pipeline.py deepseek-pp3-1-3-2: fleet's list of boundaries), not interleaved (models/pipeline.py
+        # ChunkBoundaries); an explicit split not beside another degree either (fleet's uniform split, PaddleNLP's
+        # fallback for layers that do not divide, stays as before)
+        key = "pipeline_layers_per_stage" if layout.pipeline_layers_per_stage else "num_hidden_layers"
+        value = list(layout.pipeline_layers_per_stage) if layout.pipeline_layers_per_stage else config.num_hidden_layers
+        what = others[0] if others else f"virtual_pp_degree {layout.virtual_pp_degree}"
+        raise UsageError(f"{key}: {value} gives uneven stages {split}, which with {what} are not supported for "
+                         f"{config.family} yet (proven under 1F1B with the pipeline alone); allowed: an even split")
     if args.use_flash_attention:
         raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
                          "plain path only; allowed: false)")
