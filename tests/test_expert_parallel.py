@@ -150,6 +150,18 @@ def trained(tmp_path_factory, embedded_corpus):
     return work, result.results(), master_grads
 
 
+
+def assert_halves_of_the_experts_written_apart(run, blocks, experts: int) -> None:
+    """In checkpoint-2 of `run`, the first half of the experts of `blocks` (MoE blocks' names) all in one file and the
+    second half all in another: each of the two ranks holding them wrote its own."""
+    index = json.loads((run / "checkpoint-2" / "tensors.index.json").read_text())
+    files = {}
+    for block in blocks:
+        for expert in range(experts):
+            [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
+            files.setdefault(expert // (experts // 2), set()).add(piece["file"])
+    assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], (blocks, files)
+
 def test_ep2_trains_like_one_process(trained):
     work, _, _ = trained
     for reference, name in (("single", "ep2"), ("single", "single-to-ep2"), ("single", "ep2-to-single"),
@@ -441,13 +453,7 @@ def check_deepseek_under_the_pipeline(work) -> None:
     assert (layout["pipeline_parallel_degree"], layout["data_parallel_degree"]) == (2, 2)
     assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1, 2]]], record["built"]["schedule"]
     assert record["built"]["recompute"] == {"full_attn": [0, 1, 2], "pipeline_recompute_interval": 0}, record["built"]
-    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
-    files = {}
-    for block in ("layers.1.mlp", "mtp.block.mlp"):
-        for expert in range(8):
-            [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
-            files.setdefault(expert // 4, set()).add(piece["file"])
-    assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], files
+    assert_halves_of_the_experts_written_apart(work / name, ("layers.1.mlp", "mtp.block.mlp"), 8)
 
 
 def test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process(pipelined):
@@ -505,13 +511,7 @@ def test_deepseek_v3_under_the_pipeline_with_ep2_over_sharding_trains_like_one_p
         assert {layer: calls.count(layer) for layer in set(calls)} == {layer: 8 for layer in layers}, (rank, calls)
     classes = [observed[rank][PP_SHARDED]["optimizer_classes"][0] for rank in range(4)]
     assert classes == ["HybridParallelOptimizer"] * 2 + ["PipelineExpertShardedOptimizer"] * 2, classes
-    index = json.loads((run / "checkpoint-2" / "tensors.index.json").read_text())
-    files = {}
-    for block in ("layers.1.mlp", "mtp.block.mlp"):
-        for expert in range(8):
-            [piece] = index["tensors"][f"{block}.experts.{expert}.down_proj.weight"]["slices"]
-            files.setdefault(expert // 4, set()).add(piece["file"])
-    assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], files
+    assert_halves_of_the_experts_written_apart(run, ("layers.1.mlp", "mtp.block.mlp"), 8)
 
 
 @pytest.mark.parametrize("name", ISSUE34_PIPELINE)
@@ -535,10 +535,5 @@ def test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference(train
     if name == "pp2dp2ep2-ernie":  # layer 0 dense: stage 1 holds the experts and the bias
         assert_same_router_biases(reference, work / name, expected=("layers.1.mlp",))
     experts = record["model_config"]["num_experts"]
-    index = json.loads((work / name / "checkpoint-2" / "tensors.index.json").read_text())
     for layer in (0, 1) if name == "pp2dp2ep2-qwen3-global" else (1,):
-        files = {}
-        for expert in range(experts):
-            [piece] = index["tensors"][f"layers.{layer}.mlp.experts.{expert}.down_proj.weight"]["slices"]
-            files.setdefault(expert // (experts // 2), set()).add(piece["file"])
-        assert all(len(held) == 1 for held in files.values()) and files[0] != files[1], (layer, files)
+        assert_halves_of_the_experts_written_apart(work / name, (f"layers.{layer}.mlp",), experts)
