@@ -679,9 +679,11 @@ MUTATIONS = [
              "data-parallel ranks only, not the sharding ranks", "models/parallel_layers.py",
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
              "    for group in (hcg.get_data_parallel_group(),):",
-             # sd2 stages 1-3, and ep2 over the sharding ranks (each rank routes its own samples there too)
+             # sd2 stages 1-3, ep2 over the sharding ranks (each rank routes its own samples there too), and sep2 / cp2 x
+             # sd2 stage 2 (deepseek-sep2sd2-stage2: the replica check after step 2, ranks [2, 3] against rank 0)
              ("tests/test_parallel_parity.py::test_sharding_stages",
-              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process")),
+              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",
+              SEP_SHARDING)),
     # Issue 35: DeepSeek-V3 under ep2 over dp2 with each rank's bias moved by the load of its own tokens only
     Mutation("deepseek_ep_bias_load_not_summed", "under expert parallelism the routers' load of the bias update "
              "counted over this rank's tokens only, not summed over the expert (data-parallel) group",
