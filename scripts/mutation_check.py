@@ -560,6 +560,13 @@ MUTATIONS = [
              "max(0.0, 1 - ((distance - 1) * chunk + 1) / mean_document_length)",
              "max(0.0, 1 - (distance * chunk + 1) / mean_document_length)",
              ("tests/test_planner.py::test_ring_skips_the_blocks_document_masks_remove_closed_form_against_a_count",)),
+    # Issue 35: the planner's sep all-to-all and cp ring for latent attention at hidden_size's widths (128 x 56 for
+    # DeepSeek-V3) instead of MLA's q/k of 192 and v/output of 128 per head
+    Mutation("planner_mla_sequence_split_widths_ignored", "the planner's sep all-to-all and cp ring volumes of latent "
+             "attention counted at hidden_size's widths, not MLA's per-head q/k and v widths",
+             "llm_pretrain/planner/speed.py", "    if c.uses_mla:\n        heads = c.num_attention_heads / setup.tp\n",
+             "    if False:\n        heads = c.num_attention_heads / setup.tp\n",
+             ("tests/test_planner.py::test_latent_attention_split_by_sep_and_cp_as_the_dense_families",)),
     Mutation("search_ignores_documents", "llm-plan search --mean_document_length times its layouts without the "
              "documents (as if every token attended to the whole sequence)", "llm_pretrain/planner/search.py",
              "_MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)",
@@ -679,9 +686,11 @@ MUTATIONS = [
              "data-parallel ranks only, not the sharding ranks", "models/parallel_layers.py",
              "    for group in (hcg.get_data_parallel_group(), hcg.get_sharding_parallel_group()):",
              "    for group in (hcg.get_data_parallel_group(),):",
-             # sd2 stages 1-3, and ep2 over the sharding ranks (each rank routes its own samples there too)
+             # sd2 stages 1-3, ep2 over the sharding ranks (each rank routes its own samples there too), and sep2 / cp2 x
+             # sd2 stage 2 (deepseek-sep2sd2-stage2: the replica check after step 2, ranks [2, 3] against rank 0)
              ("tests/test_parallel_parity.py::test_sharding_stages",
-              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process")),
+              "tests/test_expert_parallel.py::test_deepseek_v3_ep2_with_the_bias_rule_trains_like_one_process",
+              SEP_SHARDING)),
     # Issue 35: DeepSeek-V3 under ep2 over dp2 with each rank's bias moved by the load of its own tokens only
     Mutation("deepseek_ep_bias_load_not_summed", "under expert parallelism the routers' load of the bias update "
              "counted over this rank's tokens only, not summed over the expert (data-parallel) group",
@@ -770,7 +779,7 @@ MUTATIONS = [
              "    for h in held:\n        target = _stage3_storage(h.param) if h.stage3_slice else h.param\n",
              "    for h in held:\n        if h.name.endswith(\"e_score_correction_bias\"):\n            continue\n"
              "        target = _stage3_storage(h.param) if h.stage3_slice else h.param\n",
-             (f"{RESUME_ANY}[deepseek-tp2-to-pp2]", f"{RESUME_ANY}[ernie4_5_moe-sd2_stage2-to-dp2]")),
+             (f"{RESUME_ANY}[deepseek-tp2-to-pp2_2_1]", f"{RESUME_ANY}[ernie4_5_moe-sd2_stage2-to-dp2]")),
     Mutation("expert_load_max_mean_over_routers", "the logged max/mean expert load divides by the router count "
              "instead of the expert count", "models/moe.py",
              "picks.max(axis=1) * picks.shape[1] /", "picks.max(axis=1) * picks.shape[0] /",

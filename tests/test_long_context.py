@@ -22,7 +22,8 @@ accumulation steps of one process).
                         2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head);
                         Qwen3 and ERNIE 4.5 (PAIR_MODELS, 2 steps) under sep2 x tp2 + SP, cp2 x tp2 + SP and
                         sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2; DeepSeek-V3 with
-                        packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP (DEEPSEEK_PAIRS)
+                        packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP (DEEPSEEK_PAIRS), and
+                        without them under sep2 / cp2 x sharding 2 stage 2 (DEEPSEEK_SHARDING)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
@@ -110,12 +111,18 @@ DEEPSEEK = {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 2, "m
 # in PAIR_MODELS' 4-process launch under sep2 x tp2 + SP and cp2 x tp2 + SP: MLA's heads split by tp (the latents
 # replicated), then sep's all-to-all with the whole sequence's document mask, or cp's ring with the document ids; the
 # sequence-wise loss and the bias load summed over the sep group, not over tp's ranks (they route the same tokens).
-# One run a pair with the documents on (the suite's budget: about 5 s of CPU a 4-process run); DeepSeek-V3's sep2 /
-# cp2 x sharding are refused (llm_pretrain/parallel/layout.py PROVEN_PAIRS).
+# One run a pair with the documents on (the suite's budget: about 5 s of CPU a 4-process run).
 SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 DEEPSEEK_PAIRS = (("deepseek-docs-sep2tp2-sp", {**SEP2, "tensor_parallel_degree": 2, "sequence_parallel": True}),
                   ("deepseek-docs-cp2tp2-sp", {**CP2, "tensor_parallel_degree": 2, "sequence_parallel": True}))
+# ... and "deepseek" under sep2 x sharding 2 and cp2 x sharding 2 at stage 2 in the sep2sd2 launch (a launch holds
+# one fleet layout; 2 micro-batches of 2 a rank, the global batch of 8): the sequence-wise loss and the bias load
+# summed over sep, the load then over the sharding ranks, the gradients over sep by us (GroupShardedStage2 reduces
+# over the sharding group only). Without packed documents: under eod_mask_loss each rank's loss is the mean over
+# its own micro-batch's unmasked tokens (as Megatron's), so a split of the batch differs from one process by 1e-4.
+DEEPSEEK_SHARDING = (("deepseek-sep2sd2-stage2", {**SEP2, "sharding": "stage2", "gradient_accumulation_steps": 2}),
+                     ("deepseek-cp2sd2-stage2", {**CP2, "sharding": "stage2", "gradient_accumulation_steps": 2}))
 # PAIR_MODELS with sharding 2 at stage 2 (Qwen3's cp2 x sharding is one of MODELS' runs, 5 steps)
 PAIR_SHARDING = (("ernie4_5", "cp2", CP2), ("qwen3", "sep2", SEP2), ("ernie4_5", "sep2", SEP2))
 STOP = 3  # resume pairs stop after this step
@@ -420,7 +427,8 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.kernels("llama-cp2sd2-kernels", **CP2, sharding="stage1", **sharded),
                              runs.kernels("llama-cp2sd2-stage3-kernels", **CP2, **stage3),
                              runs.kernels("llama-sep2sd2-kernels", **SEP2, sharding="stage1", **sharded),
-                             runs.kernels("llama-sep2sd2-stage3-kernels", **SEP2, **stage3)],
+                             runs.kernels("llama-sep2sd2-stage3-kernels", **SEP2, **stage3),
+                             *[runs.run(name, "deepseek", **degrees) for name, degrees in DEEPSEEK_SHARDING]],
                          runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
@@ -434,10 +442,13 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                  "llama-sep2sd2-stage3-kernels"):
         runs.check_stand_ins(sep2sd2, name, micro_batches=2, ring="cp2" in name)
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
+    for name, _ in DEEPSEEK_SHARDING:  # MTP, the bias rule, the sequence-wise loss
+        check_deepseek(runs, name)
     for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
                                   ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),
                                   ("qwen2-sep2sd2-stage3", "sep2sd2_stage3", 3),
-                                  ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3)):
+                                  ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3),
+                                  *[(name, f"{name.split('-')[1]}_stage2", 2) for name, _ in DEEPSEEK_SHARDING]):
         record = run_record(runs.out(name))
         assert record["strategy"] == strategy and record["global_batch_size"] == 8, (name, record["strategy"])
         built = record["built"]

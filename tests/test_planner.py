@@ -227,6 +227,34 @@ def test_sequence_split_terms_by_hand():
 
 
 
+def test_latent_attention_split_by_sep_and_cp_as_the_dense_families():
+    """DeepSeek-V3 (issue 35) at 4096 tokens, a dense and a MoE layer: sep2 and cp2 divide its layer activations and
+    attention transients as test_sequence_split_terms_by_hand's dense model's; sep's all-to-all moves latent
+    attention's own widths per head (q and k of qk_nope + qk_rope = 192, v and the output of v_head_dim = 128;
+    models/mla.py), not hidden_size's (7168 = 128 x 56), and the ring's k/v block is 192 + 128 wide per head."""
+    config = ARCHITECTURES["deepseek-ai/DeepSeek-V3"].replace(seq_length=4096, num_hidden_layers=4)
+    one, sep2, cp2 = (mem.Setup(config, 1, 2, **kw) for kw in ({}, {"sep": 2}, {"cp": 2}))
+    heads, tables = config.num_attention_heads, 2 * 4096 * config.head_dim * 4  # (the rope tables: whole under sep)
+    for layer in (0, 3):  # first_k_dense_replace 3: layer 3 is a MoE layer
+        whole = mem.layer_activation_bytes(config, one, layer)
+        assert mem.layer_activation_bytes(config, sep2, layer) == pytest.approx((whole - tables) / 2 + tables), layer
+        # the ring keeps none of the [s, heads, s] scores and half of the rest (within 1 %: its float32 log-sum-exp)
+        assert mem.layer_activation_bytes(config, cp2, layer) == pytest.approx(
+            (whole - 4096 * heads * 4096 * 4) / 2, rel=0.01), layer
+    assert mem.attention_backward_bytes(config, sep2) == pytest.approx(mem.attention_backward_bytes(config, one) / 2)
+    assert mem.attention_backward_bytes(config, cp2) == pytest.approx(4 * 2048 * heads * 2048 * 4)
+    bf16 = mem.Precision("bf16", "O2", True)
+    cluster = speed.Cluster("H800-80G", intra_node_gbps=200.0)
+    qk, v = heads * 192, heads * 128
+    sep = speed.sequence_split_time(mem.Setup(config, 1, 2, sep=2, precision=bf16), cluster, 2048, 1e15)
+    # 4 layers x (forward + backward) x q, k, v, out: 2048 tokens, bf16, half of it sent
+    assert sep == pytest.approx(4 * 2 * 2048 * (2 * qk + 2 * v) * 2 * 0.5 / 200e9)
+    # With compute taking no time the whole ring is exposed: cp - 1 k/v blocks forward, cp of k, v and their float32
+    # gradients backward
+    ring = speed.sequence_split_time(mem.Setup(config, 1, 2, cp=2, precision=bf16), cluster, 2048, float("inf"))
+    block = 2048 * (qk + v)
+    assert ring == pytest.approx(4 * (1 * block * 2 + 2 * block * (2 + 4)) / 200e9)
+
 def test_largest_block_is_this_ranks_share_under_sep_and_cp():
     """The reserve's largest short-lived block (planner.reserved_mb) is the loss's float32 softmax of this rank's
     tokens: Llama 3.1 8B at 128K with tp4, [131072 / (sep x cp), 128256 / 4] x 4 bytes on the last stage; without

@@ -595,7 +595,7 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
 # tests/test_uneven_pipeline.py (PROVEN_INTERLEAVED), ep2 over dp2 and over sd2 stages 1 and 2 in
 # tests/test_expert_parallel.py (deepseek-ep2, deepseek-ep2sd2s1/s2), its router biases equal one process's; sep2 and
 # cp2 in tests/test_long_context.py (deepseek-sep2, -cp2: MLA's all-to-all or ring, the sequence-wise loss summed over
-# the sep group, MTP; with tp2 + SP and packed documents: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
+# the sep group, MTP; with tp2 + SP and packed documents, and with sharding 2 at stage 2: PROVEN_PAIRS); pp2 x dp2 with ep2 over dp in
 # tests/test_expert_parallel.py (pp2dp2ep2-deepseek, PROVEN_PAIRS), and pp2 x sd2 stage 1 with ep2 over the sharding
 # ranks (pp2sd2ep2-deepseek, the shared pp2sd2 launch).
 _DP_PP_SD = ("data_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree")
@@ -617,9 +617,10 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # Two degrees together where a test trains them (degree keys, expert_parallel_degree among them when above 1 ->
 # the sharding stages proven with them; () when the pair has no sharding): tests/test_long_context.py
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
-# sep2 x sharding 2 and cp2 x sharding 2 at stage 2, DeepSeek-V3 under the first two (DEEPSEEK_PAIRS, with packed
+# sep2 x sharding 2 and cp2 x sharding 2 at stage 2, DeepSeek-V3 under all four (DEEPSEEK_PAIRS with tp2 + SP and packed
 # documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the bias load
-# summed over the sep group, not over tp; its pairs with sharding are not trained: about 4 s of the suite's CPU a run);
+# summed over the sep group, not over tp; DEEPSEEK_SHARDING with sharding 2 at stage 2, MTP and the bias rule on: the
+# bias load summed over sep, then over the sharding ranks);
 # DeepSeek-V3 is also trained under pp2 x dp2 with ep2 over the data-parallel ranks, MTP on the last stage
 # (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), and under
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
@@ -633,8 +634,7 @@ _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}):
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                 **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},
-                "deepseek_v3": {**{pair: () for pair in _SEQUENCE_PAIRS if "tensor_parallel_degree" in pair},
-                                _PP_DP_EP: (),
+                "deepseek_v3": {**_SEQUENCE_PAIRS, _PP_DP_EP: (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
                                            "expert_parallel_degree"}): (1,)}}
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):

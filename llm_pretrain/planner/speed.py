@@ -249,18 +249,26 @@ def sequence_split_time(setup: Setup, cluster: Cluster, tokens: int, flops_rate:
     link = intra if setup.tp * degree <= cluster.gpus_per_node else inter
     layers = c.num_hidden_layers / setup.pp
     q_width, kv_width = c.hidden_size / setup.tp, c.num_key_value_heads * c.head_dim / setup.tp
+    # (q, k, v, output) widths per token on this rank; latent attention (models/mla.py) moves its heads' q and k of
+    # qk_nope + qk_rope (k_pe expanded to every head), v and the output of v_head_dim, not hidden_size's
+    widths = (q_width, kv_width, kv_width, q_width)
+    attention_width = 2 * q_width  # q . k and p . v over every head (GQA's k and v repeated)
+    if c.uses_mla:
+        heads = c.num_attention_heads / setup.tp
+        qk, v = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), heads * c.v_head_dim
+        widths, attention_width = (qk, qk, v, v), qk + v
     forwards = 2 if c.recompute and c.recompute_granularity in ("full", "full_attn") else 1
     a = p.activation_bytes
     if setup.sep > 1:
         # all-to-all: each rank sends (n - 1) / n of its q, k, v (and receives as much), then of the output.
-        volume = tokens * (2 * q_width + 2 * kv_width) * a * (degree - 1) / degree
+        volume = tokens * sum(widths) * a * (degree - 1) / degree
         return layers * (forwards + 1) * volume / (link * 1e9)
     # Ring: a step moves one k/v block (forward) or k, v and their float32 gradients (backward) to the
     # neighbour while the block in hand is computed: 1/cp of the layer's attention (2x in backward). A block
     # that document masks remove entirely is skipped (models/ring_attention.py DocumentBlocks) but its transfer
     # still runs (the ring passes every block on): a skipped step exposes its whole transfer.
-    block = tokens * 2 * kv_width
-    attention_step = 2 * 2 * tokens * tokens * q_width / 2 / flops_rate  # causal: half of a (local x local) block
+    block = tokens * (widths[1] + widths[2])  # k and v
+    attention_step = 2 * tokens * tokens * attention_width / 2 / flops_rate  # causal: half of a (local x local) block
     kept = ring_steps_kept(c.seq_length, degree, setup.micro_batch, setup.mean_document_length)
     forward_transfer, backward_transfer = block * a / (link * 1e9), block * (a + 4) / (link * 1e9)
     # forward: the transfers of steps 0 .. cp - 2 overlap those steps' blocks; backward: cp steps (k, v and the
