@@ -730,7 +730,8 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout, devi
         raise UsageError(f"{key}: {value} gives uneven stages {split}, which with {what} are not supported for "
                          f"{config.family} yet (proven under 1F1B with the pipeline alone); allowed: an even split")
     # Flash attention (models/mla.py flash_attention: v padded to the q/k head dim, as PaddleFormers) and core_attn
-    # recompute, alone and together, with and without packed documents, are proven in one process (tests/
+    # recompute, alone and together, with and without packed documents, are proven in one process, flash also
+    # under tp2 + SP (tests/test_parallel_parity.py check_deepseek_tp2) (tests/
     # test_deepseek_v3.py test_flash_attention_gives_the_plain_paths_logits_loss_and_gradients, test_core_attention_
     # recompute_gives_the_same_loss_and_gradients); the layouts run the same layer. Under cp the ring over latent
     # attention keeps its plain blocks (unequal head dims), so flash there is refused rather than ignored.
