@@ -28,7 +28,12 @@ Segment parallelism (sep): this rank's tokens of every head are projected, then 
 1/sep of the heads (k_pe expanded to the heads first), the rotation takes the whole sequence's positions, and the
 output returns to this rank's tokens before o_proj (docs/parallel-layouts.md, DeepSeek-V3's sep). Context parallelism:
 this rank's two chunks rotated by their global positions, k (k_pe expanded) and v around models/ring_attention.py's
-ring, q scaled so that the ring's 1/sqrt(q head dim) gives `softmax_scale`.
+ring, q scaled so that the ring's 1/sqrt(q head dim) gives `softmax_scale` (its plain blocks: the flash blocks take one
+head dim for k and v, so flash under cp is refused, llm_pretrain/parallel/layout.py check_deepseek_v3).
+
+Flash attention (use_flash_attention, GPU; the CPU stand-ins in tests): the decoder's kernels (sdpa's flash_attn, and
+flashmask_attention with packed documents) with q pre-scaled and v padded to q's head dim, as PaddleFormers calls them
+(`flash_attention`). recompute_granularity core_attn recomputes `attention` (either path) in backward.
 """
 
 from __future__ import annotations
@@ -152,15 +157,31 @@ class LatentAttention(nn.Layer):
             out = ring_attention(q, k, v, c.seq_length, None, pl.sequence_group(), False,
                                  documents.ids if documents is not None else None)  # [batch, seq, heads x v]
         else:
-            out = self.attention(q, k, v, documents)
+            core = self.flash_attention if c.use_flash_attention else self.plain_attention
+            if self.training and self.recomputes_core_attention():
+                from paddle.distributed.fleet.utils import recompute
+
+                # as the decoder's Attention: q, k, v (and the documents) kept, the core rebuilt in backward;
+                # sep's all-to-all stays outside
+                out = recompute(core, q, k, v, documents, use_reentrant=False)
+            else:
+                out = core(q, k, v, documents)  # [batch, seq, heads, v]
+            if self.sep_degree > 1:  # back to this rank's tokens of every head
+                out = pl.heads_to_sequence(c, out)
+            out = out.reshape([batch, out.shape[1], -1])
         if hidden.ndim == 2:  # sequence parallel: the row-parallel projection takes flattened tokens
             out = out.reshape([-1, out.shape[-1]])
         return self.o_proj(out)
 
-    def attention(self, q, k, v, documents=None):
+    def recomputes_core_attention(self) -> bool:
+        from models.decoder import recomputes  # (the decoder imports this module lazily: no cycle)
+
+        return recomputes(self.config, "core_attn", getattr(self, "layer_index", 0))
+
+    def plain_attention(self, q, k, v, documents=None):
         """softmax(q k^T x scale + causal mask (+ document mask)) v: [batch, seq, heads, d] in (under sep every token
-        of 1/sep of this rank's heads), [batch, this rank's tokens, heads x v] out."""
-        batch, seq = q.shape[0], q.shape[1]
+        of 1/sep of this rank's heads), [batch, seq, heads, v] out."""
+        seq = q.shape[1]
         q, k = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3])  # [batch, heads, seq, nope + rope]
         scores = paddle.matmul(q.astype("float32") * self.softmax_scale, k.astype("float32"), transpose_y=True)
         scores = scores + paddle.triu(paddle.full([seq, seq], float("-inf"), dtype="float32"), diagonal=1)
@@ -169,7 +190,22 @@ class LatentAttention(nn.Layer):
         probs = F.softmax(scores, axis=-1).astype(v.dtype)
         probs = F.dropout(probs, self.config.attention_probs_dropout_prob, training=self.training)
         out = paddle.matmul(probs, v.transpose([0, 2, 1, 3]))  # [batch, heads, seq, v]
-        out = out.transpose([0, 2, 1, 3])  # [batch, seq, heads, v]
-        if self.sep_degree > 1:  # back to this rank's tokens of every head
-            out = pl.heads_to_sequence(self.config, out)
-        return out.reshape([batch, out.shape[1], -1])
+        return out.transpose([0, 2, 1, 3])
+
+    def flash_attention(self, q, k, v, documents=None):
+        """The fused kernel (GPU) as PaddleFormers 0.4.1 calls it for MLA (paddleformers/transformers/deepseek_v2/
+        modeling.py scaled_dot_product_attention): the kernel takes one head dim for q, k and v and scales by
+        1/sqrt(that dim) with no scale argument (flash_attn's contract; sdpa leaves flash for an explicit `scale`),
+        so q is multiplied by softmax_scale x sqrt(nope + rope) (YaRN's mscale kept), v padded with zeros to
+        nope + rope and the output's padding sliced off. The same calls as the decoder's Attention: sdpa causal
+        (models/decoder.py flash_attention), packed documents as FlashMask's row bounds (flashmask_attention)."""
+        v_dim = v.shape[-1]
+        q = q * (self.softmax_scale * math.sqrt(self.q_head_dim))
+        v = paddle.concat([v, paddle.zeros(v.shape[:-1] + [self.q_head_dim - v_dim], dtype=v.dtype)], axis=-1)
+        dropout = self.config.attention_probs_dropout_prob
+        if documents is not None:
+            out = F.flashmask_attention(q, k, v, startend_row_indices=documents.row_indices, causal=True,
+                                        dropout=dropout, training=self.training)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, training=self.training)
+        return out[..., :v_dim]  # the padded columns: zero weights times the probabilities

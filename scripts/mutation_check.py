@@ -631,6 +631,18 @@ MUTATIONS = [
              "models/mla.py", "        k_pe = pl.replicated_input(c, k_pe)",
              "        k_pe = pl.replicated_input(c, k_pe) if c.sequence_parallel else k_pe",
              ("tests/test_parallel_parity.py::test_tensor_parallel",)),
+    # DeepSeek-V3's latent attention on the flash kernel (models/mla.py flash_attention): the kernel's own
+    # 1/sqrt(nope + rope) without YaRN's mscale^2 (q not pre-scaled by softmax_scale x sqrt(q head dim))
+    Mutation("deepseek_mla_flash_scale_not_passed", "with use_flash_attention the latent attention's q goes to the "
+             "kernel unscaled: the kernel's default 1/sqrt(q head dim) instead of MLA's YaRN-corrected softmax scale",
+             "models/mla.py", "        q = q * (self.softmax_scale * math.sqrt(self.q_head_dim))\n        v = paddle.concat(",
+             "        v = paddle.concat(",
+             ("tests/test_deepseek_v3.py::test_flash_attention_gives_the_plain_paths_logits_loss_and_gradients",)),
+    Mutation("deepseek_mla_core_attn_not_recomputed", "recompute_granularity core_attn ignored by the latent attention "
+             "(its softmax kept for backward, not recomputed)", "models/mla.py",
+             "            if self.training and self.recomputes_core_attention():",
+             "            if False:",
+             ("tests/test_deepseek_v3.py::test_core_attention_recompute_gives_the_same_loss_and_gradients",)),
     Mutation("deepseek_mla_latent_grads_not_summed_under_sp", "under sequence parallelism the latent projections and "
              "eh_proj (replicated, fed this rank's chunk of the tokens) not marked: their weight gradients cover this "
              "rank's tokens only", "models/parallel_layers.py",

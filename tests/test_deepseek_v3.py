@@ -156,6 +156,86 @@ def test_latent_attention_is_the_reports_with_yarn_mscale():
         np.testing.assert_allclose(got[b], numpy_mla(attn, TINY, x[b].astype("float64")), atol=2e-5, rtol=1e-4)
 
 
+def _loss_logits_grads(model, ids, labels, document_ids):
+    model.clear_gradients()
+    logits = model(ids, document_ids=document_ids).numpy()
+    loss = model(ids, labels, document_ids=document_ids)
+    loss.backward()
+    return float(loss), logits, {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def kernel_standins():
+    from llm_pretrain.cpu import kernel_standins as ks
+
+    ks.install_kernel_standins()
+    ks.CALLS.clear()
+    yield ks
+    ks.uninstall_kernel_standins()
+
+
+def _packed_ids(packed):
+    rng = np.random.default_rng(5)
+    ids, labels = (paddle.to_tensor(rng.integers(0, 256, [2, 16])) for _ in range(2))
+    documents = np.stack([np.repeat([0, 1, 2], [5, 7, 4]), np.repeat([0, 1], [11, 5])])
+    return ids, labels, paddle.to_tensor(documents) if packed else None
+
+
+def _assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
+    for name, grad in got[2].items():
+        np.testing.assert_allclose(grad, want[2][name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+QUIET = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+ATTENTIONS = TINY.num_hidden_layers + TINY.num_nextn_predict_layers  # the MTP block's too
+
+
+@pytest.mark.parametrize("packed, granularity", [(False, None), (True, "core_attn")])  # (suite time: 2 of the 4)
+def test_flash_attention_gives_the_plain_paths_logits_loss_and_gradients(packed, granularity, kernel_standins):
+    """use_flash_attention on the kernels' CPU stand-ins (llm_pretrain/cpu/kernel_standins.py: the GPU kernels'
+    signatures and checks, k and v of one shape among them): q pre-scaled by YaRN's softmax scale, v padded to
+    nope + rope and the output sliced back (models/mla.py flash_attention) give the plain path's logits, loss
+    (main + MTP + router losses) and every gradient within 1e-5; packed documents go to FlashMask as row bounds.
+    Every latent attention (2 layers + the MTP block) took the kernel (the mechanism: counted calls), under core_attn
+    recompute once more in backward."""
+    plain = tiny_model(**QUIET)
+    flash = tiny_model(use_flash_attention=True, recompute=granularity is not None,
+                       recompute_granularity=granularity or "full", **QUIET)
+    flash.set_state_dict(plain.state_dict())
+    ids, labels, document_ids = _packed_ids(packed)
+    want = _loss_logits_grads(plain, ids, labels, document_ids)
+    assert sum(kernel_standins.CALLS.values()) == 0  # the plain path calls no kernel
+    got = _loss_logits_grads(flash, ids, labels, document_ids)
+    kernel = "flashmask_attention" if packed else "flash_attn"
+    # the logits' forward (no MTP without labels), the loss's; the backward's grad kernel once per attention
+    calls = {kernel: TINY.num_hidden_layers + ATTENTIONS * (2 if granularity else 1), kernel + "_grad": ATTENTIONS}
+    assert dict(kernel_standins.CALLS) == calls
+    _assert_same(got, want)
+
+
+def test_core_attention_recompute_gives_the_same_loss_and_gradients(monkeypatch):
+    """recompute_granularity core_attn (models/mla.py: fleet's recompute around the attention, as the decoder's
+    Attention): the same logits, loss and gradients with packed documents, and each attention ran once more in
+    backward (counted)."""
+    from models.mla import LatentAttention
+
+    calls = []
+    original = LatentAttention.plain_attention
+    monkeypatch.setattr(LatentAttention, "plain_attention", lambda *a: calls.append(1) or original(*a))
+    plain = tiny_model(**QUIET)
+    recomputed = tiny_model(recompute=True, recompute_granularity="core_attn", **QUIET)
+    recomputed.set_state_dict(plain.state_dict())
+    ids, labels, document_ids = _packed_ids(True)
+    want = _loss_logits_grads(plain, ids, labels, document_ids)
+    calls.clear()
+    got = _loss_logits_grads(recomputed, ids, labels, document_ids)
+    assert len(calls) == TINY.num_hidden_layers + 2 * ATTENTIONS
+    _assert_same(got, want)
+
+
 # ----------------------------------------------------------------------------- router
 def numpy_route(scores, bias, config):
     """Group-limited top-k of scores + bias (report eq. 12-16, PaddleFormers' get_topk_indices), weights from the
@@ -519,8 +599,6 @@ def test_interleaved_and_uneven_pipeline_stages_are_accepted(overrides, embedded
      "pipeline_layers_per_stage: [1, 3] gives uneven stages [1, 3], which with data_parallel_degree 2 are not supported"),
     ({"pipeline_parallel_degree": 3, "virtual_pp_degree": 2, "pipeline_layers_per_stage": [1, 1, 1, 1, 1, 2],
       "num_hidden_layers": 7, "gradient_accumulation_steps": 3}, 3, "which with virtual_pp_degree 2 are not supported"),
-    ({"pipeline_parallel_degree": 2, "recompute": True, "recompute_granularity": "core_attn"}, 2,
-     "recompute_granularity: core_attn is not supported"),
     ({"sharding": "stage1", "sharding_parallel_degree": 2}, 4,
      "sharding_parallel_degree 2 with data_parallel_degree 2 together is not proven"),
     ({"sharding": "stage3", "pipeline_parallel_degree": 2}, 4,
@@ -532,6 +610,31 @@ def test_combined_degrees_other_sharding_stages_and_pipeline_schedules_are_refus
     with pytest.raises(UsageError) as raised:
         check_layout_and_model(_arguments(embedded_corpus, tmp_path, **overrides), world, "cpu")
     assert "\n" not in str(raised.value) and message in str(raised.value) and "deepseek_v3" in str(raised.value)
+
+
+def test_flash_attention_and_core_attn_recompute_are_accepted_and_flash_refused_under_cp(embedded_corpus, tmp_path,
+                                                                                         monkeypatch):
+    """Where the flash branch runs (here: the kernels' stand-ins switched on), flash attention alone, under the pipeline,
+    with core_attn recompute and core_attn recompute without flash are accepted; flash or core_attn recompute under cp
+    refused in one line (the ring over latent attention: plain blocks, not recomputed)."""
+    from llm_pretrain.parallel.layout import check_layout_and_model
+
+    monkeypatch.setenv("LLM_PRETRAIN_KERNEL_STANDINS", "1")
+    core_attn = {"recompute": True, "recompute_granularity": "core_attn"}
+    for accepted, n in (({"use_flash_attention": True}, 1), ({"use_flash_attention": True, **core_attn}, 1),
+                        ({"use_flash_attention": True, "pipeline_parallel_degree": 2}, 2),
+                        ({"use_flash_attention": False, "pipeline_parallel_degree": 2, **core_attn}, 2)):
+        _, config, _, _ = check_layout_and_model(_arguments(embedded_corpus, tmp_path, **accepted), n, "cpu")
+        assert config.use_flash_attention == accepted["use_flash_attention"]
+    with pytest.raises(UsageError) as raised:
+        check_layout_and_model(_arguments(embedded_corpus, tmp_path, use_flash_attention=True, context_parallel_degree=2),
+                               2, "cpu")
+    message = "use_flash_attention: true with context_parallel_degree 2 is not supported for deepseek_v3"
+    assert "\n" not in str(raised.value) and message in str(raised.value)
+    with pytest.raises(UsageError) as raised:
+        check_layout_and_model(_arguments(embedded_corpus, tmp_path, context_parallel_degree=2, **core_attn), 2, "cpu")
+    message = "recompute_granularity: core_attn with context_parallel_degree 2 is not supported for deepseek_v3"
+    assert "\n" not in str(raised.value) and message in str(raised.value)
 
 
 def test_bias_rate_needs_a_router_bias(embedded_corpus, tmp_path):
@@ -564,9 +667,10 @@ def test_tiny_preset_trains_with_the_bias_rule_and_mtp_logged(embedded_corpus, t
 def test_the_smallest_h800_cluster_at_4k_is_the_argument_files_336_in_pp21_sd16():
     """Issue 35 item 5, the claim of docs/parallel-layouts.md and the README: over the layouts the trainer accepts for
     DeepSeek-V3 that could fit (pp x sharding stage 1 with ep = the sharding degree, micro-batch 1, full recompute,
-    global batch 512), no count of H800-80G from 240 up to 335 fits at 4,096 tokens (PaddleFormers' 256 in
-    pp8 x sd32 x ep32 included: the plain attention's transients), and 336 in pp21 x sd16 x ep16 does: the layout of
-    configs/deepseek_v3/pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json. The planner's own checks and estimate."""
+    global batch 512) on the plain attention path, no count of H800-80G from 240 up to 335 fits at 4,096 tokens
+    (PaddleFormers' 256 in pp8 x sd32 x ep32 included: the plain attention's transients), and 336 in pp21 x sd16 x ep16
+    does: the layout of configs/deepseek_v3/pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json. With flash attention
+    PaddleFormers' 256-card layout fits. The planner's own checks and estimate."""
     import json
     from pathlib import Path
 
@@ -596,6 +700,14 @@ def test_the_smallest_h800_cluster_at_4k_is_the_argument_files_336_in_pp21_sd16(
         peak[gpus, pp, sd] = reserved
         fits[gpus, pp, sd] = reserved <= limit
     assert peak[256, 8, 32] > limit, peak  # PaddleFormers' layout, here without flash attention for MLA
+    # ... and with it (models/mla.py flash_attention): the plain path's 16 GB of attention transients gone, it fits
+    values = dict(base, use_flash_attention=True, pipeline_parallel_degree=8, sharding="stage1",
+                  sharding_parallel_degree=32, expert_parallel_degree=32, per_device_train_batch_size=1,
+                  per_device_eval_batch_size=1, gradient_accumulation_steps=16, recompute=True,
+                  recompute_granularity="full")
+    setup, _, _ = validated_setup(Arguments(**values), 256, device)
+    flash_peak = estimate_setup(_MemoSetup.of(setup, memo), device, {"gpus_per_node": 8})["peak_mem_reserved_mb"]
+    assert flash_peak <= limit < peak[256, 8, 32] - 16_000, (flash_peak, peak[256, 8, 32])
     assert [layout for layout, fit in fits.items() if fit] == [(336, 21, 16)], peak
     file = Path(__file__).parent.parent / "configs" / "deepseek_v3" / "pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json"
     values = json.loads(file.read_text())

@@ -184,6 +184,38 @@ def test_flashmask_attention_equals_the_dense_document_mask(standins, kv_heads):
     assert np.abs(out.numpy() - unmasked.numpy()).max() > 1e-2  # the indices do mask
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_flash_stand_ins_under_core_attn_recompute(standins, documents):
+    """recompute_granularity core_attn wraps the attention in fleet's non-reentrant recompute (models/decoder.py,
+    models/mla.py), which matches the saved tensors of the recomputed forward to the first's by their order: the
+    stand-ins' PyLayers save their inputs only (kernel_standins._SAVES_INPUTS_ONLY; saving out, the gradients came
+    back off by 1e-3), so q, k and v's gradients equal those without recompute, and the kernel ran again in
+    backward."""
+    from paddle.distributed.fleet.utils import recompute
+
+    from models.decoder import document_row_indices
+
+    indices = document_row_indices(_document_ids())
+    weights = _random(8, 8, seed=4)
+
+    def attention(h):  # q, k, v made inside, so that recompute keeps only h
+        q, k, v = h, paddle.matmul(h, weights), h * 3
+        if documents:
+            return F.flashmask_attention(q, k, v, startend_row_indices=indices, causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, training=True)
+
+    grads = []
+    for recomputed in (False, True):
+        x = _random(2, 24, 2, 8, seed=5)
+        h = paddle.matmul(x, weights)
+        out = recompute(attention, h, use_reentrant=False) if recomputed else attention(h)
+        (out * _random(2, 24, 2, 8, seed=6)).sum().backward()
+        grads.append(x.grad)
+    _close(grads[1], grads[0], 1e-6)
+    kernel = "flashmask_attention" if documents else "flash_attn"
+    assert dict(standins.CALLS) == {kernel: 3, kernel + "_grad": 2}  # forward twice, again in recompute
+
+
 @pytest.mark.parametrize("causal, bounds", [(True, 2), (False, 2), (False, 4)])
 def test_flashmask_row_bounds_mean_what_paddles_docstring_says(standins, causal, bounds):
     """The other layouts of startend_row_indices (Paddle 3.3.1 flashmask_attention's docstring), per key j and

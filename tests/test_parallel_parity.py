@@ -336,7 +336,9 @@ def deepseek_tp2_runs(parity: Parity) -> list[list[str]]:
     """DeepSeek-V3 (issue 35): deepseek-v3-short (MLA, 1 dense + 1 MoE layer, MTP, the bias rule) for 2 steps."""
     tp = {"tensor_parallel_degree": 2}
     return [parity.run(f"{DEEPSEEK_SHORT}-tp2", DEEPSEEK_SHORT, **tp),
-            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True)] + [
+            # latent attention on the flash kernel (its CPU stand-in: models/mla.py flash_attention), heads split
+            parity.run(f"{DEEPSEEK_SHORT}-tp2-sp", DEEPSEEK_SHORT, **tp, sequence_parallel=True,
+                       use_flash_attention=True)] + [
         parity.run(f"{QWEN3_MOE_TP}-tp2{sp}", QWEN3_MOE_TP, **tp, **options)
         for sp, options in (("", {}), ("-sp", {"sequence_parallel": True}))]
 
@@ -350,7 +352,8 @@ DEEPSEEK_TP_SPLIT = {"self_attn.q_b_proj.weight": 1, "self_attn.kv_b_proj.weight
 
 
 def check_deepseek_tp2(parity: Parity, observed: dict) -> None:
-    """deepseek-v3-short under tp2 and tp2 + SP: losses, grad norms, weights and AdamW moments as one process's,
+    """deepseek-v3-short under tp2 and tp2 + SP (its latent attention on the flash kernel): losses, grad norms, weights
+    and AdamW moments as one process's,
     every replica (latent projections, norms, routers, correction biases, the MTP block's) bitwise equal on both
     ranks (parity.check's replica check); the heads split and the rest whole; the biases moved as one process's;
     under SP 32 of the micro-batch's 64 tokens between the layers (the MTP block's too), every sequence-parallel
@@ -359,6 +362,8 @@ def check_deepseek_tp2(parity: Parity, observed: dict) -> None:
 
     names = [f"{DEEPSEEK_SHORT}-tp2", f"{DEEPSEEK_SHORT}-tp2-sp"]
     parity.check([(name, DEEPSEEK_SHORT) for name in names])
+    # the -sp run's latent attention took the flash kernel's stand-in on both ranks, against the plain one process
+    assert_stand_ins_ran(observations(observed, names[1]), parity.out(names[1]), ("flash_attn", "flash_attn_grad"))
     steps = SHORT["max_steps"]
     for name in names:
         assert_same_router_metrics(parity.references[DEEPSEEK_SHORT], parity.out(name))

@@ -169,6 +169,12 @@ def _flash_backward(q, k, v, out, lse, out_grad, attn_mask, causal):
             dv.transpose([0, 2, 1, 3]).astype(v.dtype))
 
 
+# _SAVES_INPUTS_ONLY: the PyLayers below save their inputs and rebuild out and lse in backward (the same
+# float32 math, so the same numbers) rather than saving their own outputs: under fleet's non-reentrant recompute
+# (paddle/distributed/fleet/recompute/recompute.py _recompute_without_reentrant: saved tensors matched to the
+# recomputed forward's by their order) a PyLayer's saved outputs came back as another tensor of out's shape
+# (recompute_granularity core_attn with use_flash_attention: gradients off; tests/test_kernel_standins.py
+# test_flash_stand_ins_under_core_attn_recompute). The real kernels are ops and save through the hooks as any.
 def _seed_offset():
     return paddle.to_tensor([0, 0], dtype="int64", place=paddle.CPUPlace())
 
@@ -180,14 +186,16 @@ class _FlashAttention(PyLayer):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, causal):
         out, lse = _flash_forward(q, k, v, attn_mask, causal)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.save_for_backward(q, k, v, attn_mask)  # inputs only (_SAVES_INPUTS_ONLY)
         ctx.causal = causal
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, out_grad, _lse_grad=None):
-        q, k, v, out, lse, attn_mask = ctx.saved_tensor()
+        q, k, v, attn_mask = ctx.saved_tensor()
+        with paddle.no_grad():
+            out, lse = _flash_forward(q, k, v, attn_mask, ctx.causal)
         dq, dk, dv = flash_attn_grad(q, k, v, out, lse, _seed_offset(), attn_mask, out_grad, 0.0, ctx.causal)
         return (dq, dk, dv) + ((None,) if attn_mask is not None else ())
 
@@ -293,14 +301,17 @@ class _FlashMaskAttention(PyLayer):
     def forward(ctx, q, k, v, startend_row_indices, causal):
         mask = flashmask_dense_mask(startend_row_indices, q.shape[1], q.shape[2], causal)
         out, lse = _flash_forward(q, k, v, mask, causal)
-        ctx.save_for_backward(q, k, v, startend_row_indices, out, lse)
+        ctx.save_for_backward(q, k, v, startend_row_indices)  # inputs only (_SAVES_INPUTS_ONLY)
         ctx.causal = causal
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, out_grad, _lse_grad=None):
-        q, k, v, startend_row_indices, out, lse = ctx.saved_tensor()
+        q, k, v, startend_row_indices = ctx.saved_tensor()
+        with paddle.no_grad():
+            mask = flashmask_dense_mask(startend_row_indices, q.shape[1], q.shape[2], ctx.causal)
+            out, lse = _flash_forward(q, k, v, mask, ctx.causal)
         dq, dk, dv = flashmask_attention_grad(q, k, v, startend_row_indices, out, lse, _seed_offset(), out_grad, 0.0,
                                               ctx.causal)
         return dq, dk, dv, None

@@ -695,16 +695,16 @@ def check_layout_and_model(args: Arguments, world_size: int, device: str
     check_model_fits_layout(config, layout)
     check_proven_layout(config, layout, _degree(args.expert_parallel_degree))
     check_mixture_of_experts(args, config, layout)
-    check_deepseek_v3(args, config, layout)
+    check_deepseek_v3(args, config, layout, device)
     check_strategy(args, config, layout)
     check_document_keys(args, config, layout, device)
     return layout, config, weights_file, notes
 
 
-def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> None:
+def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout, device: str = "cpu") -> None:
     """The correction bias's rate, and what DeepSeek-V3's proven layouts (PROVEN_DEGREES, PROVEN_SHARDING_STAGES,
     EXPERTS_OVER_SHARDING: its degrees, each alone) still do not take: uneven pipeline stages beside another degree or
-    interleaved, flash attention and core_attn recompute (its latent attention has the plain path only). Recompute
+    interleaved, flash attention and core_attn recompute under cp (see below). Recompute
     under the pipeline (full: fleet's PipelineLayer segments, the MTP block among them; full_attn) is proven by
     pp2sd2ep2-deepseek and pp2dp2ep2-deepseek (tests/test_expert_parallel.py)."""
     rate = getattr(args, "moe_bias_update_rate", 0.0)
@@ -729,11 +729,22 @@ def check_deepseek_v3(args: Arguments, config: ModelConfig, layout: Layout) -> N
         what = others[0] if others else f"virtual_pp_degree {layout.virtual_pp_degree}"
         raise UsageError(f"{key}: {value} gives uneven stages {split}, which with {what} are not supported for "
                          f"{config.family} yet (proven under 1F1B with the pipeline alone); allowed: an even split")
-    if args.use_flash_attention:
-        raise UsageError(f"use_flash_attention: true is not supported for {config.family} (its latent attention has the "
-                         "plain path only; allowed: false)")
-    if args.recompute and args.recompute_granularity == "core_attn":
-        raise UsageError(f"recompute_granularity: core_attn is not supported for {config.family} (allowed: full, "
+    # Flash attention (models/mla.py flash_attention: v padded to the q/k head dim, as PaddleFormers) and core_attn
+    # recompute, alone and together, with and without packed documents, are proven in one process, flash also
+    # under tp2 + SP (tests/test_parallel_parity.py check_deepseek_tp2) (tests/
+    # test_deepseek_v3.py test_flash_attention_gives_the_plain_paths_logits_loss_and_gradients, test_core_attention_
+    # recompute_gives_the_same_loss_and_gradients); the layouts run the same layer. Under cp the ring over latent
+    # attention keeps its plain blocks (unequal head dims), so flash there is refused rather than ignored.
+    flash = args.use_flash_attention and (device == "gpu" or kernel_standins_requested(device))  # the branch runs
+    if flash and config.uses_mla and layout.context_parallel_degree > 1:
+        raise UsageError(f"use_flash_attention: true with context_parallel_degree {layout.context_parallel_degree} is "
+                         f"not supported for {config.family} (the ring over latent attention has plain blocks; "
+                         "allowed: false)")
+    if (config.uses_mla and args.recompute and args.recompute_granularity == "core_attn"
+            and layout.context_parallel_degree > 1):
+        # models/mla.py recomputes its own core paths, not the ring (the decoder's Attention recomputes that too)
+        raise UsageError(f"recompute_granularity: core_attn with context_parallel_degree "
+                         f"{layout.context_parallel_degree} is not supported for {config.family} (allowed: full, "
                          "full_attn)")
 
 

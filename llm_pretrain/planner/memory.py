@@ -227,6 +227,14 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         gqa_saved = 0.0
         core_inputs = tokens * a * (q_size + 2 * kv_size)
         tables += 2 * tokens / setup.micro_batch * d * 4
+    elif c.use_flash_attention and c.uses_mla:
+        # models/mla.py flash_attention: the kernel keeps q (pre-scaled), k and v padded to the q/k head dim
+        # (nope + rope), its padded output and the log-sum-exp per head and token; the output's slice to v's
+        # head dim is the o_proj input (`out`, below). Recompute of the core keeps q, k and the unpadded v.
+        qk_size, v_size = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), heads * c.v_head_dim
+        core = tokens * (a * 4 * qk_size + 4 * heads)
+        gqa_saved = 0.0
+        core_inputs = tokens * a * (2 * qk_size + v_size)
     elif c.use_flash_attention and c.position_embedding != "alibi":
         # flash attention keeps q, k, v (repeated for GQA) and the log-sum-exp per head and token; its
         # output is the o_proj input (`out`).
@@ -240,7 +248,7 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         core = tokens * (4 * q_size + 4 * q_size + a * q_size) + scores
         gqa_saved = tokens * a * 2 * kv_size if gqa else 0.0  # repeat_interleave keeps k and v
         core_inputs = tokens * a * (q_size + 2 * kv_size)  # what recompute(core_attention, q, k, v) keeps
-    out = tokens * a * q_size  # o_proj input
+    out = tokens * a * (heads * c.v_head_dim if c.uses_mla and c.use_flash_attention else q_size)  # o_proj input
     if c.is_moe:
         # models/moe.py: router logits and probabilities (float32, [tokens, E]); the k rows per token gathered
         # for the experts (and received by the all-to-all under expert parallelism), each expert's SwiGLU

@@ -97,8 +97,6 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
 
     config = resolve_model(model)[0]
     base = base_arguments(model, seq, device)
-    if config.uses_mla:  # latent attention has the plain path only (layout.py check_deepseek_v3 refuses flash)
-        base["use_flash_attention"] = False
     if documents:
         base["reset_attention_mask"] = True
     for tp, split_key, split, pp, vpp, stage, sd, dp, sp in layout_degrees(
