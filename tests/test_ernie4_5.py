@@ -172,13 +172,10 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
                                                 f"not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, pipeline_parallel_degree=2))
     if preset in ("qwen3-tiny", "ernie4_5-tiny"):  # pairs proven (test_long_context PAIR_MODELS): sep2 or cp2 with
-        for split in (SEP, CP):                     # tp2 (+ SP), and with sharding 2 at stage 2 only
+        for split in (SEP, CP):                     # tp2 (+ SP), and with sharding 2 at stages 1-3 (PAIR_SHARDING)
             check_proven_layout(config, Layout(world_size=4, **split, **TP))
-            check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=2))
-            for stage in (1, 3):
-                with pytest.raises(RunUsageError, match=f"^sharding: stage{stage} is not proven for {config.family} "
-                                                        "yet .* allowed: stage2$"):
-                    check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=stage))
+            for stage in (1, 2, 3):
+                check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=stage))
             with pytest.raises(RunUsageError, match=f"^data_parallel_degree 2 with {next(iter(split))} 2 together is "
                                                     f"not proven for {config.family}"):
                 check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, **split))

@@ -116,8 +116,13 @@ SEP2 = {"sep_parallel_degree": 2}
 CP2 = {"context_parallel_degree": 2}
 DEEPSEEK_PAIRS = (("deepseek-docs-sep2tp2-sp", {**SEP2, "tensor_parallel_degree": 2, "sequence_parallel": True}),
                   ("deepseek-docs-cp2tp2-sp", {**CP2, "tensor_parallel_degree": 2, "sequence_parallel": True}))
-# PAIR_MODELS with sharding 2 at stage 2 (Qwen3's cp2 x sharding is one of MODELS' runs, 5 steps)
-PAIR_SHARDING = (("ernie4_5", "cp2", CP2), ("qwen3", "sep2", SEP2), ("ernie4_5", "sep2", SEP2))
+# PAIR_MODELS with sharding 2 (model, sep or cp, degrees, stage): both under sep2 and cp2 at stage 2 (Qwen3's cp2 x
+# sharding stage 2 is one of MODELS' runs, 5 steps); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
+# stage 1, fleet's sharding optimizer; Qwen3: stage 3, GroupShardedStage3 and our sum over the sep group), so every
+# stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; about 1 s of CPU a run)
+PAIR_SHARDING = (("ernie4_5", "cp2", CP2, 2), ("qwen3", "sep2", SEP2, 2), ("ernie4_5", "sep2", SEP2, 2),
+                 ("ernie4_5", "cp2", CP2, 1), ("ernie4_5", "sep2", SEP2, 1), ("qwen3", "sep2", SEP2, 3),
+                 ("qwen3", "cp2", CP2, 3))
 STOP = 3  # resume pairs stop after this step
 # Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
 KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
@@ -409,9 +414,9 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
                              runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
                              *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
-                             *[runs.run(f"{model}-{name}sd2-stage2", f"{model}-short", **degrees, sharding="stage2",
-                                        per_device_train_batch_size=1)
-                               for model, name, degrees in PAIR_SHARDING],
+                             *[runs.run(f"{model}-{name}sd2-stage{stage}", f"{model}-short", **degrees,
+                                        sharding=f"stage{stage}", per_device_train_batch_size=1)
+                               for model, name, degrees, stage in PAIR_SHARDING],
                              runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
                              runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3),
                              # the ring's FlashBlocks under GroupShardedStage2 (its gradient buffer, our sep-group sum)
@@ -424,7 +429,7 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                          runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
-                *[(f"{model}-{name}sd2-stage2", f"{model}-short") for model, name, _ in PAIR_SHARDING],
+                *[(f"{model}-{name}sd2-stage{stage}", f"{model}-short") for model, name, _, stage in PAIR_SHARDING],
                 ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom"),
                 ("llama-cp2sd2-stage2-kernels", "llama"), ("llama-cp2sd2-kernels", "llama"),
                 ("llama-cp2sd2-stage3-kernels", "llama"), ("llama-sep2sd2-kernels", "llama"),
@@ -434,12 +439,20 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                  "llama-sep2sd2-stage3-kernels"):
         runs.check_stand_ins(sep2sd2, name, micro_batches=2, ring="cp2" in name)
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
+    for model, name, _, stage in PAIR_SHARDING:  # "-short": one sample a rank, one micro-batch of 2 a step
+        record = run_record(runs.out(f"{model}-{name}sd2-stage{stage}"))
+        assert record["strategy"] == f"{name}sd2_stage{stage}" and record["global_batch_size"] == 2, (model, record)
+        # stage 1: fleet's sharding optimizer (DygraphShardingOptimizer) over the 2 data replicas
+        assert record["built"]["sharding"]["stage"] == stage and record["built"]["sharding"]["degree"] == 2, model
     for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
                                   ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),
                                   ("qwen2-sep2sd2-stage3", "sep2sd2_stage3", 3),
-                                  ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3)):
+                                  ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3),
+                                  *[(f"{model}-{name}sd2-stage{stage}", f"{name}sd2_stage{stage}", stage)
+                                    for model, name, _, stage in PAIR_SHARDING if stage > 1]):
         record = run_record(runs.out(name))
-        assert record["strategy"] == strategy and record["global_batch_size"] == 8, (name, record["strategy"])
+        batch = 2 if name.split("-")[0] in PAIR_MODELS else 8  # (PAIR_MODELS': "-short")
+        assert record["strategy"] == strategy and record["global_batch_size"] == batch, (name, record["strategy"])
         built = record["built"]
         assert built["sharding"]["stage"] == stage and built["sharding"]["gradients_summed_over_sep_group"] == 2, name
         wrappers = (built["segment_parallel"] or built["context_parallel"])["model_wrappers"]
