@@ -21,8 +21,9 @@ accumulation steps of one process).
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
                         2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head);
                         Qwen3 and ERNIE 4.5 (PAIR_MODELS, 2 steps) under sep2 x tp2 + SP, cp2 x tp2 + SP and
-                        sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2; DeepSeek-V3 with
-                        packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP (DEEPSEEK_PAIRS)
+                        sep2 / cp2 x sharding 2 at stages 1-3 (PAIR_SHARDING: stage 2 both, stage 1 ERNIE 4.5,
+                        stage 3 Qwen3); DeepSeek-V3 with packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP
+                        (DEEPSEEK_PAIRS)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
@@ -79,14 +80,14 @@ from parity_utils import (
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
 # ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 in the 2-process launch, and PAIR_MODELS' pairs below; its other
-# layouts with sep or cp (with dp, the pipeline, other sharding stages) are refused (llm_pretrain/parallel/layout.py
+# layouts with sep or cp (with dp, the pipeline) are refused (llm_pretrain/parallel/layout.py
 # PROVEN_DEGREES, PROVEN_PAIRS), not trained here.
 SEP_CP_MODELS = ("ernie4_5",)
 # Issue 34's dense families (Qwen3's q/k norms, head_dim 32 apart from hidden / heads) also under two degrees at once, in the
 # 4-process launches of test_sep2_with_tp2_dp2_and_sharding: sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x sharding 2 and
-# cp2 x sharding 2 at stage 2 (llm_pretrain/parallel/layout.py PROVEN_PAIRS); "<model>-short": 2 layers for 2 steps
-# of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own one-process
-# references.
+# cp2 x sharding 2 (PAIR_SHARDING's stages; llm_pretrain/parallel/layout.py PROVEN_PAIRS); "<model>-short": 2 layers
+# for 2 steps of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own
+# one-process references.
 PAIR_MODELS = ("qwen3", "ernie4_5")
 SHORT = {"max_steps": 2, "save_steps": 2, "gradient_accumulation_steps": 1}
 MODELS = tuple(name for name, family in FAMILIES.items()
@@ -119,7 +120,7 @@ DEEPSEEK_PAIRS = (("deepseek-docs-sep2tp2-sp", {**SEP2, "tensor_parallel_degree"
 # PAIR_MODELS with sharding 2 (model, sep or cp, degrees, stage): both under sep2 and cp2 at stage 2 (Qwen3's cp2 x
 # sharding stage 2 is one of MODELS' runs, 5 steps); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
 # stage 1, fleet's sharding optimizer; Qwen3: stage 3, GroupShardedStage3 and our sum over the sep group), so every
-# stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; about 1 s of CPU a run)
+# stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; ~1 s of CPU a run)
 PAIR_SHARDING = (("ernie4_5", "cp2", CP2, 2), ("qwen3", "sep2", SEP2, 2), ("ernie4_5", "sep2", SEP2, 2),
                  ("ernie4_5", "cp2", CP2, 1), ("ernie4_5", "sep2", SEP2, 1), ("qwen3", "sep2", SEP2, 3),
                  ("qwen3", "cp2", CP2, 3))

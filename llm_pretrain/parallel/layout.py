@@ -618,8 +618,8 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # the sharding stages proven with them; () when the pair has no sharding): tests/test_long_context.py
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
 # sep2 x sharding 2 and cp2 x sharding 2 at stage 2, ERNIE 4.5 under both at stage 1 and Qwen3 under both at stage 3
-# (PAIR_SHARDING: every stage of both pairs by some family), DeepSeek-V3 under the first two (DEEPSEEK_PAIRS, with packed
-# documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the bias load
+# (PAIR_SHARDING: every stage of both pairs by some family), DeepSeek-V3 under the first two (DEEPSEEK_PAIRS, with
+# packed documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the bias load
 # summed over the sep group, not over tp; its pairs with sharding are not trained: about 4 s of the suite's CPU a run);
 # DeepSeek-V3 is also trained under pp2 x dp2 with ep2 over the data-parallel ranks, MTP on the last stage
 # (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), and under
@@ -633,8 +633,7 @@ _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}):
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3),
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
-                **{family: {_PP_DP_EP: (), **{pair: () for pair in _SEQUENCE_PAIRS if "tensor_parallel_degree" in pair}}
-                   for family in ("qwen3_moe", "ernie4_5_moe")},
+                **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},
                 "deepseek_v3": {**{pair: () for pair in _SEQUENCE_PAIRS if "tensor_parallel_degree" in pair},
                                 _PP_DP_EP: (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
