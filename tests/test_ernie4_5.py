@@ -125,7 +125,7 @@ TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"conte
 EP = [{**DP, "ep": 2}, {**SD1, "ep": 2}, {**SD2, "ep": 2}]
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
 # tp2 (+ SP): test_parallel_parity TP_ONLY (Qwen3-MoE: QWEN3_MOE_TP); dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (all four; Qwen3, ERNIE 4.5 also sep2 / cp2 x tp2 and x sharding stage 2, the pairs checked below); EP:
+# test_long_context (all four; Qwen3, ERNIE 4.5 also sep2 / cp2 x tp2 and x sharding stages 1-3, the pairs checked below); EP:
 # test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
 PROVEN_AND_REFUSED = {
     "ernie4_5-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
