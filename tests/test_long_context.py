@@ -21,9 +21,9 @@ accumulation steps of one process).
                         sep2 x dp2; cp2 x tp2 (+SP), cp2 x dp2; sep2 and cp2 x sharding 2 at stages 1,
                         2 (cp2: every family) and 3; cp4 (LLaMA, Bloom's ALiBi, GPT-3, Qwen2 with 1 kv head);
                         Qwen3 and ERNIE 4.5 (PAIR_MODELS, 2 steps) under sep2 x tp2 + SP, cp2 x tp2 + SP and
-                        sep2 x sharding 2 stage 2, ERNIE 4.5 under cp2 x sharding 2 stage 2; DeepSeek-V3 with
-                        packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP (DEEPSEEK_PAIRS), and
-                        without them under sep2 / cp2 x sharding 2 stage 2 (DEEPSEEK_SHARDING)
+                        sep2 / cp2 x sharding 2 at stages 1-3 (PAIR_SHARDING: stage 2 both, stage 1 ERNIE 4.5,
+                        stage 3 Qwen3); DeepSeek-V3 with packed documents under sep2 x tp2 + SP and cp2 x tp2 + SP
+                        (DEEPSEEK_PAIRS), and without them under sep2 / cp2 x sharding 2 stage 2 (DEEPSEEK_SHARDING)
     4 processes, pp2    pp2 x cp2 (LLaMA evaluating too, Bloom, GPT-3 with full recompute) and pp2 x sep2
                         (LLaMA) in one launch of the mechanism worker: parity, and s/2 tokens entering
                         every layer of both stages, ring / all-to-all steps counted; LLaMA with packed
@@ -80,14 +80,14 @@ from parity_utils import (
 # Every dense family record and llama3-tiny (Llama 3.1's rotary scaling); the mixture-of-experts families in
 # MOE_MODELS (2 layers; "mixtral-capped": capacity factor 0.5 and z-loss, which drop and penalize as one process).
 # ERNIE 4.5 dense (SEP_CP_MODELS): sep2 and cp2 in the 2-process launch, and PAIR_MODELS' pairs below; its other
-# layouts with sep or cp (with dp, the pipeline, other sharding stages) are refused (llm_pretrain/parallel/layout.py
+# layouts with sep or cp (with dp, the pipeline) are refused (llm_pretrain/parallel/layout.py
 # PROVEN_DEGREES, PROVEN_PAIRS), not trained here.
 SEP_CP_MODELS = ("ernie4_5",)
 # Issue 34's dense families (Qwen3's q/k norms, head_dim 32 apart from hidden / heads) also under two degrees at once, in the
 # 4-process launches of test_sep2_with_tp2_dp2_and_sharding: sep2 x tp2 + SP, cp2 x tp2 + SP, sep2 x sharding 2 and
-# cp2 x sharding 2 at stage 2 (llm_pretrain/parallel/layout.py PROVEN_PAIRS); "<model>-short": 2 layers for 2 steps
-# of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own one-process
-# references.
+# cp2 x sharding 2 (PAIR_SHARDING's stages; llm_pretrain/parallel/layout.py PROVEN_PAIRS); "<model>-short": 2 layers
+# for 2 steps of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own
+# one-process references.
 PAIR_MODELS = ("qwen3", "ernie4_5")
 SHORT = {"max_steps": 2, "save_steps": 2, "gradient_accumulation_steps": 1}
 MODELS = tuple(name for name, family in FAMILIES.items()
@@ -123,8 +123,13 @@ DEEPSEEK_PAIRS = (("deepseek-docs-sep2tp2-sp", {**SEP2, "tensor_parallel_degree"
 # its own micro-batch's unmasked tokens (as Megatron's), so a split of the batch differs from one process by 1e-4.
 DEEPSEEK_SHARDING = (("deepseek-sep2sd2-stage2", {**SEP2, "sharding": "stage2", "gradient_accumulation_steps": 2}),
                      ("deepseek-cp2sd2-stage2", {**CP2, "sharding": "stage2", "gradient_accumulation_steps": 2}))
-# PAIR_MODELS with sharding 2 at stage 2 (Qwen3's cp2 x sharding is one of MODELS' runs, 5 steps)
-PAIR_SHARDING = (("ernie4_5", "cp2", CP2), ("qwen3", "sep2", SEP2), ("ernie4_5", "sep2", SEP2))
+# PAIR_MODELS with sharding 2 (model, sep or cp, degrees, stage): both under sep2 and cp2 at stage 2 (Qwen3's cp2 x
+# sharding stage 2 is one of MODELS' runs, 5 steps); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
+# stage 1, fleet's sharding optimizer; Qwen3: stage 3, GroupShardedStage3 and our sum over the sep group), so every
+# stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; ~1 s of CPU a run)
+PAIR_SHARDING = (("ernie4_5", "cp2", CP2, 2), ("qwen3", "sep2", SEP2, 2), ("ernie4_5", "sep2", SEP2, 2),
+                 ("ernie4_5", "cp2", CP2, 1), ("ernie4_5", "sep2", SEP2, 1), ("qwen3", "sep2", SEP2, 3),
+                 ("qwen3", "cp2", CP2, 3))
 STOP = 3  # resume pairs stop after this step
 # Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
 KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
@@ -416,9 +421,9 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                              runs.run("llama-cp2sd2", **CP2, sharding="stage1", **sharded),
                              runs.run("llama-sep2sd2-stage2", **SEP2, **stage2),
                              *[runs.run(f"{model}-cp2sd2-stage2", model, **CP2, **stage2) for model in MODELS],
-                             *[runs.run(f"{model}-{name}sd2-stage2", f"{model}-short", **degrees, sharding="stage2",
-                                        per_device_train_batch_size=1)
-                               for model, name, degrees in PAIR_SHARDING],
+                             *[runs.run(f"{model}-{name}sd2-stage{stage}", f"{model}-short", **degrees,
+                                        sharding=f"stage{stage}", per_device_train_batch_size=1)
+                               for model, name, degrees, stage in PAIR_SHARDING],
                              runs.run("qwen2-sep2sd2-stage3", "qwen2", **SEP2, **stage3),
                              runs.run("bloom-cp2sd2-stage3", "bloom", **CP2, **stage3),
                              # the ring's FlashBlocks under GroupShardedStage2 (its gradient buffer, our sep-group sum)
@@ -432,7 +437,7 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
                          runs.work, "sep2sd2", timeout=1800)
     runs.check([("llama-sep2sd2", "llama"), ("llama-cp2sd2", "llama"), ("llama-sep2sd2-stage2", "llama"),
                 *[(f"{model}-cp2sd2-stage2", model) for model in MODELS],
-                *[(f"{model}-{name}sd2-stage2", f"{model}-short") for model, name, _ in PAIR_SHARDING],
+                *[(f"{model}-{name}sd2-stage{stage}", f"{model}-short") for model, name, _, stage in PAIR_SHARDING],
                 ("qwen2-sep2sd2-stage3", "qwen2"), ("bloom-cp2sd2-stage3", "bloom"),
                 ("llama-cp2sd2-stage2-kernels", "llama"), ("llama-cp2sd2-kernels", "llama"),
                 ("llama-cp2sd2-stage3-kernels", "llama"), ("llama-sep2sd2-kernels", "llama"),
@@ -444,13 +449,21 @@ def test_sep2_with_tp2_dp2_and_sharding(runs):
     assert run_record(runs.out("llama-cp2sd2"))["strategy"] == "cp2sd2_stage1"
     for name, _ in DEEPSEEK_SHARDING:  # MTP, the bias rule, the sequence-wise loss
         check_deepseek(runs, name)
+    for model, name, _, stage in PAIR_SHARDING:  # "-short": one sample a rank, one micro-batch of 2 a step
+        record = run_record(runs.out(f"{model}-{name}sd2-stage{stage}"))
+        assert record["strategy"] == f"{name}sd2_stage{stage}" and record["global_batch_size"] == 2, (model, record)
+        # stage 1: fleet's sharding optimizer (DygraphShardingOptimizer) over the 2 data replicas
+        assert record["built"]["sharding"]["stage"] == stage and record["built"]["sharding"]["degree"] == 2, model
     for name, strategy, stage in (("llama-sep2sd2-stage2", "sep2sd2_stage2", 2),
                                   ("llama-cp2sd2-stage2", "cp2sd2_stage2", 2),
                                   ("qwen2-sep2sd2-stage3", "sep2sd2_stage3", 3),
                                   ("bloom-cp2sd2-stage3", "cp2sd2_stage3", 3),
-                                  *[(name, f"{name.split('-')[1]}_stage2", 2) for name, _ in DEEPSEEK_SHARDING]):
+                                  *[(name, f"{name.split('-')[1]}_stage2", 2) for name, _ in DEEPSEEK_SHARDING],
+                                  *[(f"{model}-{name}sd2-stage{stage}", f"{name}sd2_stage{stage}", stage)
+                                    for model, name, _, stage in PAIR_SHARDING if stage > 1]):
         record = run_record(runs.out(name))
-        assert record["strategy"] == strategy and record["global_batch_size"] == 8, (name, record["strategy"])
+        batch = 2 if name.split("-")[0] in PAIR_MODELS else 8  # (PAIR_MODELS': "-short")
+        assert record["strategy"] == strategy and record["global_batch_size"] == batch, (name, record["strategy"])
         built = record["built"]
         assert built["sharding"]["stage"] == stage and built["sharding"]["gradients_summed_over_sep_group"] == 2, name
         wrappers = (built["segment_parallel"] or built["context_parallel"])["model_wrappers"]

@@ -33,6 +33,11 @@ suite's CPU budget):
                                                                      out of stage 2 into dp replicas
     dp2 x ep2 -> 1 process   qwen3-moe-tiny (16 experts, top 4;      each expert and its AdamW states, written by
                              Qwen3's q/k norms)                      the rank holding it, regrouped whole
+    tp2 -> pp2               qwen3-tiny (q/k norms per head, head_dim  tp's halves of q|k|v (32 apart from hidden /
+                             32, GQA 4:2, tied embeddings)           heads), SP's replicated q/k norms written once
+                                                                     -> whole layers a stage, the tied copy on the last
+    pp2 -> stage3            ernie4_5-tiny (tied embeddings, head_dim  the last stage's tied copy dropped, read
+                             32, GQA 4:2)                            into stage 3's managed parameters
 
 Their router metrics (aux loss, expert load, drops) of every step equal one process's too, and the correction
 biases after the last step (within 1e-7: a whole number of rate steps each). Not reading the biases back
@@ -90,6 +95,8 @@ PAIRS = [  # (model, layout A, layout B)
     ("deepseek", "tp2", "pp2_2_1"),
     ("ernie4_5_moe", "sd2_stage2", "dp2"),
     ("qwen3_moe", "dp2_ep2", "single"),
+    ("qwen3", "tp2", "pp2"),
+    ("ernie4_5", "pp2", "sd2_stage3"),
 ]
 # Launches in an order that runs every A before its B (sd2 and single twice: the pairs form cycles).
 # The three sharding stages share one fleet layout (sharding degree 2), so "sd2" runs any of them.
@@ -110,14 +117,17 @@ MODELS = {
     # auxiliary-loss-free bias rule on, so that the routers' correction biases have moved by the stop and must be
     # read back to continue; Qwen3-MoE (16 experts, every layer sparse; Qwen3's attention with its q/k norms). Their
     # tiny presets have 2 layers; they train 2 steps, stopped after 1 (SHORT_STOP), within the suite's CPU budget
-    # (measured: 4 steps and a Qwen3 tp2 -> 1 pair ~17 s of CPU; these three ~9.6 s; Qwen3's dense pair would add
-    # ~1.8 s: its q/k norms are resumed here through Qwen3-MoE's, its tp2 replicas as LLaMA's norms)
+    # (measured: 4 steps and a Qwen3 tp2 -> 1 pair ~17 s of CPU; these three ~9.6 s)
     # DeepSeek-V3 with 3 layers (1 dense, 2 MoE) so that pp2's stages are uneven (pp2_2_1): measured no dearer than
     # 2 layers under an even pp2 (10.3 s against 10.5 s of the reference and both parts, at load 9)
     "deepseek": {"model_name_or_path": "deepseek-v3-tiny", "moe_bias_update_rate": 0.01, **SHORT,
                  "num_hidden_layers": 3},
     "ernie4_5_moe": {"model_name_or_path": "ernie4_5_moe-tiny", "moe_bias_update_rate": 0.01, **SHORT},
     "qwen3_moe": {"model_name_or_path": "qwen3-moe-tiny", **SHORT},
+    # Issue 34's dense families (2 layers, 2 steps, SHORT): Qwen3's q/k norms under tp2 + SP -> pp2, ERNIE 4.5's tied
+    # head from pp2's last stage into stage 3 (measured: ~1 s of CPU a pair, s11-34b)
+    "qwen3": {"model_name_or_path": "qwen3-tiny", **SHORT},
+    "ernie4_5": {"model_name_or_path": "ernie4_5-tiny", **SHORT},
 }
 # the router blocks holding a correction bias (parity_utils.assert_same_router_biases)
 BIASED = {"deepseek": ("layers.1.mlp", "layers.2.mlp", "mtp.block.mlp"), "ernie4_5_moe": ("layers.1.mlp",)}
@@ -273,10 +283,16 @@ def test_stage3_checkpoint_holds_flat_slices_of_sliced_parameters(resumed):
 
 
 def test_replicas_are_written_once(resumed):
-    """dp2 and tp2: every tensor's slices are disjoint, replicated tensors appear in one file."""
+    """dp2 and tp2: every tensor's slices are disjoint, replicated tensors appear in one file (Qwen3's q/k norms,
+    whole on both tp ranks, among them)."""
     work, _ = resumed
-    for pair in (_pair_name("llama", "dp2", "single_mb4"), _pair_name("llama_fused", "tp2", "pp2")):
-        index = json.loads((work / "runs" / pair / f"checkpoint-{STOP}" / "tensors.index.json").read_text())
+    for model, a, b in (("llama", "dp2", "single_mb4"), ("llama_fused", "tp2", "pp2"), ("qwen3", "tp2", "pp2")):
+        pair = _pair_name(model, a, b)
+        checkpoint = work / "runs" / pair / f"checkpoint-{steps_of(model)[1]}"
+        index = json.loads((checkpoint / "tensors.index.json").read_text())
+        if model == "qwen3":
+            norms = [name for name in index["tensors"] if name.endswith(("q_norm.weight", "k_norm.weight"))]
+            assert len(norms) == 4 and all(len(index["tensors"][n]["slices"]) == 1 for n in norms), norms
         for name, entry in index["tensors"].items():
             assert sum(math.prod(s["shape"]) for s in entry["slices"]) == math.prod(entry["shape"]), (pair, name)
         files = {s["file"] for e in index["tensors"].values() for s in e["slices"]}

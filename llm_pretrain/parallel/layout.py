@@ -617,10 +617,11 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # Two degrees together where a test trains them (degree keys, expert_parallel_degree among them when above 1 ->
 # the sharding stages proven with them; () when the pair has no sharding): tests/test_long_context.py
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
-# sep2 x sharding 2 and cp2 x sharding 2 at stage 2, DeepSeek-V3 under all four (DEEPSEEK_PAIRS with tp2 + SP and packed
-# documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the bias load
-# summed over the sep group, not over tp; DEEPSEEK_SHARDING with sharding 2 at stage 2, MTP and the bias rule on: the
-# bias load summed over sep, then over the sharding ranks);
+# sep2 x sharding 2 and cp2 x sharding 2 at stage 2, ERNIE 4.5 under both at stage 1 and Qwen3 under both at stage 3
+# (PAIR_SHARDING: every stage of both pairs by some family), DeepSeek-V3 under all four (DEEPSEEK_PAIRS with tp2 + SP
+# and packed documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the
+# bias load summed over the sep group, not over tp; DEEPSEEK_SHARDING with sharding 2 at stage 2, MTP and the bias
+# rule on: the bias load summed over sep, then over the sharding ranks);
 # DeepSeek-V3 is also trained under pp2 x dp2 with ep2 over the data-parallel ranks, MTP on the last stage
 # (tests/test_expert_parallel.py pp2dp2ep2-deepseek; PaddleFormers' layout for it is PP x EP x sharding), and under
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
@@ -630,11 +631,12 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 _PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
-                   frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (2,),
-                   frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (2,)}
+                   frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3),
+                   frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3)}
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
                 **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},
-                "deepseek_v3": {**_SEQUENCE_PAIRS, _PP_DP_EP: (),
+                "deepseek_v3": {**{pair: (2,) if stages else () for pair, stages in _SEQUENCE_PAIRS.items()},
+                                _PP_DP_EP: (),
                                 frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
                                            "expert_parallel_degree"}): (1,)}}
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
