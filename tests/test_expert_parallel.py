@@ -26,7 +26,8 @@ decoder layer per stage, so the load-balancing loss, taken over both layers, spa
 trains DeepSeek-V3 with ep2 and its bias rule (2 steps; issue 35): its dense layer 0 on stage 0, its MoE layer 1 and
 MTP block on stage 1, each router's bias moved by the load summed over both micro-batches and the dp pair; and issue
 34's ERNIE 4.5 MoE (the same layout of dense and MoE layers, its correction bias) and Qwen3-MoE with global-batch
-balancing, with ep2 (ISSUE34_PIPELINE).
+balancing, with ep2 (ISSUE34_PIPELINE). The session's pp2 x sd2 launch trains DeepSeek-V3 and those two under
+sharding stage 1 with ep2 over the sharding ranks (PP_SHARDED, ISSUE34_PP_SHARDED).
 """
 
 from __future__ import annotations

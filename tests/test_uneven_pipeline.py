@@ -15,7 +15,9 @@ session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.p
                  that interleaved split again and pp3 [3, 2, 3] (each stage's stand-in calls: as many as the
                  layers it holds make); pp3 over 4 layers and the interleaved split keep pp3's plain path;
                  DeepSeek-V3 (6 layers, MTP, the bias rule, 2 steps) interleaved pp3 x 2 and in uneven stages
-                 [1, 3, 2], its MTP block in the last chunk of the last stage (check_deepseek)
+                 [1, 3, 2], its MTP block in the last chunk of the last stage (check_deepseek); issue 34's
+                 Qwen3-MoE (global-batch balancing) and ERNIE 4.5 MoE (the bias rule) interleaved pp3 x 2 the same
+                 way (check_issue34_moe)
 
 and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
 in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
