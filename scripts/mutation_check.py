@@ -750,10 +750,16 @@ MUTATIONS = [
              ("tests/test_expert_parallel.py::test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference",)),
     # Issue 34: Qwen3's and ERNIE 4.5's proven interleaved pipeline no longer allowed (their pp4 x vpp2 runs refused)
     Mutation("issue34_interleaved_refused", "Qwen3's and ERNIE 4.5's proven interleaved pipeline refused",
-             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
-             'PROVEN_INTERLEAVED = ("deepseek_v3",)',
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")',
              ("tests/test_parallel_parity.py::test_pp4_interleaved",
               "tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line")),
+    # Issue 34: Qwen3-MoE's and ERNIE 4.5 MoE's proven interleaved pipeline no longer allowed (their pp3 x vpp2 runs,
+    # tests/test_uneven_pipeline.py qwen3-moe-pp3vpp2 and ernie-moe-pp3vpp2, refused)
+    Mutation("issue34_moe_interleaved_refused", "Qwen3-MoE's and ERNIE 4.5 MoE's proven interleaved pipeline refused",
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line", UNEVEN_STAGES)),
     Mutation("deepseek_pp_recompute_off", "full recompute silently off under the pipeline for a model with MTP "
              "(DeepSeek-V3): PipelineLayer built without recompute segments", "models/pipeline.py",
              "            recompute_interval=pp_recompute_interval if full_recompute else 0,\n",
@@ -806,12 +812,26 @@ MUTATIONS = [
              "        descs.insert(-1, LayerDesc(PipelineMTP, config)) if config.num_nextn_predict_layers else None\n",
              (UNEVEN_STAGES,)),
     Mutation("deepseek_interleaved_refused", "DeepSeek-V3's proven interleaved pipeline refused",
-             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")',
-             'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5")',
+             "llm_pretrain/parallel/layout.py", 'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe", "deepseek_v3")',
+             'PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe")',
              ("tests/test_deepseek_v3.py::test_interleaved_and_uneven_pipeline_stages_are_accepted",)),
     Mutation("router_carry_of_dense_chunk_without_gradient", "the router carry a dense chunk starts sent without a "
              "gradient", "models/pipeline.py", "        sums.stop_gradient = not paddle.is_grad_enabled()\n",
              "        pass\n", (UNEVEN_STAGES,)),
+    # Issue 34: ERNIE 4.5 MoE under pp2 x sd2 stage 1 x ep2 (pp2sd2ep2-ernie): its dense stage 0 keeps fleet's clip,
+    # whose scale is not bitwise the experts' stage's ShardedGlobalNormClip's; the tied embedding's AdamW moments on the
+    # two pipeline ends drift apart (the run's replica check stops the launch)
+    Mutation("expertless_stage_keeps_fleets_clip_over_sharding", "a pipeline stage without experts keeps fleet's "
+             "global-norm clip when the experts are over the sharding ranks", "llm_pretrain/parallel/distributed.py",
+             "            use_sharded_clip(optimizer, clip_norm)\n", "            pass\n",
+             ("tests/test_expert_parallel.py::"
+              "test_issue34_moe_under_the_pipeline_with_ep2_over_sharding_trains_like_its_reference",)),
+    # Issue 34: pp x sharding stage 1 x ep over the sharding ranks for Qwen3-MoE and ERNIE 4.5 MoE refused again
+    Mutation("issue34_pp_sharding_ep_refused", "Qwen3-MoE's and ERNIE 4.5 MoE's proven pp x sharding x ep refused",
+             "llm_pretrain/parallel/layout.py",
+             '**{family: {_PP_DP_EP: (), _PP_SD_EP: (1,)} for family in ("qwen3_moe", "ernie4_5_moe")},',
+             '**{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},',
+             ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
 ]
 
 

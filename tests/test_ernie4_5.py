@@ -133,8 +133,9 @@ PROVEN_AND_REFUSED = {
     "qwen3-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
     "qwen3-moe-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP, *EP], []),
 }
-# every one with pp2 proven: DualPipeV is not; the pipeline's virtual stages only for Qwen3 and ERNIE 4.5, the pipeline
-# alone (test_parallel_parity test_pp4_interleaved: INTERLEAVED_SHORT)
+# every one with pp2 proven: DualPipeV is not; the pipeline's virtual stages for all four, the pipeline alone
+# (test_parallel_parity test_pp4_interleaved: INTERLEAVED_SHORT; the mixtures of experts in test_uneven_pipeline's pp3
+# launch: qwen3-moe-pp3vpp2, ernie-moe-pp3vpp2), not beside another degree
 INTERLEAVED = {"pipeline_parallel_degree": 4, "virtual_pp_degree": 2, "world_size": 4}
 NOT_PROVEN_ANYWHERE = [({"pipeline_parallel_degree": 2, "dualpipev": True, "world_size": 2},
                         "pipeline_parallel_config: use_dualpipev")]
@@ -162,11 +163,13 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         message = str(error.value)
         assert message.startswith(f"{key} is not proven for {config.family}") and "\n" not in message, message
     check_proven_layout(ARCHITECTURES["llama-tiny"], Layout(world_size=2, sharding_degree=2, sharding_stage=3))
-    if config.family in ("qwen3", "ernie4_5"):
-        check_proven_layout(config, Layout(**INTERLEAVED))
-    else:
-        with pytest.raises(RunUsageError, match=f"^virtual_pp_degree: 2 is not proven for {config.family}"):
-            check_proven_layout(config, Layout(**INTERLEAVED))
+    check_proven_layout(config, Layout(**INTERLEAVED))
+    with pytest.raises(RunUsageError, match=f"^pipeline_parallel_degree 4 with data_parallel_degree 2 together is not "
+                                            f"proven for {config.family}"):
+        check_proven_layout(config, Layout(**{**INTERLEAVED, "world_size": 8, "data_parallel_degree": 2}))
+    if config.is_moe:  # pp x dp x ep is proven under 1F1B only
+        with pytest.raises(RunUsageError, match=f"^virtual_pp_degree: 2 is not proven for {config.family} in this layout"):
+            check_proven_layout(config, Layout(**{**INTERLEAVED, "world_size": 8, "data_parallel_degree": 2}), 2)
     if len(proven) > 1:  # each degree alone: two together are refused
         with pytest.raises(RunUsageError, match=f"^pipeline_parallel_degree 2 with data_parallel_degree 2 together is "
                                                 f"not proven for {config.family}"):
@@ -190,14 +193,20 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
     if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel or sharding ranks, not the stages
         with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with the pipeline is not proven"):
             check_proven_layout(config, Layout(world_size=2, **PP), 2)
-        # pp2 x dp2 with ep2 over dp (test_expert_parallel pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie); not with tp2
-        # or with the experts over the sharding ranks
+        # pp2 x dp2 with ep2 over dp (test_expert_parallel pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie) and pp2 x sd2
+        # stage 1 with ep2 over the sharding ranks (pp2sd2ep2-qwen3-global, pp2sd2ep2-ernie); not with tp2, not at
+        # sharding stage 2, not pp x sharding without the experts split
         check_proven_layout(config, Layout(world_size=4, **PP, **DP), 2)
+        check_proven_layout(config, Layout(world_size=4, **PP, **SD1), 2)
+        with pytest.raises(RunUsageError, match=f"^sharding: stage2 is not proven for {config.family} .* allowed: "
+                                                "stage1$"):
+            check_proven_layout(config, Layout(world_size=4, **PP, **SD2), 2)
         tp = [({"world_size": 8, **TP, **DP}, "tensor_parallel_degree 2 with pipeline_parallel_degree 2 with "
                                               "data_parallel_degree 2")] if TP in proven else []
-        for more, key in tp + [({"world_size": 4, **SD1}, "pipeline_parallel_degree 2 with sharding_parallel_degree 2")]:
+        for more, ep, key in [(m, 2, k) for m, k in tp] + [
+                ({"world_size": 4, **SD1}, 1, "pipeline_parallel_degree 2 with sharding_parallel_degree 2")]:
             with pytest.raises(RunUsageError, match=f"^{key} together is not proven for {config.family}"):
-                check_proven_layout(config, Layout(**PP, **more), 2)
+                check_proven_layout(config, Layout(**PP, **more), ep)
 
 
 def test_tiny_trains_through_run_pretrain(embedded_corpus, tmp_path):

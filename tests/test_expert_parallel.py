@@ -26,7 +26,8 @@ decoder layer per stage, so the load-balancing loss, taken over both layers, spa
 trains DeepSeek-V3 with ep2 and its bias rule (2 steps; issue 35): its dense layer 0 on stage 0, its MoE layer 1 and
 MTP block on stage 1, each router's bias moved by the load summed over both micro-batches and the dp pair; and issue
 34's ERNIE 4.5 MoE (the same layout of dense and MoE layers, its correction bias) and Qwen3-MoE with global-batch
-balancing, with ep2 (ISSUE34_PIPELINE).
+balancing, with ep2 (ISSUE34_PIPELINE). The session's pp2 x sd2 launch trains DeepSeek-V3 and those two under
+sharding stage 1 with ep2 over the sharding ranks (PP_SHARDED, ISSUE34_PP_SHARDED).
 """
 
 from __future__ import annotations
@@ -465,16 +466,24 @@ def test_deepseek_v3_under_the_pipeline_with_ep2_trains_like_one_process(pipelin
 PP_SHARDED = "pp2sd2ep2-deepseek"
 
 
+# Issue 34's mixtures of experts in the same launch, compared with runs of the `trained` fixture as ISSUE34_PIPELINE's
+# (the sharding pair reads the samples a dp pair would): Qwen3-MoE with global-batch balancing (the picks summed over
+# the stage's sharding pair) and ERNIE 4.5 MoE with the bias rule (dense stage 0). Name -> (model, overrides, reference)
+ISSUE34_PP_SHARDED = {name.replace("dp2", "sd2"): spec for name, spec in ISSUE34_PIPELINE.items()}
+
+
 def _pp_sharded_runs(work, corpus):
     args_file = moe_arguments(corpus, work)
     overrides = {k: v for k, v in DEEPSEEK.items()}
     once(work / "single.done", lambda: run_single([argv(args_file, work / f"single-{PP_SHARDED}", **overrides)],
                                                   work, "single"))
+    pp_sd_ep = dict(pipeline_parallel_degree=2, gradient_accumulation_steps=2, expert_parallel_degree=2,
+                    sharding="stage1")
     # full recompute under the pipeline: fleet's PipelineLayer segments of one function each (pp_recompute_interval 1),
     # the MTP block's among them (models/pipeline.py); the reference does not recompute
-    return [{"name": PP_SHARDED, "argv": argv(args_file, work / PP_SHARDED, **overrides, pipeline_parallel_degree=2,
-                                              gradient_accumulation_steps=2, expert_parallel_degree=2,
-                                              sharding="stage1", recompute=True)}]
+    return [{"name": PP_SHARDED, "argv": argv(args_file, work / PP_SHARDED, **overrides, **pp_sd_ep, recompute=True)}] + [
+        {"name": name, "argv": argv(args_file, work / name, model_name_or_path=model, **{**more, **pp_sd_ep})}
+        for name, (model, more, _) in ISSUE34_PP_SHARDED.items()]
 
 
 contribute("pp2sd2", 4, "expert_parallel", _pp_sharded_runs)
@@ -537,3 +546,34 @@ def test_issue34_moe_under_the_pipeline_with_ep2_trains_like_its_reference(train
     experts = record["model_config"]["num_experts"]
     for layer in (0, 1) if name == "pp2dp2ep2-qwen3-global" else (1,):
         assert_halves_of_the_experts_written_apart(work / name, (f"layers.{layer}.mlp",), experts)
+
+
+@pytest.mark.parametrize("name", ISSUE34_PP_SHARDED)
+def test_issue34_moe_under_the_pipeline_with_ep2_over_sharding_trains_like_its_reference(trained, shared_launches,
+                                                                                          name):
+    """Qwen3-MoE (global-batch balancing over the stage's sharding pair) and ERNIE 4.5 MoE (its correction bias moved
+    by the load of both micro-batches summed over the sharding pair) under pp2 x sd2 stage 1 with ep2 over the
+    sharding ranks: losses, grad norms, router metrics, weights, every replica and ERNIE's bias as their reference's
+    (ISSUE34_PP_SHARDED). Mechanism: a stage holding experts steps through the experts' pair of optimizers
+    (PipelineExpertShardedOptimizer; ERNIE's dense stage 0 through fleet's own), and each sharding rank of it holds
+    and writes its half of the experts."""
+    observed = shared_launches.results("pp2sd2", "expert_parallel")
+    run = shared_launches.work_dir("expert_parallel") / name
+    model, _, reference = ISSUE34_PP_SHARDED[name]
+    reference = trained[0] / reference
+    print(assert_same_training(reference, run, step=2))
+    print(assert_every_replica_matches(reference, run, step=2))
+    assert_same_router_metrics(reference, run)
+    record = run_record(run)
+    layout = record["layout"]
+    assert record["model_config"]["family"] == model.removesuffix("-tiny").replace("-", "_")
+    assert (layout["pipeline_parallel_degree"], layout["sharding_degree"], layout["sharding_stage"]) == (2, 2, 1)
+    assert record["built"]["schedule"]["chunk_layers"] == [[[0]], [[1]]], record["built"]["schedule"]
+    sparse = (0, 1) if record["model_config"]["family"] == "qwen3_moe" else (1,)  # (ERNIE's layer 0 dense)
+    if sparse == (1,):
+        assert_same_router_biases(reference, run, expected=("layers.1.mlp",))
+    classes = [observed[rank][name]["optimizer_classes"][0] for rank in range(4)]
+    assert classes == [("PipelineExpertShardedOptimizer" if stage in sparse else "HybridParallelOptimizer")
+                       for stage in (0, 0, 1, 1)], classes
+    for layer in sparse:
+        assert_halves_of_the_experts_written_apart(run, (f"layers.{layer}.mlp",), record["model_config"]["num_experts"])

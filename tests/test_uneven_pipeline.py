@@ -15,7 +15,9 @@ session's pp2 launch, beside the parity tests' pp2 runs: tests/shared_launches.p
                  that interleaved split again and pp3 [3, 2, 3] (each stage's stand-in calls: as many as the
                  layers it holds make); pp3 over 4 layers and the interleaved split keep pp3's plain path;
                  DeepSeek-V3 (6 layers, MTP, the bias rule, 2 steps) interleaved pp3 x 2 and in uneven stages
-                 [1, 3, 2], its MTP block in the last chunk of the last stage (check_deepseek)
+                 [1, 3, 2], its MTP block in the last chunk of the last stage (check_deepseek); issue 34's
+                 Qwen3-MoE (global-batch balancing) and ERNIE 4.5 MoE (the bias rule) interleaved pp3 x 2 the same
+                 way (check_issue34_moe)
 
 and one launch per fleet schedule (4 processes: VPPFhenBInBalancedMemory; PipelineParallelWithInterleaveFthenB
 in the session's pp4 launch), through the mechanism probes: parity, the schedule class, and each stage's
@@ -42,7 +44,16 @@ MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_
           # 2 x pp3: fleet's PipelineParallelWithInterleave), 2 steps
           "deepseek": {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 6, "max_steps": 2,
                        "save_steps": 2, "moe_bias_update_rate": 0.01, "per_device_train_batch_size": 2,
-                       "gradient_accumulation_steps": 3}}
+                       "gradient_accumulation_steps": 3},
+          # Issue 34's mixtures of experts interleaved as DeepSeek-V3 (6 layers, 3 micro-batches of 2, 2 steps):
+          # Qwen3-MoE with global-batch balancing (every layer sparse), ERNIE 4.5 MoE with the bias rule (layers 1, 3,
+          # 5 MoE: each stage holds a dense and an MoE chunk)
+          "qwen3-moe": {"model_name_or_path": "qwen3-moe-tiny", "num_hidden_layers": 6, "max_steps": 2,
+                        "save_steps": 2, "moe_global_batch_balance": True, "per_device_train_batch_size": 2,
+                        "gradient_accumulation_steps": 3},
+          "ernie-moe": {"model_name_or_path": "ernie4_5_moe-tiny", "num_hidden_layers": 6, "max_steps": 2,
+                        "save_steps": 2, "moe_bias_update_rate": 0.01, "per_device_train_batch_size": 2,
+                        "gradient_accumulation_steps": 3}}
 PP2, PP3 = {"pipeline_parallel_degree": 2}, {"pipeline_parallel_degree": 3}
 # 8 micro-batches of 1 (the same 8 samples per step): at least 2 x pp, fleet's PipelineParallelWithInterleave
 INTERLEAVED = dict(PP3, virtual_pp_degree=2, pipeline_layers_per_stage=[1, 2, 1, 1, 2, 1],
@@ -69,6 +80,8 @@ RUNS = {
     "deepseek-pp3vpp2": ("deepseek", 3, dict(PP3, virtual_pp_degree=2), [[[0], [3]], [[1], [4]], [[2], [5, 6]]]),
     "deepseek-pp3-1-3-2": ("deepseek", 3, dict(PP3, pipeline_layers_per_stage=[1, 3, 2]),
                            [[[0]], [[1, 2, 3]], [[4, 5, 6]]]),
+    "qwen3-moe-pp3vpp2": ("qwen3-moe", 3, dict(PP3, virtual_pp_degree=2), [[[0], [3]], [[1], [4]], [[2], [5]]]),
+    "ernie-moe-pp3vpp2": ("ernie-moe", 3, dict(PP3, virtual_pp_degree=2), [[[0], [3]], [[1], [4]], [[2], [5]]]),
 }
 # Stopped at step 2 under the first split, resumed under the second (layout-free checkpoints). Under pp3 with
 # the kernel options through their stand-ins: a checkpoint of the plain path resumed on the kernels' branches.
@@ -129,6 +142,7 @@ def test_uneven_stages_train_like_one_process(uneven):
         assert run_record(out)["built"]["schedule"]["chunk_layers"] == layers, name
     assert run_record(uneven / "pp3vpp2")["built"]["schedule"]["class"] == "PipelineParallelWithInterleave"
     check_deepseek(uneven)
+    check_issue34_moe(uneven)
     assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
         "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
     # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the norms twice, and the
@@ -168,6 +182,24 @@ def check_deepseek(uneven) -> None:
         assert_same_router_metrics(reference, uneven / name)
         assert_same_router_biases(reference, uneven / name,
                                   expected=tuple(f"layers.{i}.mlp" for i in range(1, 6)) + ("mtp.block.mlp",))
+
+
+def check_issue34_moe(uneven) -> None:
+    """Qwen3-MoE (global-batch balancing) and ERNIE 4.5 MoE (the bias rule) interleaved (issue 34; the parity and
+    chunk layers above): fleet's schedule class and 2 virtual stages, the router metrics of every MoE layer carried
+    through the chunks (models/pipeline.py RouterCarry) and ERNIE's correction biases (layers 1, 3, 5: one on every
+    stage, beside a dense chunk) moved as one process's."""
+    for name, model, biased in (("qwen3-moe-pp3vpp2", "qwen3-moe", ()),
+                                ("ernie-moe-pp3vpp2", "ernie-moe", ("layers.1.mlp", "layers.3.mlp", "layers.5.mlp"))):
+        record = run_record(uneven / name)
+        assert record["model_config"]["family"] == MODELS[model]["model_name_or_path"].removesuffix("-tiny").replace(
+            "-", "_"), record["model_config"]
+        schedule = record["built"]["schedule"]
+        assert schedule["class"] == "PipelineParallelWithInterleaveFthenB" and schedule["virtual_stages"] == 2, (
+            name, schedule)
+        assert_same_router_metrics(uneven / "single" / model, uneven / name)
+        if biased:
+            assert_same_router_biases(uneven / "single" / model, uneven / name, expected=biased)
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -298,9 +298,14 @@ def use_expert_parallel_clip(optimizer, model) -> None:
     from paddle.distributed import fleet
 
     if not expert_groups and fleet.get_hybrid_communicate_group().get_sharding_parallel_world_size() > 1:
-        # ... unless the experts are over the sharding ranks (pp2sd2ep2-deepseek): there the experts' stages clip with
-        # expert_optimizer.py's norm summed over the sharding group and then the stages, as fleet's clip on this
-        # stage does; the clip above sums over tp and the stages only (the norm would miss the other sharding rank's)
+        # ... unless the experts are over the sharding ranks (pp2sd2ep2-deepseek, -ernie): there the experts' stages
+        # clip with expert_optimizer.py's norm summed over the sharding group and then the stages, and so does this
+        # one (the clip below sums over tp and the stages only: the norm would miss the other sharding rank's)
+        from llm_pretrain.parallel.expert_optimizer import use_sharded_clip
+
+        clip_norm = _global_clip_norm(optimizer)
+        if clip_norm is not None:
+            use_sharded_clip(optimizer, clip_norm)
         return
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelClipGrad, HybridParallelOptimizer,
@@ -321,6 +326,22 @@ def use_expert_parallel_clip(optimizer, model) -> None:
             inner._grad_clip = ExpertParallelGlobalNormClip(clip.clip_norm, expert_groups[0] if expert_groups else None,
                                                             tp_group, pp_group)
         inner = inner.__dict__.get("_inner_opt")
+
+
+def _global_clip_norm(optimizer) -> float | None:
+    """The clip_norm of the global-norm clip somewhere in fleet's optimizer chain (None: no such clip)."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelClipGrad,
+    )
+
+    inner = optimizer
+    while inner is not None:
+        clip = inner.__dict__.get("_grad_clip")
+        clip = clip._clip if isinstance(clip, HybridParallelClipGrad) else clip
+        if isinstance(clip, paddle.nn.ClipGradByGlobalNorm):
+            return clip.clip_norm
+        inner = inner.__dict__.get("_inner_opt")
+    return None
 
 
 def all_reduce_mean_over_replicas(value: float, layout: Layout) -> float:

@@ -237,6 +237,28 @@ def split_expert_optimizer(model, optimizer):
     return optimizer, expert_optimizer, experts
 
 
+def use_sharded_clip(optimizer, clip_norm: float) -> ShardedGlobalNormClip:
+    """fleet's clip on the (wrapped) dense optimizer replaced by ShardedGlobalNormClip. Also on a pipeline stage
+    without experts (ERNIE 4.5 MoE's dense layer 0): fleet's clip there finds the same norm but not bitwise the same
+    scale, and a tied embedding's two copies (first and last stage) would drift apart (pp2sd2ep2-ernie's replica
+    check saw their AdamW moments differ)."""
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelClipGrad,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedClipGrad
+
+    hcg = fleet.get_hybrid_communicate_group()
+    pipeline = hcg.get_pipe_parallel_group() if hcg.get_pipe_parallel_world_size() > 1 else None
+    clip = ShardedGlobalNormClip(clip_norm, hcg.get_sharding_parallel_group(), pipeline)
+    inner = optimizer
+    while inner is not None:  # fleet's clip sits on the innermost optimizer (its wrappers forward to it)
+        if isinstance(inner.__dict__.get("_grad_clip"), (HybridParallelClipGrad, GroupShardedClipGrad)):
+            inner._grad_clip = clip
+        inner = inner.__dict__.get("_inner_opt") or inner.__dict__.get("_optim")
+    return clip
+
+
 def wrap_experts_over_sharding(model, optimizer, wrap_dense):
     """The trainer's optimizer under expert parallelism over sharding ranks: `wrap_dense(model, optimizer)`
     builds fleet's sharding wrappers over the replicated weights; the experts get their own path (above)."""
@@ -244,10 +266,6 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
         DygraphShardingOptimizer,
     )
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
-        HybridParallelClipGrad,
-    )
-    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedClipGrad
 
     hcg = fleet.get_hybrid_communicate_group()
     optimizer, expert_optimizer, experts = split_expert_optimizer(model, optimizer)
@@ -256,13 +274,7 @@ def wrap_experts_over_sharding(model, optimizer, wrap_dense):
     model, optimizer = wrap_dense(model, optimizer)
     clip = None
     if clip_norm is not None:
-        pipeline = hcg.get_pipe_parallel_group() if hcg.get_pipe_parallel_world_size() > 1 else None
-        clip = ShardedGlobalNormClip(clip_norm, hcg.get_sharding_parallel_group(), pipeline)
-        inner = optimizer
-        while inner is not None:  # fleet's clip sits on the innermost optimizer (its wrappers forward to it)
-            if isinstance(inner.__dict__.get("_grad_clip"), (HybridParallelClipGrad, GroupShardedClipGrad)):
-                inner._grad_clip = clip
-            inner = inner.__dict__.get("_inner_opt") or inner.__dict__.get("_optim")
+        clip = use_sharded_clip(optimizer, clip_norm)
         expert_optimizer.expert_adamw._grad_clip = SameScaleClip(clip)  # the optimizer that applies it
     replicas = hcg.get_moe_sharding_parallel_group() if hcg.get_moe_sharding_parallel_world_size() > 1 else None
     if replicas is not None:

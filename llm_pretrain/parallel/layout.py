@@ -560,7 +560,8 @@ def check_experts_over_sharding(args: Arguments, layout: Layout, ep: int, family
     if layout.pipeline_parallel_degree > 1 and pipeline_pair not in PROVEN_PAIRS.get(family, {}):
         raise UsageError(f"pipeline_parallel_degree: {layout.pipeline_parallel_degree} with expert_parallel_degree {ep} "
                          f"over sharding ranks is not proven for {family} yet (no test trains it against one process; "
-                         "deepseek_v3 is trained so); use data parallelism for pipeline x experts (no sharding), or "
+                         "qwen3_moe, ernie4_5_moe and deepseek_v3 are trained so); use data parallelism for pipeline "
+                         "x experts (no sharding), or "
                          "expert_parallel_degree 1")
     if sd % ep:
         raise UsageError(f"expert_parallel_degree: {ep} must divide sharding_parallel_degree {sd} (the experts are "
@@ -627,24 +628,28 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
 # other stage); so are Qwen3-MoE (with global-batch balancing: the picks summed over the stage's dp pair, their
 # token count carried to the last stage) and ERNIE 4.5 MoE (its correction bias moved by the bias rule; layer 0 dense
-# on stage 0) under pp2 x dp2 x ep2: tests/test_expert_parallel.py pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie.
+# on stage 0) under pp2 x dp2 x ep2: tests/test_expert_parallel.py pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie, and under
+# pp2 x sd2 stage 1 with ep2 over the sharding ranks (the picks summed over the stage's sharding pair; ERNIE's dense
+# stage 0 through fleet's own optimizer): pp2sd2ep2-qwen3-global, pp2sd2ep2-ernie in the shared pp2sd2 launch.
 _PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
 _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
                    frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3),
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3)}
+_PP_SD_EP = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
-                **{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},
+                **{family: {_PP_DP_EP: (), _PP_SD_EP: (1,)} for family in ("qwen3_moe", "ernie4_5_moe")},
                 "deepseek_v3": {**{pair: (2,) if stages else () for pair, stages in _SEQUENCE_PAIRS.items()},
-                                _PP_DP_EP: (),
-                                frozenset({"pipeline_parallel_degree", "sharding_parallel_degree",
-                                           "expert_parallel_degree"}): (1,)}}
+                                _PP_DP_EP: (), _PP_SD_EP: (1,)}}
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
 # tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps);
 # DeepSeek-V3 in tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a
 # chunk, the MTP block in the last chunk of the last stage; fleet's PipelineParallelWithInterleaveFthenB), beside its
-# uneven 1F1B run (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone)
-PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "deepseek_v3")
+# uneven 1F1B run (deepseek-pp3-1-3-2; check_deepseek_v3 takes uneven stages under 1F1B with the pipeline alone);
+# Qwen3-MoE (global-batch balancing on) and ERNIE 4.5 MoE (the bias rule on; its dense layer 0 and MoE layer 3 the two
+# chunks of stage 0, sending alike: models/pipeline.py RouterCarry.start) in the same launch (qwen3-moe-pp3vpp2,
+# ernie-moe-pp3vpp2: 6 layers one a chunk, 2 steps)
+PROVEN_INTERLEAVED = ("qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 
 
 def check_proven_layout(config: ModelConfig, layout: Layout, expert_parallel_degree: int = 1) -> None:

@@ -112,7 +112,8 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
         # the experts split over the data-parallel ranks (models/moe.py)
         experts = config.is_moe and not stage and not split_key and dp > 1 and config.num_experts % dp == 0
         # or, under the pipeline, over the sharding ranks where that triple is proven (DeepSeek-V3's pp x sharding
-        # stage 1 x ep, PaddleFormers' layout: layout.py PROVEN_PAIRS); no other family gets these candidates
+        # stage 1 x ep, PaddleFormers' layout, and Qwen3-MoE's and ERNIE 4.5 MoE's: layout.py PROVEN_PAIRS); no other
+        # family gets these candidates
         over_sharding = (config.is_moe and pp > 1 and dp == 1 and sd > 1 and not split_key and tp == 1
                          and config.num_experts % sd == 0
                          and stage in PROVEN_PAIRS.get(config.family, {}).get(_PP_SD_EP, ()))
