@@ -185,11 +185,16 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
         with pytest.raises(RunUsageError, match="^tensor_parallel_degree 2 with sharding_parallel_degree 2 with "
                                                 f"sep_parallel_degree 2 together is not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=8, **TP, **SEP, sharding_degree=2, sharding_stage=2))
-    if preset in ("qwen3-moe-tiny", "ernie4_5_moe-tiny"):  # sep2 / cp2 each alone: no pair trains them
-        for split in (SEP, CP):
-            with pytest.raises(RunUsageError, match=f"^tensor_parallel_degree 2 with {next(iter(split))} 2 together is "
-                                                    f"not proven for {config.family}"):
-                check_proven_layout(config, Layout(world_size=4, **split, **TP))
+    if preset in ("qwen3-moe-tiny", "ernie4_5_moe-tiny"):  # one pair each with tp2 (test_long_context MOE_PAIRS):
+        proven_split, refused_split = (SEP, CP) if config.family == "qwen3_moe" else (CP, SEP)  # Qwen3-MoE sep2, ERNIE cp2
+        check_proven_layout(config, Layout(world_size=4, **proven_split, **TP))
+        with pytest.raises(RunUsageError, match=f"^tensor_parallel_degree 2 with {next(iter(refused_split))} 2 together "
+                                                f"is not proven for {config.family}"):
+            check_proven_layout(config, Layout(world_size=4, **refused_split, **TP))
+        for split in (SEP, CP):  # nor with sharding
+            with pytest.raises(RunUsageError, match=f"^sharding_parallel_degree 2 with {next(iter(split))} 2 together "
+                                                    f"is not proven for {config.family}"):
+                check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=2))
     if {**DP, "ep": 2} in proven:  # expert parallelism over the data-parallel or sharding ranks, not the stages
         with pytest.raises(RunUsageError, match="^expert_parallel_degree: 2 with the pipeline is not proven"):
             check_proven_layout(config, Layout(world_size=2, **PP), 2)

@@ -628,7 +628,10 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (pp2sd2ep2-deepseek; stage 1 only: fleet's pipeline takes no
 # other stage); so are Qwen3-MoE (with global-batch balancing: the picks summed over the stage's dp pair, their
 # token count carried to the last stage) and ERNIE 4.5 MoE (its correction bias moved by the bias rule; layer 0 dense
-# on stage 0) under pp2 x dp2 x ep2: tests/test_expert_parallel.py pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie, and under
+# on stage 0) under pp2 x dp2 x ep2: tests/test_expert_parallel.py pp2dp2ep2-qwen3-global, pp2dp2ep2-ernie; and, one
+# pair each (about 2 s of the suite's CPU a run), Qwen3-MoE with global-batch balancing under sep2 x tp2 + SP and ERNIE
+# 4.5 MoE with the bias rule under cp2 x tp2 + SP (test_long_context MOE_PAIRS, beside DEEPSEEK_PAIRS: the router
+# statistics summed over the sep group, not over tp's ranks, which route the same tokens); both also under
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (the picks summed over the stage's sharding pair; ERNIE's dense
 # stage 0 through fleet's own optimizer): pp2sd2ep2-qwen3-global, pp2sd2ep2-ernie in the shared pp2sd2 launch.
 _PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
@@ -638,7 +641,9 @@ _SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}):
                    frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3)}
 _PP_SD_EP = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
 PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
-                **{family: {_PP_DP_EP: (), _PP_SD_EP: (1,)} for family in ("qwen3_moe", "ernie4_5_moe")},
+                "qwen3_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): ()},
+                "ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,),
+                                 frozenset({"context_parallel_degree", "tensor_parallel_degree"}): ()},
                 "deepseek_v3": {**{pair: (2,) if stages else () for pair, stages in _SEQUENCE_PAIRS.items()},
                                 _PP_DP_EP: (), _PP_SD_EP: (1,)}}
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
