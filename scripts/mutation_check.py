@@ -838,8 +838,8 @@ MUTATIONS = [
     # Issue 34: pp x sharding stage 1 x ep over the sharding ranks for Qwen3-MoE and ERNIE 4.5 MoE refused again
     Mutation("issue34_pp_sharding_ep_refused", "Qwen3-MoE's and ERNIE 4.5 MoE's proven pp x sharding x ep refused",
              "llm_pretrain/parallel/layout.py",
-             '**{family: {_PP_DP_EP: (), _PP_SD_EP: (1,)} for family in ("qwen3_moe", "ernie4_5_moe")},',
-             '**{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},',
+             '"ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), _CP_TP: ()},',
+             '"ernie4_5_moe": {_PP_DP_EP: (), _CP_TP: ()},',
              ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
 ]
 
