@@ -861,6 +861,12 @@ MUTATIONS = [
              "seq_aux_loss_coef", "models/decoder.py",
              "loss = loss + config.seq_aux_loss_coef * paddle.add_n(", "loss = loss + paddle.add_n(",
              ("tests/test_deepseek_v3.py::test_sequence_wise_balance_loss_is_the_reports_and_enters_the_loss",)),
+    Mutation("qwen3_moe_topk_not_renormalized", "Qwen3-MoE's top-k weights not renormalized (norm_topk_prob ignored; "
+             "qwen3-moe-tiny: top 4 of 16)", "models/moe.py",
+             "        if c.norm_topk_prob:\n            weights = weights / weights.sum(axis=-1, keepdim=True)\n",
+             "        if False:\n            pass\n",
+             ("tests/test_paddleformers_parity.py::test_our_model_now_gives_paddleformers_recorded_numbers",
+              "tests/test_hf_export_verification.py::test_transformers_recorded_numbers_are_our_models_now")),
     Mutation("qwen3_qk_norm_off_vs_judges", "Qwen3's q/k RMSNorm per head not applied, seen by the judges' numbers",
              "models/decoder.py", "            q, k = self.q_norm(q), self.k_norm(k)\n", "            q, k = q, k\n",
              ("tests/test_paddleformers_parity.py::test_our_model_now_gives_paddleformers_recorded_numbers",
