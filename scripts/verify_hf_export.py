@@ -35,12 +35,14 @@ import tempfile
 
 import numpy as np
 
+from judge_digest import DIGEST_HEADER, DIGEST_POSITIONS, cross_entropy, digest, digest_row
 from models.families.llama import LLAMA31_ROPE_SCALING
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-4
 # scripts/verify_hf_import.py's section of the report (transformers' own directories trained from): kept here
 IMPORT_SECTION = "## Trained from directories transformers wrote, judged by transformers"
+DIGEST_SECTION = "## transformers' numbers, recomputed by the suite"
 BATCH, SEQ = 2, 24
 CLIENT_PACKAGES = ("transformers", "safetensors", "numpy")
 # torch's CPU wheel first (192 MB; this machine's pip finds it): the default torch on PyPI pulls 15 nvidia-*
@@ -67,7 +69,15 @@ CASES = [
     ("deepseek_v3", "deepseek-v3-tiny", {}, "auto", None, None),
     # ERNIE 4.5 MoE (issue 34): layers 1 and 3 MoE, correction biases drawn at random; no PaddleNLP class
     ("ernie4_5_moe", "ernie4_5_moe-tiny", {}, "auto", None, None),
+    # issue 34's other families (audit s11: their export was never loaded by transformers): qwen3-tiny (q/k norms,
+    # head_dim apart from hidden / heads, tied), qwen3-moe-tiny (16 experts, top 4), ernie4_5-tiny (interleaved
+    # rotary pairs, tied)
+    ("qwen3", "qwen3-tiny", {}, "auto", None, None),
+    ("qwen3_moe", "qwen3-moe-tiny", {}, "auto", None, None),
+    ("ernie4_5", "ernie4_5-tiny", {}, "auto", None, None),
 ]
+# the cases whose transformers numbers tests/test_hf_export_verification.py recomputes in-process (issues 34, 35)
+RECOMPUTED = ("qwen3", "qwen3_moe", "ernie4_5", "ernie4_5_moe", "deepseek_v3")
 
 
 def ensure_client_venv(venv: str) -> str:
@@ -101,18 +111,40 @@ def randomize(model, seed: int) -> None:
             param.set_value(value.astype("float32"))
 
 
-def make_checkpoint(work: str, name: str, config, seed: int):
-    """A checkpoint-1 of random weights written by the trainer's checkpointer; (path, model)."""
+def case_inputs(case: str):
+    """(seed, config, input_ids, labels) of a case, the same whichever cases run (the suite draws them again);
+    labels: the next token ids, the last -100."""
+    from models.registry import ARCHITECTURES
+
+    index = [c[0] for c in CASES].index(case)
+    _, preset, changes = CASES[index][:3]
+    seed, config = 11 + index, ARCHITECTURES[preset].replace(**changes)
+    input_ids = np.random.default_rng(1000 + seed).integers(0, config.vocab_size, size=(BATCH, SEQ)).astype("int64")
+    labels = np.concatenate([input_ids[:, 1:], np.full((BATCH, 1), -100)], axis=1)
+    return seed, config, input_ids, labels
+
+
+def build_model(config, seed: int):
+    """Our model with the case's seeded random weights (the suite builds it again)."""
     import paddle
 
-    from llm_pretrain.checkpoint import checkpointer as ckpt
-    from llm_pretrain.parallel.layout import Layout
     from models.decoder import CausalLM
 
     paddle.seed(seed)
     model = CausalLM(config)
     randomize(model, seed)
     model.eval()
+    return model
+
+
+def make_checkpoint(work: str, name: str, config, seed: int):
+    """A checkpoint-1 of random weights written by the trainer's checkpointer; (path, model)."""
+    import paddle
+
+    from llm_pretrain.checkpoint import checkpointer as ckpt
+    from llm_pretrain.parallel.layout import Layout
+
+    model = build_model(config, seed)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
     state = {"global_step": 1, "consumed_samples": 8, "layout": {}, "model_config": config.architecture_dict(),
              "args": {"model_name_or_path": name}}
@@ -164,20 +196,17 @@ def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
     import paddle
 
     from llm_pretrain.checkpoint.hf_export import export_hf
-    from models.registry import ARCHITECTURES
 
     python = ensure_client_venv(venv)
     work = tempfile.mkdtemp(prefix="verify_hf_")
-    rng = np.random.default_rng(3)
     rows, jobs = [], []
-    for seed, (case, preset, changes, how, paddlenlp_class, shard_bytes) in enumerate(CASES, start=11):
+    for case, preset, changes, how, paddlenlp_class, shard_bytes in CASES:
         if only and case not in only:
             continue
-        config = ARCHITECTURES[preset].replace(**changes)
+        seed, config, input_ids, labels = case_inputs(case)
         path, model = make_checkpoint(work, case, config, seed)
         export_dir = os.path.join(work, case, "hf")
         result = export_hf(path, export_dir, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
-        input_ids = rng.integers(0, config.vocab_size, size=(BATCH, SEQ)).astype("int64")
         with paddle.no_grad():
             ours = model(paddle.to_tensor(input_ids)).numpy()
         np.save(os.path.join(work, case, "input_ids.npy"), input_ids)
@@ -190,7 +219,7 @@ def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
                          "input_ids": os.path.join(work, case, "input_ids.npy"),
                          "logits_out": os.path.join(work, case, "transformers.npy")})
             rows.append({**base, "client": "transformers", "_ours": ours, "_theirs": jobs[-1]["logits_out"],
-                         "_how": how})
+                         "_how": how, "_labels": labels})
         if paddlenlp_class:
             source = export_dir
             if result["class"] == "BaichuanForCausalLM":
@@ -212,6 +241,8 @@ def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
             row["_logits"] = np.load(row["_theirs"])
             via = " after splitting W_pack" if row["_how"] == "llama_from_w_pack" else ""
             row["client"] = f"transformers {info['transformers']}, torch {info['torch']} ({info['class']}{via})"
+            # transformers' own numbers (its logits; the loss their cross entropy), recomputed by the suite
+            row["judge"] = digest(row["_logits"], cross_entropy(row["_logits"], row["_labels"]))
         row["max_abs_diff"] = float(np.abs(row.pop("_logits") - row["_ours"]).max())
         row["logit_std"] = float(row.pop("_ours").std())
         row["ok"] = row["max_abs_diff"] <= TOLERANCE
@@ -222,12 +253,15 @@ def run(venv: str, out_file: str, only: tuple = ()) -> list[dict]:
     return rows
 
 
-def previous_rows(out_file: str, replaced: set) -> list[tuple[str, str]]:
-    """(case, row) of the export table as written last, for the cases of CASES not run again now."""
+def previous_rows(out_file: str, replaced: set, digests: bool = False) -> list[tuple[str, str]]:
+    """(case, row) of the export table (or of the digest table) as written last, for the cases of CASES not run
+    again now."""
     if not os.path.isfile(out_file):
         return []
     with open(out_file) as f:
         export_part = f.read().split(IMPORT_SECTION)[0]
+    before, _, after = export_part.partition(DIGEST_SECTION)
+    export_part = after.split("Notes:")[0] if digests else before.split("Notes:")[0]
     names = {case[0] for case in CASES} - replaced
     rows = []
     for line in export_part.splitlines():
@@ -257,6 +291,24 @@ def write_report(rows: list[dict], out_file: str) -> None:
              for r in rows]
     table += previous_rows(out_file, {r["case"] for r in rows})  # a run of some cases (--cases) keeps the others'
     lines += [line for _, line in sorted(table, key=lambda row: names.index(row[0]))]
+    digests = [(r["case"], digest_row(r["case"], r["judge"])) for r in rows if "judge" in r]
+    digests += previous_rows(out_file, {r["case"] for r in rows}, digests=True)
+    lines += [
+        "",
+        DIGEST_SECTION,
+        "",
+        "transformers' own numbers for each case it loads (scripts/judge_digest.py): the mean, root mean square and",
+        f"values at {DIGEST_POSITIONS} fixed flat positions of its fp32 logits, and their cross entropy against the next",
+        "token ids (the last position -100; transformers is given no labels, so this loss is computed from its",
+        "logits on our side, in numpy). The weights are our seeded random ones and the token ids fixed per case, so",
+        "`tests/test_hf_export_verification.py` rebuilds our model in-process for the cases of RECOMPUTED (Qwen3,",
+        "Qwen3-MoE, ERNIE 4.5, ERNIE 4.5 MoE, DeepSeek-V3), recomputes these numbers and asserts each within 1e-5",
+        "of transformers': a change of our model code after this report fails the suite.",
+        "",
+        DIGEST_HEADER,
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [line for _, line in sorted(digests, key=lambda row: names.index(row[0]))]
     lines += [
         "",
         "Notes:",

@@ -20,7 +20,9 @@ The bar is 1e-5 on the logits and on the loss. The MoE loss includes the load-ba
 router_aux_loss_coef: PaddleFormers 0.4.1's Qwen3MoeForCausalLM means to add it (output_router_logits) but its
 Qwen3MoeModel.forward returns no router logits, so its own loss has none; the client adds it with PaddleFormers'
 load_balancing_loss_func on the logits PaddleFormers' gates computed (scripts/paddleformers_client.py).
-tests/test_paddleformers_parity.py checks the report: every case present and within the bar.
+tests/test_paddleformers_parity.py checks the report: every case present and within the bar; and for every
+export case it rebuilds our model from the same seed in-process and compares its loss and logits digest with
+PaddleFormers' own, recorded in the report (scripts/judge_digest.py), within 1e-5.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ import tempfile
 
 import numpy as np
 
+from judge_digest import DIGEST_HEADER, DIGEST_POSITIONS, digest, digest_row
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-5
 BATCH, SEQ = 2, 24
+DIGEST_SECTION = "## PaddleFormers' numbers, recomputed by the suite"
 CLIENT_PACKAGES = ("paddlepaddle==3.3.1", "paddleformers==0.4.1")
 # (case, preset, changes to its config): the published switches at tiny sizes. qwen3-tiny: head_dim 32 apart from
 # hidden / heads (16), GQA 4:2, tied head (as 0.6B-4B); untied as 8B-32B; qwen3-moe-tiny: 16 experts, top 4
@@ -127,34 +132,50 @@ def build_ours(config, weights: dict | None = None, seed: int = 0):
     return model
 
 
-def run(venv: str, out_file: str) -> list[dict]:
-    import paddle
+def cases():
+    """(seed, case, preset, changes, config, input_ids, labels) of every case, always drawn in this order (the
+    suite draws them again: tests/test_paddleformers_parity.py)."""
+    from models.registry import ARCHITECTURES
 
-    from llm_pretrain.checkpoint.interchange import export_to_paddlenlp, import_from_paddlenlp
-    from models.registry import ARCHITECTURES, resolve_model
-
-    python = ensure_client_venv(venv)
-    work = tempfile.mkdtemp(prefix="verify_pf_")
     rng = np.random.default_rng(5)
-    rows, jobs = [], []
     for seed, (case, preset, changes) in enumerate(CASES, start=21):
         config = ARCHITECTURES[preset].replace(seq_length=SEQ, **changes)
         input_ids = rng.integers(0, config.vocab_size, size=(BATCH, SEQ)).astype("int64")
         labels = np.concatenate([input_ids[:, 1:], rng.integers(0, config.vocab_size, (BATCH, 1))], axis=1)
         labels[0, :3] = -100
-        case_dir = os.path.join(work, case)
-        os.makedirs(case_dir)
-        their_ids = input_ids
         if config.num_nextn_predict_layers:
             # PaddleFormers' DeepSeek-V3 reads S + 1 ids, the MTP module embedding ids 1..S, ours the labels (-100
             # read as 0): the ids are the labels shifted, with 0 where a label is -100
             input_ids[:, 1:] = np.maximum(labels[:, :-1], 0)
+        yield seed, case, preset, changes, config, input_ids, labels
+
+
+def build_export_model(config, seed: int):
+    """The export direction's model: seeded random weights (the suite builds it again)."""
+    model = build_ours(config, seed=seed)
+    if config.num_nextn_predict_layers:  # PaddleFormers' MTP output goes through the main norm: one weight
+        model.mtp.norm.weight.set_value(model.norm.weight)
+    return model
+
+
+def run(venv: str, out_file: str) -> list[dict]:
+    import paddle
+
+    from llm_pretrain.checkpoint.interchange import export_to_paddlenlp, import_from_paddlenlp
+    from models.registry import resolve_model
+
+    python = ensure_client_venv(venv)
+    work = tempfile.mkdtemp(prefix="verify_pf_")
+    rows, jobs = [], []
+    for seed, case, preset, changes, config, input_ids, labels in cases():
+        case_dir = os.path.join(work, case)
+        os.makedirs(case_dir)
+        their_ids = input_ids
+        if config.num_nextn_predict_layers:
             their_ids = np.concatenate([input_ids, np.maximum(labels[:, -1:], 0)], axis=1)
         np.save(os.path.join(case_dir, "input_ids.npy"), their_ids)
         np.save(os.path.join(case_dir, "labels.npy"), labels)
-        model = build_ours(config, seed=seed)
-        if config.num_nextn_predict_layers:  # PaddleFormers' MTP output goes through the main norm: one weight
-            model.mtp.norm.weight.set_value(model.norm.weight)
+        model = build_export_model(config, seed)
         state = {name: p.numpy() for name, p in model.canonical_named_parameters()}
         export_to_paddlenlp(state, os.path.join(case_dir, "exported"), config=config)
         logits, loss = our_outputs(model, input_ids, labels)
@@ -210,6 +231,8 @@ def run(venv: str, out_file: str) -> list[dict]:
         row["loss"] = ours[1]
         row["logit_std"] = float(ours[0].std())
         row["ok"] = row["logit_diff"] <= TOLERANCE and row["loss_diff"] <= TOLERANCE
+        if row["direction"] == "export":  # PaddleFormers' own numbers, which the suite recomputes with our model
+            row["judge"] = digest(*theirs)
     write_report(rows, out_file)
     shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -241,6 +264,21 @@ def write_report(rows: list[dict], out_file: str) -> None:
         lines.append(f"| {r['case']} | {r['direction']} | {r['preset']} | {r['saved_files']} | {r['client']} | "
                      f"{r['loss']:.6f} | {r['logit_diff']:.2e} | {r['loss_diff']:.2e} | {r['logit_std']:.2f} | "
                      f"{'yes' if r['ok'] else 'NO'} |")
+    lines += [
+        "",
+        DIGEST_SECTION,
+        "",
+        "PaddleFormers' own numbers for each *export* case (scripts/judge_digest.py): its loss, and its fp32 logits'",
+        f"mean, root mean square and values at {DIGEST_POSITIONS} fixed flat positions (DeepSeek-V3: of the main and MTP",
+        "logits stacked). The weights are our seeded random ones and the token ids fixed, so",
+        "`tests/test_paddleformers_parity.py` rebuilds our model in-process, recomputes these numbers and asserts",
+        f"each within {TOLERANCE} of PaddleFormers': a change of our model code after this report fails the suite.",
+        "The *import* rows are not recomputed (PaddleFormers' own saved weights are not in the repository).",
+        "",
+        DIGEST_HEADER,
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [digest_row(r["case"], r["judge"]) for r in rows if r["direction"] == "export"]
     lines += [
         "",
         "Notes:",
