@@ -28,7 +28,9 @@ LONG = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2, "max_seq_len
 
 # launch name -> (processes, {run name: overrides}); a launch's runs share fleet's degrees.
 LAUNCHES = {
-    "single": (1, {"single": {}, "mixtral-real": {"model_name_or_path": "mixtral-real"}}),
+    # deepseek-v3-real: latent attention (q/k and v at their own widths), a dense and a MoE layer, MTP (issue 35)
+    "single": (1, {"single": {}, "mixtral-real": {"model_name_or_path": "mixtral-real"},
+                   "deepseek-v3-real": {"model_name_or_path": "deepseek-v3-real"}}),
     # expert parallelism runs on the data-parallel ranks: the same fleet layout as dp2
     "dp2": (2, {"dp2": {}, "mixtral-real ep2": {"model_name_or_path": "mixtral-real", "expert_parallel_degree": 2}}),
     "tp2": (2, {
