@@ -579,6 +579,15 @@ MUTATIONS = [
              "_MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)",
              "_MemoSetup.of(setup, memo)",
              ("tests/test_planner.py::test_search_with_documents_times_as_estimate_and_ranks_cp_lower",)),
+    # Issue 35 item 5: llm-plan search --gpus LOW-HIGH (the smallest cluster) and the whole-layout refusals.
+    Mutation("smallest_stops_at_first_count", "llm-plan search --gpus LOW-HIGH stops at the first count searched, "
+             "fitting or not", "llm_pretrain/planner/search.py", "        if result[\"top\"]:\n            return dict(",
+             "        if True:\n            return dict(",
+             ("tests/test_planner_search.py::test_smallest_h800_cluster_for_deepseek_v3_at_4k_is_the_planned_file",)),
+    Mutation("search_refused_layout_counted_once", "a layout refused by its degrees counts one candidate, not all its "
+             "variants", "llm_pretrain/planner/search.py", "refuse(*degree_refusals[key], count=keys.count(key))",
+             "refuse(*degree_refusals[key], count=1)",
+             ("tests/test_planner_search.py::test_smallest_h800_cluster_for_deepseek_v3_at_4k_is_the_planned_file",)),
     # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
     # interleaved pairs; the layouts other than tp accepted for it.
     Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",
@@ -836,8 +845,8 @@ MUTATIONS = [
     # Issue 34: pp x sharding stage 1 x ep over the sharding ranks for Qwen3-MoE and ERNIE 4.5 MoE refused again
     Mutation("issue34_pp_sharding_ep_refused", "Qwen3-MoE's and ERNIE 4.5 MoE's proven pp x sharding x ep refused",
              "llm_pretrain/parallel/layout.py",
-             '**{family: {_PP_DP_EP: (), _PP_SD_EP: (1,)} for family in ("qwen3_moe", "ernie4_5_moe")},',
-             '**{family: {_PP_DP_EP: ()} for family in ("qwen3_moe", "ernie4_5_moe")},',
+             '"ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), _CP_TP: ()},',
+             '"ernie4_5_moe": {_PP_DP_EP: (), _CP_TP: ()},',
              ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
 ]
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python scripts/planned_configs.py [--write]
 
-A planner-chosen file is `pretrain-<model>_<a100|h100>-<strategy>.json` (llm_pretrain/planner/planned_files.py:
+A planner-chosen file is `pretrain-<model>_<a100|h100|h800>[x<gpus>]-<strategy>.json` (llm_pretrain/planner/planned_files.py:
 the tag is the device searched, the file states model, length and global batch). --write replaces each file
 that differs by search's first pick (renamed when the strategy changes); update the mentions of renamed files
 in docs/, configs/README.md and benchmarks/ (scripts/long_context_benchmark.py --gpu-only regenerates its table).

@@ -125,7 +125,7 @@ TP, SEP, CP = {"tensor_parallel_degree": 2}, {"sep_parallel_degree": 2}, {"conte
 EP = [{**DP, "ep": 2}, {**SD1, "ep": 2}, {**SD2, "ep": 2}]
 # preset -> (layouts proven against one process, each alone, the refused ones with the key their one line names):
 # tp2 (+ SP): test_parallel_parity TP_ONLY (Qwen3-MoE: QWEN3_MOE_TP); dp2, the 1F1B pp2, sharding stages 1-3: LAYOUT_SHORT; sep2, cp2:
-# test_long_context (all four; Qwen3, ERNIE 4.5 also sep2 / cp2 x tp2 and x sharding stages 1-3, the pairs checked below); EP:
+# test_long_context (all four; Qwen3, ERNIE 4.5 also sep2 / cp2 x tp2 and x sharding stages 2, 3 (Qwen3) or 1, 2 (ERNIE 4.5), checked below); EP:
 # test_expert_parallel (Qwen3-MoE, ERNIE 4.5 MoE)
 PROVEN_AND_REFUSED = {
     "ernie4_5-tiny": ([TP, DP, PP, SD1, SD2, SD3, SEP, CP], []),
@@ -175,10 +175,13 @@ def test_layouts_not_proven_are_refused_in_one_line(preset):
                                                 f"not proven for {config.family}"):
             check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, pipeline_parallel_degree=2))
     if preset in ("qwen3-tiny", "ernie4_5-tiny"):  # pairs proven (test_long_context PAIR_MODELS): sep2 or cp2 with
-        for split in (SEP, CP):                     # tp2 (+ SP), and with sharding 2 at stages 1-3 (PAIR_SHARDING)
+        trained, untrained = ((2, 3), 1) if config.family == "qwen3" else ((1, 2), 3)  # its own PAIR_SHARDING runs
+        for split in (SEP, CP):                     # tp2 (+ SP), and with sharding 2 at the stages its runs train
             check_proven_layout(config, Layout(world_size=4, **split, **TP))
-            for stage in (1, 2, 3):
+            for stage in trained:
                 check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=stage))
+            with pytest.raises(RunUsageError, match=f"^sharding: stage{untrained} is not proven for {config.family}"):
+                check_proven_layout(config, Layout(world_size=4, **split, sharding_degree=2, sharding_stage=untrained))
             with pytest.raises(RunUsageError, match=f"^data_parallel_degree 2 with {next(iter(split))} 2 together is "
                                                     f"not proven for {config.family}"):
                 check_proven_layout(config, Layout(world_size=4, data_parallel_degree=2, **split))

@@ -201,3 +201,30 @@ def test_progress_bar_on_stderr_and_none_with_json(capsys, monkeypatch):
     code, out, err = _plan(capsys, "search", "--model", "gpt3-1.3B-en", "--device", "A100-80G", "--gpus", 0,
                            "--seq", 1024, "--global_batch_size", 8, "--json")
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and out == ""
+
+
+def test_smallest_h800_cluster_for_deepseek_v3_at_4k_is_the_planned_file(capsys, tmp_path):
+    """Issue 35 item 5: `llm-plan search --gpus LOW-HIGH` searches the counts of whole nodes upwards and stops at
+    the first on which a layout fits. From 320: 320 GPUs have valid layouts that all miss the memory limit (the
+    closest pp10 x sd32 x ep32), 328 none the trainer accepts, 336 fits in pp21 x sd16 x ep16, and what --write
+    writes is configs/deepseek_v3/pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json (the counts below 320 are
+    test_deepseek_v3::test_the_smallest_h800_cluster_at_4k_is_the_argument_files_336_in_pp21_sd16's). The search on
+    336 counts as the search before the whole-layout refusals did (64,400 candidates, 64,170 refused, 224 not
+    validated, 1 fits: `plan.py search --gpus 336` at 804114d)."""
+    written = tmp_path / "deepseek.json"
+    code, out, err = _plan(capsys, "search", "--model", "deepseek-ai/DeepSeek-V3", "--device", "H800-80G",
+                           "--gpus", "320-336", "--seq", 4096, "--global_batch_size", 512, "--json", "--write", written)
+    result = json.loads(out)
+    assert code == 0 and err == "" and result["gpus"] == 336
+    assert [(row["gpus"], row["valid"] > 0) for row in result["smaller"]] == [(320, True), (328, False)]
+    miss = result["smaller"][0]["closest"]
+    assert miss["strategy"] == "pp10sd32_stage1" and miss["reserved_mb"] > miss["limit_mb"]
+    assert (result["examined"], result["refused_by_trainer"], result["not_validated"], result["fitting"]) == (
+        64400, 64170, 224, 1)
+    assert result["top"][0]["strategy"] == "pp21sd16_stage1ep16"
+    planned = REPO_ROOT / "configs" / "deepseek_v3" / "pretrain-deepseek_v3_h800x336-pp21sd16_stage1.json"
+    assert written.read_text() == planned.read_text()
+    # a range without a whole node is refused in one line
+    code, out, err = _plan(capsys, "search", "--model", "deepseek-ai/DeepSeek-V3", "--device", "H800-80G",
+                           "--gpus", "321-327", "--seq", 4096, "--global_batch_size", 512)
+    assert code == 2 and err.startswith("error: --gpus: 321-327") and err.count("\n") == 1

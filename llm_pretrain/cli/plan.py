@@ -3,7 +3,7 @@
 (The `llm-plan` command; `python scripts/plan.py` runs the same.)
 
     llm-plan estimate ARGS.json --nproc 8 --device A100-80G [--json] [--key value ...]
-    llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64 \\
+    llm-plan search --model meta-llama/Llama-2-70b --device A100-80G --gpus 64|LOW-HIGH \\
         --seq 4096 --global_batch_size 1024 [--gpus_per_node 8] [--top 5] [--json] [--write configs/llama/]
         [--mean_document_length L]
     llm-plan models [--json]
@@ -21,7 +21,9 @@ micro-batch sizes; keeps those under the card's memory minus --headroom; ranks t
 tokens/card/s (layouts whose weights and optimizer states alone exceed the limit are skipped before
 validation; a progress bar on stderr after 2 s, none with --json); --write writes the best as an
 argument file (a directory gets the configs/ name pretrain-<model>-<strategy>.json, the strategy
-from llm_pretrain.parallel.layout.strategy_name). --mean_document_length L: packed documents with document
+from llm_pretrain.parallel.layout.strategy_name). --gpus LOW-HIGH: the smallest count of whole nodes
+(multiples of --gpus_per_node) from LOW to HIGH on which a layout fits, searched upwards; each smaller count's
+closest miss, then that count's table (--write writes its first pick). --mean_document_length L: packed documents with document
 masks, as estimate's option (every candidate gets reset_attention_mask, its cp candidates the ring's plain
 blocks; the cp ring's skipped blocks expose their transfers, llm_pretrain/planner/speed.py ring_steps_kept).
 
@@ -110,7 +112,8 @@ def cmd_search(argv: list[str]) -> int:
     parser = UsageArgumentParser(prog="plan.py search", description="the best valid layouts for a model and cluster")
     parser.add_argument("--model", required=True, help="a built-in name (models/registry.py) or a model directory")
     parser.add_argument("--device", required=True)
-    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus", required=True, help="a count, or LOW-HIGH: the smallest count of whole nodes from "
+                        "LOW to HIGH on which a layout fits (searched upwards)")
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--global_batch_size", type=int, required=True)
@@ -127,21 +130,33 @@ def cmd_search(argv: list[str]) -> int:
                              "estimate --mean_document_length times it")
     opts = parser.parse_args(argv)
     from llm_pretrain.planner import check_device, device_kind
-    from llm_pretrain.planner.search import explain, search, write_arguments
+    from llm_pretrain.planner.search import explain, node_counts, search, smallest, write_arguments
     from models.registry import resolve_model
 
     check_device(opts.device)
     if device_kind(opts.device) == "cpu":
         raise UsageError("--device: search needs a GPU (the speed model is for GPUs); got cpu")
     resolve_model(opts.model)  # an unknown model is a usage error before the search
-    if opts.gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1:
+    low, _, high = opts.gpus.partition("-")
+    if not (low.isdigit() and (high.isdigit() or not _)):
+        raise UsageError(f"--gpus: {opts.gpus!r} is neither a count nor a range LOW-HIGH (e.g. 8-512)")
+    gpus = int(low)
+    counts = node_counts(int(low), int(high), opts.gpus_per_node) if _ else None
+    if gpus < 1 or opts.seq < 1 or opts.global_batch_size < 1 or opts.gpus_per_node < 1:
         raise UsageError("--gpus, --seq and --global_batch_size must be positive")
+    if counts == []:
+        raise UsageError(f"--gpus: {opts.gpus} holds no whole node of {opts.gpus_per_node} GPUs")
     if opts.mean_document_length is not None and opts.mean_document_length < 1:
         raise UsageError(f"--mean_document_length: must be >= 1, got {opts.mean_document_length}")
-    result = search(opts.model, opts.device, opts.gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
-                    opts.top, opts.headroom, _cluster_options(opts), opts.allow_inter_node_tp,
-                    progress=not opts.json,  # a bar on stderr after 2 s; none with --json
-                    mean_document_length=opts.mean_document_length)
+    options = dict(top=opts.top, headroom=opts.headroom, cluster_options=_cluster_options(opts),
+                   allow_inter_node_tp=opts.allow_inter_node_tp, mean_document_length=opts.mean_document_length,
+                   progress=not opts.json)  # a bar on stderr after 2 s; none with --json
+    if counts:
+        result = smallest(opts.model, opts.device, counts, opts.seq, opts.global_batch_size, opts.gpus_per_node,
+                          **options)
+    else:
+        result = search(opts.model, opts.device, gpus, opts.seq, opts.global_batch_size, opts.gpus_per_node,
+                        **options)
     written = None
     if opts.write and result["top"]:
         written = write_arguments(result["top"][0]["arguments"], opts.write)
@@ -150,6 +165,14 @@ def cmd_search(argv: list[str]) -> int:
     else:
         skipped = (f"{result['not_validated']} over the memory limit by their weights and optimizer states alone "
                    "(not validated), " if result["not_validated"] else "")
+        if counts:
+            for row in result["smaller"]:
+                miss = row["closest"]
+                print(f"{row['gpus']} GPUs: nothing fits ({row['valid']} layouts the trainer accepts"
+                      + (f"; closest {miss['strategy']}, {miss['reserved_mb']:,.0f} MB reserved > "
+                         f"{miss['limit_mb']:,.0f} MB)" if miss else ")"))
+            print(f"the smallest count that fits: {result['gpus']} GPUs" if result["gpus"] else
+                  f"no count of whole nodes from {counts[0]} to {counts[-1]} GPUs fits")
         print(f"{result['examined']} layouts examined, {skipped}{result['refused_by_trainer']} refused by the "
               f"trainer's validation, {result['fitting']} fit with {100 * opts.headroom:.0f} % headroom"
               + (f"; documents of {opts.mean_document_length} tokens with document masks"

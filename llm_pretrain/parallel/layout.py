@@ -619,7 +619,7 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # the sharding stages proven with them; () when the pair has no sharding): tests/test_long_context.py
 # test_sep2_with_tp2_dp2_and_sharding trains Qwen3 and ERNIE 4.5 (PAIR_MODELS) under sep2 x tp2 + SP, cp2 x tp2 + SP,
 # sep2 x sharding 2 and cp2 x sharding 2 at stage 2, ERNIE 4.5 under both at stage 1 and Qwen3 under both at stage 3
-# (PAIR_SHARDING: every stage of both pairs by some family), DeepSeek-V3 under all four (DEEPSEEK_PAIRS with tp2 + SP
+# (PAIR_SHARDING; each family is allowed the stages its own runs train), DeepSeek-V3 under all four (DEEPSEEK_PAIRS with tp2 + SP
 # and packed documents: MLA's heads split by tp, then sep's all-to-all or cp's ring; the sequence-wise loss and the
 # bias load summed over the sep group, not over tp; DEEPSEEK_SHARDING with sharding 2 at stage 2, MTP and the bias
 # rule on: the bias load summed over sep, then over the sharding ranks);
@@ -635,17 +635,22 @@ EXPERTS_OVER_SHARDING = ("qwen3_moe", "ernie4_5_moe", "deepseek_v3")
 # pp2 x sd2 stage 1 with ep2 over the sharding ranks (the picks summed over the stage's sharding pair; ERNIE's dense
 # stage 0 through fleet's own optimizer): pp2sd2ep2-qwen3-global, pp2sd2ep2-ernie in the shared pp2sd2 launch.
 _PP_DP_EP = frozenset({"pipeline_parallel_degree", "data_parallel_degree", "expert_parallel_degree"})
-_SEQUENCE_PAIRS = {frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): (),
-                   frozenset({"context_parallel_degree", "tensor_parallel_degree"}): (),
-                   frozenset({"sep_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3),
-                   frozenset({"context_parallel_degree", "sharding_parallel_degree"}): (1, 2, 3)}
 _PP_SD_EP = frozenset({"pipeline_parallel_degree", "sharding_parallel_degree", "expert_parallel_degree"})
-PROVEN_PAIRS = {"qwen3": _SEQUENCE_PAIRS, "ernie4_5": _SEQUENCE_PAIRS,
-                "qwen3_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), frozenset({"sep_parallel_degree", "tensor_parallel_degree"}): ()},
-                "ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,),
-                                 frozenset({"context_parallel_degree", "tensor_parallel_degree"}): ()},
-                "deepseek_v3": {**{pair: (2,) if stages else () for pair, stages in _SEQUENCE_PAIRS.items()},
-                                _PP_DP_EP: (), _PP_SD_EP: (1,)}}
+_SEP_TP, _CP_TP = (frozenset({split, "tensor_parallel_degree"}) for split in ("sep_parallel_degree", "context_parallel_degree"))
+
+
+def _sequence_pairs(*sharding_stages: int) -> dict:
+    """sep2 / cp2 with tp2 (+SP), and with sharding 2 at the stages a run of this family trains (PAIR_SHARDING)."""
+    return {_SEP_TP: (), _CP_TP: (), **{frozenset({split, "sharding_parallel_degree"}): sharding_stages
+                                       for split in ("sep_parallel_degree", "context_parallel_degree")}}
+
+
+# Each family's own runs only: the sharding stages beside sep/cp are those its PAIR_SHARDING runs train (Qwen3 2 and 3,
+# ERNIE 4.5 1 and 2, DeepSeek-V3 2), not another family's
+PROVEN_PAIRS = {"qwen3": _sequence_pairs(2, 3), "ernie4_5": _sequence_pairs(1, 2),
+                "qwen3_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), _SEP_TP: ()},
+                "ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), _CP_TP: ()},
+                "deepseek_v3": {**_sequence_pairs(2), _PP_DP_EP: (), _PP_SD_EP: (1,)}}
 # Families trained under fleet's interleaved pipeline (virtual_pp_degree 2; the pipeline alone, not DualPipeV):
 # tests/test_parallel_parity.py test_pp4_interleaved, INTERLEAVED_SHORT (pp4 x 2 virtual stages, 8 layers, 2 steps);
 # DeepSeek-V3 in tests/test_uneven_pipeline.py's pp3 launch (deepseek-pp3vpp2: pp3 x 2 virtual stages, 6 layers one a

@@ -35,7 +35,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from llm_pretrain.planner.params import Param, stage_chunks, stage_parameters
+from llm_pretrain.planner.params import Param, parameter_list, stage_chunks, stage_parameters
 from models.config import ModelConfig
 
 MB = 2**20
@@ -107,12 +107,17 @@ class Setup:
     # query attends to (llm_pretrain/observe/flops.py); None: every token attends to the whole sequence
     mean_document_length: int | None = None
 
+    def parameter_list(self) -> list[Param]:
+        """The whole model's parameters on one tensor-parallel rank (params.parameter_list)."""
+        return parameter_list(self.config, self.tp)
+
     def stage_parameters(self, stage: int) -> list[Param]:
         if self.dualpipev:  # the embedding and the head are both on stage 0 (the V starts and ends there)
             layers = {i for chunk in self.stage_chunks(stage) for i in chunk}
-            return [p for p in stage_parameters(self.config, self.tp, 1, 1, 0)
+            return [p for p in self.parameter_list()
                     if (p.part == "layer" and p.layer in layers) or (p.part != "layer" and stage == 0)]
-        return stage_parameters(self.config, self.tp, self.pp, self.vpp, stage, self.layers_per_stage)
+        return stage_parameters(self.config, self.tp, self.pp, self.vpp, stage, self.layers_per_stage,
+                                self.parameter_list())
 
     def stage_chunks(self, stage: int) -> list[list[int]]:
         return stage_chunks(self.config, self.pp, self.vpp, stage, self.layers_per_stage, self.dualpipev)
@@ -463,9 +468,10 @@ def rank_memory(setup: Setup, stage: int = 0, sharding_rank: int = 0, single_pro
     # rank is number sharding_rank // ep there) by fleet's stage-1 partition, and every rank keeps the whole
     # gradients of its experts (llm_pretrain/parallel/expert_optimizer.py).
     ep = c.expert_parallel_degree
-    experts = ([q for q in params if ".experts." in q.name]
-               if stage_ in (1, 2) and ep > 1 and setup.dp == 1 else [])
-    sharded = tuple(q for q in params if q not in experts)
+    split_experts = stage_ in (1, 2) and ep > 1 and setup.dp == 1
+    experts = [q for q in params if ".experts." in q.name] if split_experts else []
+    # the others by name, not `q not in experts` (a list: quadratic, minutes for DeepSeek-V3's 256 experts a layer)
+    sharded = tuple(q for q in params if ".experts." not in q.name) if split_experts else params
     if stage_ == 1:
         owned = stage1_owned(sharded, degree)[sharding_rank]
     elif stage_ == 2:

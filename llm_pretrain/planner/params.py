@@ -23,6 +23,16 @@ class Param:
     part: str  # "embedding" | "layer" | "norm" | "head" | "mtp" (DeepSeek-V3's module, after the head)
     trainable: bool = True  # False: DeepSeek-V3's / ERNIE 4.5's router correction bias (moved by its rule, not the optimizer)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: memory.py's lru_caches hash tuples of a stage's parameters on every
+        call (DeepSeek-V3: 20,000 and more), and search calls them for every candidate it estimates."""
+        try:
+            return self._hash
+        except AttributeError:
+            value = hash((self.name, self.full_numel, self.numel, self.layer, self.part, self.trainable))
+            object.__setattr__(self, "_hash", value)
+            return value
+
 
 def _linear(prefix: str, n_in: int, n_out: int, bias: bool, tp: int, split: str | None, layer: int) -> list[Param]:
     """nn.Linear / fleet's Column/RowParallelLinear (parallel_layers.column_linear / row_linear):
@@ -151,10 +161,12 @@ def stage_chunks(config: ModelConfig, pp: int, vpp: int, stage: int, layers_per_
     return stage_layer_indices(split, pp, stage, dualpipev)
 
 
-def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int, layers_per_stage=None) -> list[Param]:
+def stage_parameters(config: ModelConfig, tp: int, pp: int, vpp: int, stage: int, layers_per_stage=None,
+                     params: list[Param] | None = None) -> list[Param]:
     """This stage's parameters: its layers, the embedding on the first stage, norm and head on the last;
-    a tied head is a second copy of the word embedding on the last stage (SharedLayerDesc)."""
-    params = parameter_list(config, tp)
+    a tied head is a second copy of the word embedding on the last stage (SharedLayerDesc). params: the
+    model's `parameter_list(config, tp)` when the caller has it already (search builds it once per model)."""
+    params = parameter_list(config, tp) if params is None else params
     if pp == 1:
         return params
     layers = set(stage_layers(config, pp, vpp, stage, layers_per_stage))

@@ -25,7 +25,7 @@ from llm_pretrain.arguments import parse_arguments
 from llm_pretrain.planner.estimate import validated_setup
 from llm_pretrain.planner.search import file_strategy_name, search, write_arguments
 
-DEVICE_TAGS = {"a100": "A100-80G", "h100": "H100-80G"}
+DEVICE_TAGS = {"a100": "A100-80G", "h100": "H100-80G", "h800": "H800-80G"}
 GPUS_PER_RUN = 8  # configs/README.md: as in PaddleNLP's table, a run uses 8 GPUs
 PLANNED_NAME = re.compile(r"^pretrain-(?P<model>[a-z0-9_.]+_(?P<tag>" + "|".join(DEVICE_TAGS) +
                           r")(?:x(?P<gpus>[0-9]+))?)-(?P<strategy>[a-z0-9_]+)\.json$")

@@ -13,7 +13,9 @@ Candidates are a product: `layout_degrees` (the degree tuples) x recompute x mic
 before validation and timing, without changing the answer (`search`'s docstring): a layout whose weights
 and optimizer states alone miss the limit is not validated, a valid candidate whose first pipeline stage
 alone misses it is not timed, and stage parameters are built once per search (`_MemoSetup`).
-(Llama-3.1-70B on 64 H100: 17,664 candidates, 7 s of CPU instead of 3 minutes.)
+(Llama-3.1-70B on 64 H100: 17,664 candidates, 7 s of CPU instead of 3 minutes.) A layout the trainer refuses by
+its degrees is counted with all its variants at once (DeepSeek-V3: 64,400 candidates on 336 GPUs, 4,025 layouts).
+`smallest` searches counts upwards and stops at the first on which a layout fits (`llm-plan search --gpus LOW-HIGH`).
 """
 
 from __future__ import annotations
@@ -87,12 +89,23 @@ def layout_degrees(gpus: int, gpus_per_node: int, layers: int, allow_inter_node_
 
 def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch: int, device: str,
                allow_inter_node_tp: bool = False, max_micro_batch: int = 8, documents: bool = False):
-    """Arguments dicts of every combination (validity is checked by `search`): each layout of
+    """Arguments dicts of every combination, in search's order (the groups of `candidate_groups` one after
+    another)."""
+    for group in candidate_groups(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp,
+                                  max_micro_batch, documents):
+        yield from group
+
+
+def candidate_groups(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch: int, device: str,
+                     allow_inter_node_tp: bool = False, max_micro_batch: int = 8, documents: bool = False):
+    """For each layout of `layout_degrees`, the list of its Arguments dicts (validity is checked by `search`):
+    that layout
     `layout_degrees` x recompute choices x micro-batch sizes, and with mixture-of-experts models the same
     with the experts split over the data-parallel ranks. documents: every candidate with reset_attention_mask
     (the trainer's checks then refuse the layouts that cannot honour document masks), its cp layouts on the
     ring's plain blocks (use_flash_attention false, as the search has timed them since before the ring's flash
-    blocks took documents; FlashMask ring blocks are allowed, `estimate` times them)."""
+    blocks took documents; FlashMask ring blocks are allowed, `estimate` times them). Within a group the dicts
+    differ in VARIANT_KEYS and, for the experts' variants, in expert_parallel_degree only."""
     from models.registry import resolve_model
 
     config = resolve_model(model)[0]
@@ -117,16 +130,19 @@ def candidates(model: str, gpus: int, gpus_per_node: int, seq: int, global_batch
         over_sharding = (config.is_moe and pp > 1 and dp == 1 and sd > 1 and not split_key and tp == 1
                          and config.num_experts % sd == 0
                          and stage in PROVEN_PAIRS.get(config.family, {}).get(_PP_SD_EP, ()))
+        group = []
         for recompute, micro in itertools.product(RECOMPUTE_CHOICES,
                                                   _micro_batches(global_batch, replicas, max_micro_batch)):
             args = dict(base, **degrees, per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
                         gradient_accumulation_steps=global_batch // (replicas * micro),
                         recompute=recompute is not None, recompute_granularity=recompute or "full", **tail)
-            yield args
+            group.append(args)
             if experts:
-                yield dict(args, expert_parallel_degree=dp)
+                group.append(dict(args, expert_parallel_degree=dp))
             if over_sharding:
-                yield dict(args, expert_parallel_degree=sd)
+                group.append(dict(args, expert_parallel_degree=sd))
+        if group:
+            yield group
 
 
 def refusal_reason(message: str) -> str:
@@ -163,6 +179,12 @@ class _MemoSetup(Setup):
             self._memo[key] = compute(stage)
         return self._memo[key]
 
+    def parameter_list(self):
+        key = ("list", self._architecture, self.tp)
+        if key not in self._memo:  # DeepSeek-V3's: 61 layers of 256 experts, a tenth of a second to build
+            self._memo[key] = super().parameter_list()
+        return self._memo[key]
+
     def stage_parameters(self, stage: int):
         return self._remember("parameters", stage, super().stage_parameters)
 
@@ -193,7 +215,7 @@ def _state_floor_mb(values: dict, gpus: int, device: str, memo: dict) -> float |
 def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus_per_node: int = 8,
            top: int = 5, headroom: float = DEFAULT_HEADROOM, cluster_options: dict | None = None,
            allow_inter_node_tp: bool = False, closest: int = 5, progress: bool = False,
-           mean_document_length: int | None = None) -> dict:
+           mean_document_length: int | None = None, memo: dict | None = None) -> dict:
     """The fitting layouts, fastest first; and why the others were left out: `refusals` (the trainer's
     reasons, counted) and `closest` (the `closest` layouts that validate but miss the memory limit by the
     least: reserved and limit in MiB).
@@ -207,8 +229,10 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
     far is not estimated. The floors: per layout (all its micro-batch and recompute variants), the persistent
     memory of one rank, found before validation (`not_validated` counts those skipped); per candidate, after
     validation, the peak of one rank `peak_memory` checks (counted in `too_large`). Only the candidates left
-    get the full estimate (every checked rank, then the step time). progress: a tqdm bar on stderr when the
-    search takes over 2 s."""
+    get the full estimate (every checked rank, then the step time). A layout the trainer refuses by its degrees
+    (check_proven_layout) is refused with all its variants at once. progress: a tqdm bar on stderr when the
+    search takes over 2 s. memo: a dict shared by searches of one model (`smallest`): the parameter lists and
+    stage parameters _MemoSetup keeps, built once for every GPU count."""
     from tqdm import tqdm
 
     capacity = device_memory_mb(device)
@@ -217,9 +241,10 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
     fitting, examined, refused, not_validated = [], 0, 0, 0
     reasons: dict[str, dict] = {}
     too_large: list[tuple[float, int, dict]] = []  # heap of (-excess, order, entry): the `closest` smallest
-    memo: dict = {}  # stage parameters and chunks shared by the candidates (_MemoSetup)
+    memo = {} if memo is None else memo  # parameters and chunks shared by the candidates (_MemoSetup)
     floors: dict[tuple, float | None] = {}  # per layout (the candidate's keys but VARIANT_KEYS): _state_floor_mb
-    degree_refusals: dict[tuple, str | None] = {}  # per layout: refused_by_degrees's message, None when proven
+    # per layout: refused_by_degrees's message and its refusal_reason, None when proven
+    degree_refusals: dict[tuple, tuple[str, str] | None] = {}
 
     def out_of_reach(floor_mb: float | None) -> bool:
         """A candidate needing at least floor_mb neither fits nor is among the closest misses: its excess would
@@ -228,8 +253,8 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
             return False
         return not too_large or floor_mb - limit > -too_large[0][0]
 
-    every = list(candidates(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp,
-                            documents=mean_document_length is not None))
+    groups = list(candidate_groups(model, gpus, gpus_per_node, seq, global_batch, device, allow_inter_node_tp,
+                                   documents=mean_document_length is not None))
     from models.registry import resolve_model
 
     config = resolve_model(model)[0]
@@ -240,53 +265,68 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
         671B-parameter setup each) took minutes. Same refusals, same picks; other families: nothing here."""
         if config.family in PROVEN_DEGREES:
             check_proven_layout(config, plan_layout(Arguments(**values), gpus), values.get("expert_parallel_degree", 1))
-    for values in tqdm(every, desc="search", unit=" layouts", delay=PROGRESS_DELAY_S, file=sys.stderr,
-                       disable=not progress, dynamic_ncols=True, leave=False):
-        examined += 1
-        key = tuple(item for item in values.items() if item[0] not in VARIANT_KEYS)
-        if key not in degree_refusals:  # (the degrees are the same for a layout's variants)
-            try:
-                refused_by_degrees(values)
-                degree_refusals[key] = None
-            except UsageError as error:
-                degree_refusals[key] = str(error)
-        if degree_refusals[key] is not None:
-            refused += 1
-            reason = reasons.setdefault(refusal_reason(degree_refusals[key]), {"count": 0, "example": degree_refusals[key]})
-            reason["count"] += 1
+    def refuse(message: str, reason: str | None = None, count: int = 1) -> None:
+        """Count `count` candidates refused with `message` (its refusal_reason if known already)."""
+        nonlocal refused
+        refused += count
+        entry = reasons.setdefault(reason or refusal_reason(message), {"count": 0, "example": message})
+        entry["count"] += count
+
+    bar = tqdm(total=sum(map(len, groups)), desc="search", unit=" layouts", delay=PROGRESS_DELAY_S, file=sys.stderr,
+               disable=not progress, dynamic_ncols=True, leave=False)
+    for number, group in enumerate(groups):
+        bar.update(len(group))
+        # A candidate's layout (its keys but VARIANT_KEYS) is the group's, with or without the experts split: the
+        # key (group number, split) names it without building a tuple of its items for each of 64,000 candidates.
+        keys = [(number, "expert_parallel_degree" in values) for values in group]
+        for key, values in zip(keys, group):
+            if key not in degree_refusals:  # (the degrees are the same for a layout's variants)
+                try:
+                    refused_by_degrees(values)
+                    degree_refusals[key] = None
+                except UsageError as error:
+                    degree_refusals[key] = (str(error), refusal_reason(str(error)))
+        if all(degree_refusals[key] for key in keys):  # the whole group refused: counted at once, same order
+            for key in dict.fromkeys(keys):
+                refuse(*degree_refusals[key], count=keys.count(key))
+            examined += len(group)
             continue
-        if limit is not None:
-            if key not in floors:
-                floors[key] = _state_floor_mb(values, gpus, device, memo)
-            if out_of_reach(floors[key]):
-                not_validated += 1
+        for key, values in zip(keys, group):
+            examined += 1
+            if degree_refusals[key] is not None:
+                refuse(*degree_refusals[key])
                 continue
-        try:
-            args = Arguments(**values)
-            validate_arguments(args)
-            setup, layout, _ = validated_setup(args, gpus, device)
-        except UsageError as error:
-            refused += 1
-            reason = reasons.setdefault(refusal_reason(str(error)), {"count": 0, "example": str(error)})
-            reason["count"] += 1
-            continue
-        setup = _MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)
-        if limit is not None and out_of_reach(_first_rank_memory(setup).peak_bytes / MB):
-            continue  # valid and over the limit (counted in too_large)
-        result = estimate_setup(setup, device, options)
-        if limit is not None and result["peak_mem_reserved_mb"] > limit:
-            excess = result["peak_mem_reserved_mb"] - limit
-            entry = {"strategy": layout.strategy, "arguments": values, "reserved_mb": result["peak_mem_reserved_mb"],
-                     "limit_mb": limit, "over_mb": excess, "peak_rank": result["peak_rank"]}
-            heapq.heappush(too_large, (-excess, examined, entry))
-            if len(too_large) > closest:
-                heapq.heappop(too_large)
-            continue
-        result["strategy"] = layout.strategy + (f"ep{values['expert_parallel_degree']}"
-                                                if values.get("expert_parallel_degree", 1) > 1 else "")
-        result["arguments"] = values
-        result["mean_document_length"] = mean_document_length
-        fitting.append(result)
+            if limit is not None:
+                if key not in floors:
+                    floors[key] = _state_floor_mb(values, gpus, device, memo)
+                if out_of_reach(floors[key]):
+                    not_validated += 1
+                    continue
+            try:
+                args = Arguments(**values)
+                validate_arguments(args)
+                setup, layout, _ = validated_setup(args, gpus, device)
+            except UsageError as error:
+                refuse(str(error))
+                continue
+            setup = _MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)
+            if limit is not None and out_of_reach(_first_rank_memory(setup).peak_bytes / MB):
+                continue  # valid and over the limit (counted in too_large)
+            result = estimate_setup(setup, device, options)
+            if limit is not None and result["peak_mem_reserved_mb"] > limit:
+                excess = result["peak_mem_reserved_mb"] - limit
+                entry = {"strategy": layout.strategy, "arguments": values, "reserved_mb": result["peak_mem_reserved_mb"],
+                         "limit_mb": limit, "over_mb": excess, "peak_rank": result["peak_rank"]}
+                heapq.heappush(too_large, (-excess, examined, entry))
+                if len(too_large) > closest:
+                    heapq.heappop(too_large)
+                continue
+            result["strategy"] = layout.strategy + (f"ep{values['expert_parallel_degree']}"
+                                                    if values.get("expert_parallel_degree", 1) > 1 else "")
+            result["arguments"] = values
+            result["mean_document_length"] = mean_document_length
+            fitting.append(result)
+    bar.close()
     # Fastest first; among equally fast layouts the one with the most memory left.
     fitting.sort(key=lambda r: (-r["tokens_per_card_per_sec"], r["peak_mem_reserved_mb"]))
     refusals = sorted(({"reason": k, **v} for k, v in reasons.items()), key=lambda r: -r["count"])
@@ -294,6 +334,31 @@ def search(model: str, device: str, gpus: int, seq: int, global_batch: int, gpus
             "fitting": len(fitting), "headroom": headroom,
             "too_large": examined - not_validated - refused - len(fitting), "top": fitting[:top], "refusals": refusals,
             "closest": [entry for _, _, entry in sorted(too_large, key=lambda item: -item[0])]}
+
+
+def node_counts(low: int, high: int, gpus_per_node: int) -> list[int]:
+    """The GPU counts of whole nodes from low to high (as `llm-plan elastic` counts: nodes come whole)."""
+    first = max(gpus_per_node, -(-low // gpus_per_node) * gpus_per_node)
+    return list(range(first, high + 1, gpus_per_node))
+
+
+def smallest(model: str, device: str, gpus: list[int], seq: int, global_batch: int, gpus_per_node: int = 8,
+             progress: bool = False, **options) -> dict:
+    """The smallest of the GPU counts `gpus` (ascending) on which a layout fits: `search`'s result on it (the
+    same as searching that count alone) with "gpus" the count, and "smaller": each count searched before it with
+    how many of its layouts the trainer accepts and its closest miss. None fits: "gpus" None, the last count's
+    result. The searches share one memo (the model's parameter lists, built once)."""
+    from tqdm import tqdm
+
+    memo, smaller, result = {}, [], None
+    for count in tqdm(gpus, desc="counts", unit=" counts", delay=PROGRESS_DELAY_S, file=sys.stderr,
+                      disable=not progress, dynamic_ncols=True, leave=False):
+        result = search(model, device, count, seq, global_batch, gpus_per_node, memo=memo, **options)
+        if result["top"]:
+            return dict(result, gpus=count, smaller=smaller)
+        smaller.append({"gpus": count, "valid": result["examined"] - result["refused_by_trainer"],
+                        "closest": result["closest"][0] if result["closest"] else None})
+    return dict(result or {"top": []}, gpus=None, smaller=smaller)
 
 
 def explain(result: dict) -> list[str]:
