@@ -567,6 +567,13 @@ MUTATIONS = [
              "llm_pretrain/planner/speed.py", "    if c.uses_mla:\n        heads = c.num_attention_heads / setup.tp\n",
              "    if False:\n        heads = c.num_attention_heads / setup.tp\n",
              ("tests/test_planner.py::test_latent_attention_split_by_sep_and_cp_as_the_dense_families",)),
+    # Issue 35: the planner's memory of latent attention with q, k and v at hidden / heads (56 for DeepSeek-V3)
+    Mutation("planner_mla_memory_widths_ignored", "the planner's activations of latent attention counted with q, k and "
+             "v of hidden / heads per head, not MLA's nope + rope and v_head_dim", "llm_pretrain/planner/memory.py",
+             "    qk_size, v_size = heads * (c.qk_nope_head_dim + rope), heads * c.v_head_dim\n",
+             "    qk_size, v_size = heads * c.head_dim, heads * c.head_dim\n",
+             ("tests/test_planner.py::test_latent_attention_activations_by_hand",
+              "tests/test_planner.py::test_latent_attention_activations_measured_tensor_by_tensor")),
     Mutation("search_ignores_documents", "llm-plan search --mean_document_length times its layouts without the "
              "documents (as if every token attended to the whole sequence)", "llm_pretrain/planner/search.py",
              "_MemoSetup.of(dataclasses.replace(setup, mean_document_length=mean_document_length), memo)",

@@ -234,10 +234,12 @@ def test_latent_attention_split_by_sep_and_cp_as_the_dense_families():
     models/mla.py), not hidden_size's (7168 = 128 x 56), and the ring's k/v block is 192 + 128 wide per head."""
     config = ARCHITECTURES["deepseek-ai/DeepSeek-V3"].replace(seq_length=4096, num_hidden_layers=4)
     one, sep2, cp2 = (mem.Setup(config, 1, 2, **kw) for kw in ({}, {"sep": 2}, {"cp": 2}))
-    heads, tables = config.num_attention_heads, 2 * 4096 * config.head_dim * 4  # (the rope tables: whole under sep)
+    heads = config.num_attention_heads
+    # (the rope key, one for every head, is rotated after sep's all-to-all expanded to heads / sep: float32 pairs)
+    k_rope = 2048 * 4 * (heads - 1) * config.qk_rope_head_dim
     for layer in (0, 3):  # first_k_dense_replace 3: layer 3 is a MoE layer
         whole = mem.layer_activation_bytes(config, one, layer)
-        assert mem.layer_activation_bytes(config, sep2, layer) == pytest.approx((whole - tables) / 2 + tables), layer
+        assert mem.layer_activation_bytes(config, sep2, layer) == pytest.approx(whole / 2 + k_rope), layer
         # the ring keeps none of the [s, heads, s] scores and half of the rest (within 1 %: its float32 log-sum-exp)
         assert mem.layer_activation_bytes(config, cp2, layer) == pytest.approx(
             (whole - 4096 * heads * 4096 * 4) / 2, rel=0.01), layer
@@ -254,6 +256,67 @@ def test_latent_attention_split_by_sep_and_cp_as_the_dense_families():
     ring = speed.sequence_split_time(mem.Setup(config, 1, 2, cp=2, precision=bf16), cluster, 2048, float("inf"))
     block = 2048 * (qk + v)
     assert ring == pytest.approx(4 * (1 * block * 2 + 2 * block * (2 + 4)) / 200e9)
+
+
+def _latent_attention_block(config, **layout):
+    """The attention block of a DeepSeek-V3 MoE layer minus its input norm's saved tensors, as the planner counts it:
+    the layer without recompute minus the layer under full_attn recompute (which keeps the layer's input only)."""
+    setup = mem.Setup(config, 1, 1, **layout)
+    recomputed = config.replace(recompute=True, recompute_granularity="full_attn")
+    local = setup.tokens_per_micro_batch / (setup.tp if config.sequence_parallel else 1)
+    norm = local * 8 * config.hidden_size  # float32 RMSNorm: normalized input and output
+    return (mem.layer_activation_bytes(config, setup, 1) - mem.layer_activation_bytes(recomputed, setup, 1)
+            - norm)
+
+
+def test_latent_attention_activations_by_hand():
+    """models/mla.py's saved tensors counted by hand on deepseek-v3-tiny (fp32, 32 tokens): heads 4, q and k
+    16 + 8 = 24 wide per head, v and the output 16 (not hidden / heads = 16 for all three), latents 32 and 16 each
+    with its RMSNorm's normalized input and output, rotary float32 pairs of q_pe (every head) and k_pe (one)."""
+    config = ARCHITECTURES["deepseek-v3-tiny"].replace(seq_length=32)
+    latents, rotary = 8 * (32 + 16), 4 * (4 * 8 + 8)  # per token
+    q_k, v, out, scores = 4 * 4 * 24, 4 * 4 * 16, 4 * 4 * 16, 4 * 4 * 32  # q, k as float32 matmul inputs
+    assert _latent_attention_block(config) == 32 * (latents + rotary + 2 * q_k + v + scores + out)
+    core_attn = config.replace(recompute=True, recompute_granularity="core_attn")  # keeps q, k, v only
+    assert _latent_attention_block(core_attn) == 32 * (latents + rotary + 2 * q_k + v + out)
+    # flash (models/mla.py flash_attention): q, k, v padded to 24, the padded output, the log-sum-exp per head
+    flash = config.replace(use_flash_attention=True)
+    assert _latent_attention_block(flash) == 32 * (latents + rotary + 4 * q_k + 4 * 4 + out)
+    # tp2 + SP: 2 heads per rank; the latents on this rank's 16 tokens, q_b_proj / kv_b_proj each keep their gathered
+    # input of every token
+    sp = config.replace(sequence_parallel=True)
+    assert _latent_attention_block(sp, tp=2) == 16 * latents + 32 * (4 * (32 + 16) + 4 * (2 * 8 + 8) + q_k + v / 2
+                                                                     + scores / 2 + out / 2)
+    # sep2: 16 tokens of every head in, k_pe expanded to the heads before the all-to-all, all 32 keys of 2 heads
+    assert _latent_attention_block(config, sep=2) == 16 * (latents + 4 * (4 * 8 + 4 * 8) + 2 * q_k + v + scores + out)
+    # cp2: the ring keeps q, k, v, the log-sum-exp and its output; each layer gathers its 16 tokens' rotary rows
+    assert _latent_attention_block(config, cp=2) == 16 * (latents + rotary + 8 * 4 + 2 * q_k + v + 4 * 4 + out)
+
+
+def test_latent_attention_activations_measured_tensor_by_tensor():
+    """What a LatentAttention forward keeps on CPU (Paddle's allocator, deepseek-v3-real, fp32, 256 tokens) is what
+    the planner counts for it, with and without core_attn recompute, up to the two norms' 1/rms per token (which
+    _norm_saved leaves out)."""
+    import paddle
+
+    from models.mla import LatentAttention
+
+    allocated = paddle.base.core.host_memory_stat_current_value
+    for granularity in (None, "core_attn"):
+        config = ARCHITECTURES["deepseek-v3-real"].replace(seq_length=256)
+        if granularity:
+            config = config.replace(recompute=True, recompute_granularity=granularity)
+        attention = LatentAttention(config)
+        x = paddle.randn([1, 256, config.hidden_size])
+        x.stop_gradient = False
+        with paddle.no_grad():
+            attention(x)  # the pair tables, cached once per length
+        before = allocated("Allocated", 0)
+        out = attention(x)
+        kept = allocated("Allocated", 0) - before - out.numel().item() * 4
+        del out  # (its graph)
+        assert kept - _latent_attention_block(config) == 256 * 2 * 4, granularity
+
 
 def test_largest_block_is_this_ranks_share_under_sep_and_cp():
     """The reserve's largest short-lived block (planner.reserved_mb) is the loss's float32 softmax of this rank's

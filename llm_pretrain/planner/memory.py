@@ -232,14 +232,6 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         gqa_saved = 0.0
         core_inputs = tokens * a * (q_size + 2 * kv_size)
         tables += 2 * tokens / setup.micro_batch * d * 4
-    elif c.use_flash_attention and c.uses_mla:
-        # models/mla.py flash_attention: the kernel keeps q (pre-scaled), k and v padded to the q/k head dim
-        # (nope + rope), its padded output and the log-sum-exp per head and token; the output's slice to v's
-        # head dim is the o_proj input (`out`, below). Recompute of the core keeps q, k and the unpadded v.
-        qk_size, v_size = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), heads * c.v_head_dim
-        core = tokens * (a * 4 * qk_size + 4 * heads)
-        gqa_saved = 0.0
-        core_inputs = tokens * a * (2 * qk_size + v_size)
     elif c.use_flash_attention and c.position_embedding != "alibi":
         # flash attention keeps q, k, v (repeated for GQA) and the log-sum-exp per head and token; its
         # output is the o_proj input (`out`).
@@ -253,7 +245,10 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
         core = tokens * (4 * q_size + 4 * q_size + a * q_size) + scores
         gqa_saved = tokens * a * 2 * kv_size if gqa else 0.0  # repeat_interleave keeps k and v
         core_inputs = tokens * a * (q_size + 2 * kv_size)  # what recompute(core_attention, q, k, v) keeps
-    out = tokens * a * (heads * c.v_head_dim if c.uses_mla and c.use_flash_attention else q_size)  # o_proj input
+    out = tokens * a * q_size  # o_proj input
+    if c.uses_mla:  # DeepSeek-V3's latent attention instead of the terms above
+        attention_copies, qk, tables, core, core_inputs, out = _latent_attention_bytes(c, setup)
+        gqa_saved = 0.0
     if c.is_moe:
         # models/moe.py: router logits and probabilities (float32, [tokens, E]); the k rows per token gathered
         # for the experts (and received by the all-to-all under expert parallelism), each expert's SwiGLU
@@ -283,6 +278,56 @@ def layer_activation_bytes(config: ModelConfig, setup: Setup, layer_index: int, 
     return attention_block + mlp_block
 
 
+def _latent_attention_bytes(config: ModelConfig, setup: Setup) -> tuple[float, ...]:
+    """DeepSeek-V3's latent attention (models/mla.py LatentAttention) for one micro-batch, as layer_activation_bytes'
+    attention terms: (column-parallel input copies, latents and rotary, per-layer rotary rows, core, what core_attn
+    recompute keeps, the o_proj input). q and k are nope + rope wide per head, v and the output v_head_dim; the latent
+    projections are replicated under tp (this rank's tokens under SP), only q_b_proj / kv_b_proj split the heads.
+
+    Kept for backward: each latent's RMSNorm keeps its float32 normalized input and its output, not the latent itself
+    (models/parallel_layers.py RMSNorm: the CPU PyLayer saves normed, r; the half path casts first; only the fused
+    kernel keeps its input), q_b_proj / kv_b_proj their own gathered / identity copy under tp; split's outputs are
+    new tensors (q_nope, k_nope and the kv_a latent are kept by nobody); rotate_pairs keeps the float32 pairs of q_pe
+    (every head) and of k_pe (one for every head; under sep expanded to the heads before the all-to-all). The pair
+    tables are cached once per length (shared_mask_bytes); a layer gathers its own rows with packed documents or
+    the ring's positions. Measured per tensor on deepseek-v3-real (tests/test_planner.py
+    test_latent_attention_activations_are_counted_tensor_by_tensor)."""
+    c, p = config, setup.precision
+    a, tp = p.activation_bytes, setup.tp
+    sp = c.sequence_parallel and tp > 1
+    tokens = setup.tokens_per_micro_batch
+    local_tokens = tokens / tp if sp else tokens
+    heads, rope = c.num_attention_heads // tp, c.qk_rope_head_dim
+    qk_size, v_size = heads * (c.qk_nope_head_dim + rope), heads * c.v_head_dim
+
+    def latent(width: int) -> float:
+        kept_input = a * width if c.use_fused_rms_norm else 0.0
+        return local_tokens * (kept_input + _norm_saved(c.replace(norm_type="rmsnorm", hidden_size=width), p))
+
+    copies = tokens * a * (c.q_lora_rank + c.kv_lora_rank) if tp > 1 else 0.0
+    k_rope = heads * rope if setup.sep > 1 else rope
+    latents = latent(c.q_lora_rank) + latent(c.kv_lora_rank) + tokens * 4 * (heads * rope + k_rope)
+    ring = setup.cp > 1
+    rows = tokens if ring else (tokens * setup.sep if setup.mean_document_length else 0)  # packed documents: whole
+    tables = rows * rope * 4  # cos and sin [rows, rope / 2] float32
+    core_inputs = tokens * a * (2 * qk_size + v_size)  # recompute(core, q, k, v): the concats and v
+    if ring:
+        # models/ring_attention.py keeps q (scaled), k, v, the log-sum-exp and its output (the o_proj input, `out`);
+        # MLA does not recompute the ring
+        core = tokens * (a * (2 * qk_size + v_size) + 4 * heads)
+        core_inputs = core
+    elif c.use_flash_attention:
+        # flash_attention: the kernel keeps q (pre-scaled), k, v padded to nope + rope, its padded output and the
+        # log-sum-exp per head and token; the output's slice to v's head dim is the o_proj input (`out`)
+        core = tokens * (a * 4 * qk_size + 4 * heads)
+    else:
+        # plain_attention: q scaled and k in float32 (matmul inputs), v transposed, the softmax output [b, heads, s, s]
+        # in float32 (+ its cast under AMP); the causal mask is built per call (transient)
+        scores = tokens * heads * c.seq_length * (4 + (a if p.half else 0))
+        core = tokens * (4 * qk_size + 4 * qk_size + a * v_size) + scores
+    return copies, latents, tables, core, core_inputs, tokens * a * v_size
+
+
 def shared_mask_bytes(config: ModelConfig, setup: Setup) -> float:
     """The masks models/constants.py keeps once per process for every layer: the plain path's causal mask
     [s, s] and ALiBi bias [heads, 1, s] (float32); under flash attention with ALiBi also the kernel's mask
@@ -291,6 +336,11 @@ def shared_mask_bytes(config: ModelConfig, setup: Setup) -> float:
     c = config
     s, heads = c.seq_length, c.num_attention_heads // (setup.tp * setup.sep)
     alibi = c.position_embedding == "alibi"
+    if c.uses_mla:
+        # models/mla.py: its pair tables (cos, sin [s, rope / 2] float32) cached once per length; its plain path
+        # builds the causal mask per call (transient), the ring's plain blocks keep theirs as below
+        tables = s * c.qk_rope_head_dim * 4
+        return tables + ((s / setup.cp) ** 2 * 4 if setup.cp > 1 else 0.0)
     if setup.cp > 1:
         local = s / setup.cp
         return local * local * 4 if (alibi or not c.use_flash_attention) else 0.0

@@ -1,4 +1,5 @@
-"""Real CPU trainings of llama-real (hidden 1024) in every layout the planner is checked against.
+"""Real CPU trainings of llama-real (hidden 1024) in every layout the planner is checked against (and, in the plain
+process, mixtral-real and deepseek-v3-real).
 
 Used by tests/test_planner.py and scripts/planner_accuracy.py (which writes
 benchmarks/planner_accuracy.md). Runs sharing fleet's degrees share one launch: 1 plain
@@ -28,7 +29,9 @@ LONG = {"model_name_or_path": "llama-tiny", "num_hidden_layers": 2, "max_seq_len
 
 # launch name -> (processes, {run name: overrides}); a launch's runs share fleet's degrees.
 LAUNCHES = {
-    "single": (1, {"single": {}, "mixtral-real": {"model_name_or_path": "mixtral-real"}}),
+    # deepseek-v3-real: latent attention (q/k and v at their own widths), a dense and a MoE layer, MTP (issue 35)
+    "single": (1, {"single": {}, "mixtral-real": {"model_name_or_path": "mixtral-real"},
+                   "deepseek-v3-real": {"model_name_or_path": "deepseek-v3-real", "gradient_accumulation_steps": 1}}),
     # expert parallelism runs on the data-parallel ranks: the same fleet layout as dp2
     "dp2": (2, {"dp2": {}, "mixtral-real ep2": {"model_name_or_path": "mixtral-real", "expert_parallel_degree": 2}}),
     "tp2": (2, {
