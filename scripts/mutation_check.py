@@ -841,6 +841,11 @@ MUTATIONS = [
              '"ernie4_5_moe": {_PP_DP_EP: (), _PP_SD_EP: (1,), _CP_TP: ()},',
              '"ernie4_5_moe": {_PP_DP_EP: (), _CP_TP: ()},',
              ("tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line",)),
+    Mutation("issue34_ernie_moe_pf_mtp_default", "ERNIE 4.5 MoE's PaddleFormers config.json leaves its MTP default (1)",
+             "models/families/ernie4_5_moe.py",
+             'return {**config_json(c), "num_nextn_predict_layers": 0}',
+             "return config_json(c)",
+             ("tests/test_ernie4_5_moe.py::test_exported_config_json_reads_back_the_same",)),
 ]
 
 
