@@ -121,6 +121,8 @@ def test_block_is_transformers_router_experts_and_shared_experts():
     ({"moe_norm_min": 0.001}, "moe_norm_min 0.001"),
     ({"model_type": "ernie4_5_moe_vl"}, "model_type 'ernie4_5_moe_vl'"),
     ({"num_experts": 32}, "num_experts 32 and moe_num_experts 64 disagree"),
+    # PaddleFormers' default (its save_pretrained writes it, with the MTP block's weights)
+    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers 1"),
 ])
 def test_what_it_cannot_compute_is_refused_in_one_line(change, key):
     with pytest.raises(UsageError) as error:

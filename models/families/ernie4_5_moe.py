@@ -27,7 +27,8 @@ own update rule in PaddleFormers is not compared). Load balancing: router_aux_lo
 (0.001, the Mixtral form transformers adds only with output_router_logits).
 
 Refused in one line (`read_config`, models/families/hf_config_keys.py): use_bias true, a moe_layer_interval
-below 1, moe_num_experts not set (a dense file), a rope scaling other than none / linear / llama3.
+below 1, moe_num_experts not set (a dense file), a rope scaling other than none / linear / llama3, and
+num_nextn_predict_layers above 0 (PaddleFormers' MTP block, which its own default of 1 adds to its saves).
 
 Published values (config.json keys):
   baidu/ERNIE-4.5-21B-A3B-Base-PT   transformers' Ernie4_5_MoeConfig defaults, documented there as "similar to
