@@ -878,6 +878,16 @@ MUTATIONS = [
              "models/decoder.py", "            q, k = self.q_norm(q), self.k_norm(k)\n", "            q, k = q, k\n",
              ("tests/test_paddleformers_parity.py::test_our_model_now_gives_paddleformers_recorded_numbers",
               "tests/test_hf_export_verification.py::test_transformers_recorded_numbers_are_our_models_now")),
+    Mutation("issue34_ernie_moe_pf_mtp_default", "ERNIE 4.5 MoE's PaddleFormers config.json leaves its MTP default (1)",
+             "models/families/ernie4_5_moe.py",
+             'return {**config_json(c), "num_nextn_predict_layers": 0}',
+             "return config_json(c)",
+             ("tests/test_ernie4_5_moe.py::test_exported_config_json_reads_back_the_same",)),
+    Mutation("issue34_ernie_moe_mtp_import_dropped", "a PaddleFormers ERNIE 4.5 MoE save with an MTP block imported "
+             "without it", "models/families/hf_config_keys.py",
+             '"0 (no multi-token-prediction block for ERNIE 4.5 MoE here)", _falsy, 1)',
+             '"0 (no multi-token-prediction block for ERNIE 4.5 MoE here)", lambda value, raw: True, 1)',
+             ("tests/test_ernie4_5_moe.py::test_what_it_cannot_compute_is_refused_in_one_line",)),
 ]
 
 

@@ -43,13 +43,31 @@ def with_mtp_depth(config, raw: dict):
     return config
 
 
+def for_cpu(config, raw: dict):
+    """Ernie4_5_MoeForCausalLM on this CPU build: stand-ins of the GPU-only kernels its MoE layer calls
+    (scripts/paddleformers_cpu_kernels.py), and its router losses off. Those (moe_aux_loss_lambda,
+    moe_z_loss_lambda, moe_orthogonal_loss_lambda) reach training only as gradients (its decoder layer's
+    FakeMoERouterLoss returns the hidden states unchanged and injects them in backward; Ernie4_5_MoeModel's
+    all_router_loss stays 0.0), so no logit and no loss value compared here depends on them; computing them calls
+    two more GPU-only kernels (int_bincount, cal_aux_loss, nn/moe/topk_gate.py _cal_aux_loss)."""
+    if raw.get("model_type") == "ernie4_5_moe":
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import paddleformers_cpu_kernels
+
+        paddleformers_cpu_kernels.install()
+        config.moe_aux_loss_lambda = config.moe_z_loss_lambda = config.moe_orthogonal_loss_lambda = 0.0
+    return config
+
+
 def build_own(spec: dict):
     import tempfile
 
     config_dir = tempfile.mkdtemp(prefix="pf_config_")
     with open(f"{config_dir}/config.json", "w") as f:
         json.dump(spec["config"], f)
-    config = with_mtp_depth(AutoConfig.from_pretrained(config_dir), spec["config"])
+    config = for_cpu(with_mtp_depth(AutoConfig.from_pretrained(config_dir), spec["config"]), spec["config"])
     paddle.seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype="float32")
     rng = np.random.default_rng(spec["seed"])
@@ -74,19 +92,20 @@ def main(jobs_file: str) -> None:
     for job in jobs:
         if "load" in job:
             with open(f"{job['load']}/config.json") as f:
-                config = with_mtp_depth(AutoConfig.from_pretrained(job["load"]), json.load(f))
+                raw = json.load(f)
+            config = for_cpu(with_mtp_depth(AutoConfig.from_pretrained(job["load"]), raw), raw)
             model = AutoModelForCausalLM.from_pretrained(job["load"], config=config, dtype="float32")
         else:
             model = build_own(job["save"])
         model.eval()
         router_logits = []  # every MoE layer's gate output, in layer order
         for name, layer in model.named_sublayers():
-            if name.endswith("mlp.gate"):
+            if name.endswith("mlp.gate") and model.config.model_type == "qwen3_moe":
                 layer.register_forward_post_hook(lambda layer, inputs, output: router_logits.append(output))
         input_ids = paddle.to_tensor(np.load(job["input_ids"]))
         labels = paddle.to_tensor(np.load(job["labels"]))
         extra = {}
-        if model.config.model_type == "ernie4_5":
+        if model.config.model_type in ("ernie4_5", "ernie4_5_moe"):
             # Ernie4_5Model builds a causal mask only from an attention_mask (transformers/ernie4_5/modeling.py
             # forward: none given -> none, and its eager attention then lets every token see the whole sequence;
             # its pretraining runs flash attention, causal by itself). All ones: no padding, just the causal mask.

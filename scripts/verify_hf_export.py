@@ -340,7 +340,7 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "  unexpected key) and judged by the bitwise round trip only (tests/test_hf_export.py).",
         "- ERNIE 4.5 MoE: the correction bias goes out as `mlp.moe_statics.e_score_correction_bias` [1, E] (transformers",
         "  5 renames it into its router on reading: conversion_mapping.py \"ernie4_5_moe\"), q/k columns in ERNIE's",
-        "  interleaved rotary order. PaddleFormers' class is no client: its MoE layer has GPU kernels only.",
+        "  interleaved rotary order. PaddleFormers 0.4.1 judges its own format: paddleformers_parity.md.",
         "- GPT-3 is written as GPT-2's layout (GPT2LMHeadModel). The shapes allow it for this family as defined",
         "  (pre-norm LayerNorm, learned positions, tanh GELU, biases, tied head, any n_inner); they would not for",
         "  grouped-query attention, an untied head or rotary positions (GPT-NeoX-style), which export refuses.",

@@ -1,4 +1,4 @@
-"""Same function as PaddleFormers: Qwen3, Qwen3-MoE, ERNIE 4.5 (dense) and DeepSeek-V3 against PaddleFormers 0.4.1's own
+"""Same function as PaddleFormers: Qwen3, Qwen3-MoE, ERNIE 4.5 (dense and MoE) and DeepSeek-V3 against PaddleFormers 0.4.1's own
 classes; writes
 benchmarks/paddleformers_parity.md.
 
@@ -58,6 +58,11 @@ CASES = [
     # every switch on: latent attention with YaRN (mscale 1.14), a dense layer then MoE layers (8 experts in 4
     # groups, top 2 of 2 groups, sigmoid router with random correction biases, shared expert), MTP
     ("deepseek_v3", "deepseek-v3-tiny", {}),
+    # ERNIE 4.5's attention, layer 0 dense, layer 1 MoE: 8 experts top 2 on softmax + the correction bias (random:
+    # it only chooses), renormalized, 2 shared experts. PaddleFormers' forward loss is the cross entropy alone (its
+    # router losses reach only the gradients: scripts/paddleformers_client.py for_cpu), so ours without the
+    # balancing term.
+    ("ernie4_5_moe", "ernie4_5_moe-tiny", {"router_aux_loss_coef": 0.0}),
 ]
 
 
@@ -291,8 +296,17 @@ def write_report(rows: list[dict], out_file: str) -> None:
         "- ERNIE 4.5 rotates interleaved pairs of each head (PaddleFormers' ernie4_5/modeling.py rotate_half); our",
         "  decoder rotates halves, and the weight table reorders q_proj's and k_proj's columns within each head",
         "  (join `rope_pairs`, models/paddlenlp_interop.py), both ways.",
-        "- ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM) is not here: PaddleFormers 0.4.1's MoE layer calls GPU-only",
-        "  kernels (`expand_modality_expert_id` is not registered on CPU), and this decoder does not train it yet.",
+        "- ERNIE 4.5 MoE: PaddleFormers 0.4.1's MoE layer (MOEAllGatherLayerV2, nn/moe/moe_allgather_layer.py; no",
+        "  switch selects another) calls three kernels Paddle 3.3.1 registers on GPU only: `expand_modality_expert_id`",
+        "  (top-k ids to modality ids), `moe_gate_dispatch_partial_nosoftmaxtopk` (tokens copied into the experts'",
+        "  buffers) and `moe_combine` (the weighted sum back), and async_offload (core.AsyncLoad). The client runs it",
+        "  on CPU with stand-ins of exactly these, written from the CUDA sources (scripts/paddleformers_cpu_kernels.py);",
+        "  its router, experts, shared experts and renormalization are its own. Its loss is the cross entropy alone:",
+        "  its router losses (moe_aux/z/orthogonal_loss_lambda) reach only the gradients (FakeMoERouterLoss), so the",
+        "  client turns them off (they would call two more GPU-only kernels) and our side has router_aux_loss_coef 0.",
+        "  Our export writes num_nextn_predict_layers 0 (PaddleFormers' default 1 adds an MTP block and drops the",
+        "  last label). Its correction bias is random on both sides (zeroed on PaddleFormers' side alone, a run of",
+        "  this case's export differs by 4.1 in the logits: the comparison sees the bias).",
         "- DeepSeek-V3: PaddleFormers 0.4.1 reads S + 1 token ids (the MTP module embeds ids 1..S; ours embeds the",
         "  labels), its criterion cannot compute the MTP loss (mtp_sft_loss_forward calls sft_loss_forward without",
         "  `self`), so the client runs its model.model and lm_head and takes the cross entropies itself. Its MTP",

@@ -7,8 +7,8 @@ tests/test_expert_parallel.py; the others are refused
 (tests/test_ernie4_5.py::test_layouts_not_proven_are_refused_in_one_line).
 
 Same function as transformers' Ernie4_5_MoeForCausalLM (4.57.6 and 5.24.0): scripts/verify_hf_import.py, case
-ernie4_5_moe (tests/test_hf_import_verification.py checks its report). Not against PaddleFormers: its MoE layer has
-GPU kernels only (models/families/ernie4_5_moe.py)."""
+ernie4_5_moe (tests/test_hf_import_verification.py checks its report); and as PaddleFormers 0.4.1's, both ways, with
+CPU stand-ins of its GPU-only MoE kernels: scripts/verify_paddleformers.py (tests/test_paddleformers_parity.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from llm_pretrain.planner.params import parameter_list
 from models.decoder import CausalLM
 from models.deepseek_moe import DeepSeekMoE
 from models.errors import UsageError
-from models.families.ernie4_5_moe import PUBLISHED, config_json, moe_layers, parameter_counts
+from models.families.ernie4_5_moe import PUBLISHED, config_json, moe_layers, paddleformers_config_json, parameter_counts
 from models.registry import ARCHITECTURES, activated_parameter_count, config_from_dict, parameter_count
 
 TINY = ARCHITECTURES["ernie4_5_moe-tiny"]
@@ -41,6 +41,9 @@ def test_published_counts_are_the_registrys_and_the_planners(name):
 @pytest.mark.parametrize("name", ["ernie4_5_moe-tiny", "ernie4_5_moe-real", *NAMES])
 def test_exported_config_json_reads_back_the_same(name):
     assert config_from_dict(config_json(ARCHITECTURES[name]), name) == ARCHITECTURES[name]
+    # PaddleFormers' file says "no MTP" (its Ernie4_5_MoeConfig defaults to 1: an MTP block, the last label dropped)
+    theirs = paddleformers_config_json(ARCHITECTURES[name])
+    assert theirs["num_nextn_predict_layers"] == 0 and config_from_dict(theirs, name) == ARCHITECTURES[name]
 
 
 @pytest.mark.parametrize("raw", [
@@ -118,6 +121,8 @@ def test_block_is_transformers_router_experts_and_shared_experts():
     ({"moe_norm_min": 0.001}, "moe_norm_min 0.001"),
     ({"model_type": "ernie4_5_moe_vl"}, "model_type 'ernie4_5_moe_vl'"),
     ({"num_experts": 32}, "num_experts 32 and moe_num_experts 64 disagree"),
+    # PaddleFormers' default (its save_pretrained writes it, with the MTP block's weights)
+    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers 1"),
 ])
 def test_what_it_cannot_compute_is_refused_in_one_line(change, key):
     with pytest.raises(UsageError) as error:

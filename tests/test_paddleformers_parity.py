@@ -46,7 +46,7 @@ def test_every_case_matches_paddleformers_both_ways():
 
 
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def test_our_model_now_gives_paddleformers_recorded_numbers():

@@ -15,10 +15,11 @@ head_dim apart, no biases, tied head) with this decoder's mixture of experts in 
 Sources: transformers 5.24.0 models/ernie4_5_moe/modeling_ernie4_5_moe.py (Ernie4_5_MoeTopKRouter,
 Ernie4_5_MoeSparseMoeBlock, Ernie4_5_MoeDecoderLayer), 4.57.6 the same; PaddleFormers 0.4.1
 transformers/ernie4_5_moe/modeling.py and nn/moe/moe_allgather_layer.py fused_gate_logits_process_fused.
-Judged against transformers (scripts/verify_hf_import.py, case ernie4_5_moe, both config.json forms). Not
-against PaddleFormers: its MoE layer does not run on CPU (expand_modality_expert_id and
-moe_gate_dispatch_partial_nosoftmaxtopk have GPU kernels only), so its names (the same as transformers 4's,
-[in, out] matrices: its transpose_weight_keys) are written but not run. Text model only: the vision experts
+Judged against transformers (scripts/verify_hf_import.py, case ernie4_5_moe, both config.json forms) and
+PaddleFormers 0.4.1 both ways (scripts/verify_paddleformers.py; its names are transformers 4's with [in, out]
+matrices). Its MoE layer calls kernels Paddle registers on GPU only (expand_modality_expert_id,
+moe_gate_dispatch_partial_nosoftmaxtopk, moe_combine): that judge runs on CPU with stand-ins of just those
+(scripts/paddleformers_cpu_kernels.py, from the CUDA sources). Text model only: the vision experts
 (ernie4_5_moe_vl) are another model_type, refused.
 
 The correction bias moves by the run's moe_bias_update_rate (DeepSeek-V3's rule, models/deepseek_moe.py; ERNIE's
@@ -26,7 +27,8 @@ own update rule in PaddleFormers is not compared). Load balancing: router_aux_lo
 (0.001, the Mixtral form transformers adds only with output_router_logits).
 
 Refused in one line (`read_config`, models/families/hf_config_keys.py): use_bias true, a moe_layer_interval
-below 1, moe_num_experts not set (a dense file), a rope scaling other than none / linear / llama3.
+below 1, moe_num_experts not set (a dense file), a rope scaling other than none / linear / llama3, and
+num_nextn_predict_layers above 0 (PaddleFormers' MTP block, which its own default of 1 adds to its saves).
 
 Published values (config.json keys):
   baidu/ERNIE-4.5-21B-A3B-Base-PT   transformers' Ernie4_5_MoeConfig defaults, documented there as "similar to
@@ -201,6 +203,13 @@ def config_json(c) -> dict:
     return config
 
 
+def paddleformers_config_json(c) -> dict:
+    """PaddleFormers 0.4.1's Ernie4_5_MoeConfig defaults num_nextn_predict_layers to 1 (ERNIE 4.5's MTP; its
+    configuration.py): a file without the key builds an MTP block this text model has no weights for, and its
+    criterion drops each sequence's last label (nn/criterion/sft_loss.py). No MTP here: 0, said."""
+    return {**config_json(c), "num_nextn_predict_layers": 0}
+
+
 def check_class(c):
     if c.shared_expert_intermediate_size % c.expert_intermediate_size:
         return "a shared expert whose width is not a multiple of moe_intermediate_size (moe_num_shared_experts)"
@@ -214,11 +223,12 @@ FAMILY = Family(
     name="ernie4_5_moe", switches=SWITCHES,
     scaled_output_init=False,  # as ERNIE 4.5 dense (models/families/ernie4_5.py)
     architectures=ARCHITECTURES, tiny="ernie4_5_moe-tiny", model_types=("ernie4_5_moe",), read_config=read_config,
-    # PaddleFormers 0.4.1's class: the same names, [in, out] matrices (not run: no CPU kernels, module docstring)
+    # PaddleFormers 0.4.1's class: the same names, [in, out] matrices (judged on CPU with stand-ins of its GPU-only
+    # kernels: scripts/verify_paddleformers.py)
     paddlenlp=PaddleNLPClass(
         class_name="Ernie4_5_MoeForCausalLM", model_type="ernie4_5_moe", requires=REQUIRES,
-        export_table=lambda config: ernie4_5_moe_table(config), import_table=import_table, config_json=config_json,
-        check=check_class,
+        export_table=lambda config: ernie4_5_moe_table(config), import_table=import_table,
+        config_json=paddleformers_config_json, check=check_class,
     ),
     hugging_face=HuggingFaceClass(
         class_name="Ernie4_5_MoeForCausalLM", model_type="ernie4_5_moe", requires=REQUIRES,

@@ -235,6 +235,9 @@ KEYS_BY_MODEL_TYPE = {
         "moe_layer_interval": Used("moe_layer_interval", 3),
         # the top-k weights / max(their sum, moe_norm_min): only a sum below it (never in practice) would see another
         "moe_norm_min": Refused("1e-12 (Ernie4_5_MoeConfig's default)", _equals(1e-12), 1e-3),
+        # PaddleFormers 0.4.1's Ernie4_5_MoeConfig (default 1) and save_pretrained write it; its MTP block
+        # (model.mtp_block, mtp_*_norm, mtp_linear_proj) has no place in this decoder: not dropped silently
+        "num_nextn_predict_layers": Refused("0 (no multi-token-prediction block for ERNIE 4.5 MoE here)", _falsy, 1),
         "output_router_logits": NoEffect("whether transformers adds the load-balancing loss to its loss; here "
                                          "router_aux_loss_coef decides (0: none)"),
         "router_aux_loss_coef": Used("router_aux_loss_coef", 0.05),
