@@ -27,9 +27,9 @@ def test_planned_files_are_the_long_context_and_moe_presets():
     assert long_context and set(long_context) <= set(PLANNED)
     assert any(p.parent.name == "qwen2_moe" for p in PLANNED)
     assert [p.name.split("-")[1] for p in PLANNED if p.parent.name == "mixtral"] == ["mixtral_8x7b_a100x16"]
-    # DeepSeek-V3 on the smallest H800-80G cluster that fits at 4K (issue 35 item 5; `--gpus 8-512` finds 336:
+    # DeepSeek-V3 on the smallest H800-80G cluster that fits at 4K (issue 35 item 5; `--gpus 8-512` finds 256:
     # test_planner_search::test_smallest_h800_cluster_for_deepseek_v3_at_4k_is_the_planned_file)
-    assert [p.name.split("-")[1] for p in PLANNED if p.parent.name == "deepseek_v3"] == ["deepseek_v3_h800x336"]
+    assert [p.name.split("-")[1] for p in PLANNED if p.parent.name == "deepseek_v3"] == ["deepseek_v3_h800x256"]
 
 
 @pytest.mark.parametrize("path", PLANNED, ids=[p.name for p in PLANNED])
