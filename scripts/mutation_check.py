@@ -588,6 +588,23 @@ MUTATIONS = [
              "variants", "llm_pretrain/planner/search.py", "refuse(*degree_refusals[key], count=keys.count(key))",
              "refuse(*degree_refusals[key], count=1)",
              ("tests/test_planner_search.py::test_smallest_h800_cluster_for_deepseek_v3_at_4k_is_the_planned_file",)),
+    # Issue 35 item 5: the planner's FLOPs of DeepSeek-V3 (latent attention's widths, the MTP block) and the
+    # expert-parallel all-to-all of its MoE layers only.
+    Mutation("planner_mla_flops_head_dim", "model FLOPs of latent attention at head_dim = hidden / heads (56 for "
+             "DeepSeek-V3) for the projections and q.k / p.v, not MLA's shapes and 192 / 128 widths",
+             "llm_pretrain/observe/flops.py",
+             "    if config.uses_mla:\n        projections, core_attention = latent_attention_flops_per_token(",
+             "    if False:\n        projections, core_attention = latent_attention_flops_per_token(",
+             ("tests/test_deepseek_v3.py::test_model_flops_count_latent_attention_mtp_and_the_activated_experts",)),
+    Mutation("planner_mtp_flops_dropped", "model FLOPs without the MTP block (eh_proj, its layer, the shared head)",
+             "llm_pretrain/observe/flops.py",
+             "    forward += dense_layer_mlp_correction(config) + mtp_forward_flops_per_token(config, parts)\n",
+             "    forward += dense_layer_mlp_correction(config)\n",
+             ("tests/test_deepseek_v3.py::test_model_flops_count_latent_attention_mtp_and_the_activated_experts",)),
+    Mutation("planner_all_to_all_in_dense_layers", "the expert-parallel all-to-all counted in every layer of a stage, "
+             "DeepSeek-V3's dense ones too", "llm_pretrain/planner/speed.py",
+             "    return sum(c.is_moe_layer(i) for i in (*layers, *mtp))\n", "    return len([*layers, *mtp])\n",
+             ("tests/test_deepseek_v3.py::test_planner_all_to_all_counts_the_moe_layers_and_the_rows_of_group_limited_routing",)),
     # ERNIE 4.5 (issue 34): q_proj / k_proj exported in our rotate-half column order instead of ERNIE's
     # interleaved pairs; the layouts other than tp accepted for it.
     Mutation("ernie4_5_rope_layout", "ERNIE 4.5's q/k columns not reordered for its interleaved rotary pairs",

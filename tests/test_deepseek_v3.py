@@ -662,6 +662,82 @@ def test_tiny_preset_trains_with_the_bias_rule_and_mtp_logged(embedded_corpus, t
     bias = final_weights(tmp_path / "out", step=12)["layers.1.mlp.e_score_correction_bias"]
     # whole steps of 0.001, at most one per optimizer step (neither the optimizer nor weight decay touched it)
     assert 0 < np.abs(bias).max() <= 0.012 + 1e-6 and np.allclose(bias * 1000, np.round(bias * 1000), atol=1e-3)
+    # the run record's FLOPs per token (its TFLOPs and MFU) are the hand count of latent attention, MTP and experts
+    import json
+
+    run = json.loads((tmp_path / "out" / "train_log.jsonl").read_text().splitlines()[0])
+    assert run["event"] == "run"
+    assert run["flops_per_token"] == _hand_counted_flops(config_from_dict(run["model_config"], "run record"),
+                                                        run["seq_length"])
+
+
+def _hand_counted_flops(c, seq: int) -> int:
+    """Model FLOPs per trained token written from the weights' shapes (models/mla.py, models/decoder.py MTPLayer),
+    apart from llm_pretrain/observe/flops.py: 6 x the weights of the matrix products a token passes (2 per
+    multiply-add, x 3 for forward and backward) + 3 x the attention products over the whole sequence: q.k over
+    nope + rope per head, p.v over v_head_dim. The MTP block: eh_proj [2h, h], one MoE layer, the shared head."""
+    h, a = c.hidden_size, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    attention = (h * c.q_lora_rank + c.q_lora_rank * a * qk + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+                 + c.kv_lora_rank * a * (c.qk_nope_head_dim + c.v_head_dim) + a * c.v_head_dim * h)
+    moe = 3 * h * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+    dense = 3 * h * c.intermediate_size
+    core = 2 * seq * a * qk + 2 * seq * a * c.v_head_dim
+    k = c.first_k_dense_replace
+    main = k * (attention + dense) + (c.num_hidden_layers - k) * (attention + moe) + h * c.vocab_size
+    mtp = 2 * h * h + attention + moe + h * c.vocab_size
+    return 6 * (main + mtp) + 3 * (c.num_hidden_layers + 1) * core
+
+
+def test_model_flops_count_latent_attention_mtp_and_the_activated_experts():
+    """Issue 35 item 5: DeepSeek-V3's model FLOPs per token at 4,096 tokens (MFU's, llm_pretrain/observe/flops.py) are
+    6 x its activated weights + 3 x attention over 192 (q.k) and 128 (p.v) per head + the MTP block. The activated
+    weights come from the published total: 671,026,419,200 less the embedding, the norms, the routers and their
+    biases, and the 248 experts of 256 a token does not reach in the 58 MoE layers; with the embedding that is the
+    model card's "37B activated". The hand count of the shapes agrees, and so does the count of the hardware FLOPs
+    with core-attention recompute (the 61 layers and the MTP block's)."""
+    from llm_pretrain.observe.flops import model_flops_per_token, training_flops_per_token
+
+    c = ARCHITECTURES["deepseek-ai/DeepSeek-V3"]
+    h, vocab, seq, moe_layers = 7168, 129280, 4096, 61 - 3
+    norms = 61 * (2 * h + 1536 + 512) + h  # input/post-attention, q_a and kv_a norms per layer; the final norm
+    activated = (671_026_419_200 - vocab * h - norms - moe_layers * 256 * (h + 1)  # routers and their biases
+                 - moe_layers * (256 - 8) * 3 * h * 2048)
+    assert 37.0e9 < activated + vocab * h < 37.5e9
+    core = 2 * seq * 128 * (128 + 64) + 2 * seq * 128 * 128  # not 4 x seq x 128 x 56 (hidden / heads)
+    attention = h * 1536 + 1536 * 128 * 192 + h * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * h
+    mtp = 6 * (2 * h * h + attention + 3 * h * 9 * 2048 + h * vocab) + 3 * core
+    expected = 6 * activated + 3 * 61 * core + mtp
+    assert model_flops_per_token(c, seq) == expected == _hand_counted_flops(c, seq) == 291_197_681_664
+    assert training_flops_per_token(c, seq, "core_attn") == expected + (61 + 1) * core
+    for name in ("deepseek-v3-tiny", "deepseek-v3-real"):  # a dense layer narrower than the activated experts
+        config = ARCHITECTURES[name]
+        assert model_flops_per_token(config, 256) == _hand_counted_flops(config, 256)
+
+
+def test_planner_all_to_all_counts_the_moe_layers_and_the_rows_of_group_limited_routing():
+    """Issue 35 item 5: the expert-parallel all-to-all of DeepSeek-V3 in the planner (llm_pretrain/planner/speed.py)
+    runs in the MoE layers only (the 3 dense ones send nothing) and in the MTP block, which is on the last pipeline
+    stage: 4 per layer and micro-batch, each k = 8 rows of h per token of which (ep - 1)/ep leave the rank, over
+    InfiniBand when the 16 expert ranks span two nodes. Group-limited routing (4 of 8 groups) bounds where a token's
+    rows go (at most 4 x 2 = 8 of the 16 ranks), not their number: this dispatch sends one row per pick
+    (models/moe.py dispatch_and_combine), so the term is the same with one group."""
+    from llm_pretrain.planner.memory import Precision, Setup
+    from llm_pretrain.planner.speed import Cluster, moe_layers_on_stage, step_time
+
+    config = ARCHITECTURES["deepseek-ai/DeepSeek-V3"].replace(seq_length=4096, expert_parallel_degree=16)
+    precision = Precision(compute="bf16", level="O2", master_grad=True)
+    staged = Setup(config, 1, 8, pp=4, dp=16, precision=precision)
+    assert [sum(map(len, staged.stage_chunks(stage))) for stage in range(4)] == [15, 16, 16, 14]
+    assert [moe_layers_on_stage(staged, stage) for stage in range(4)] == [12, 16, 16, 15]
+    cluster = Cluster("H800-80G")
+    terms = step_time(Setup(config, 1, 8, dp=16, precision=precision), cluster)["terms"]
+    inter = cluster.links()[1]
+    expected = 8 * (58 + 1) * 4 * (4096 * 8 * 7168 * 2 * 15 / 16) / (inter * 1e9)  # 58 MoE layers + MTP, not 61
+    assert terms["expert-parallel all-to-all"] == pytest.approx(expected, rel=1e-12)
+    ungrouped = config.replace(n_group=1, topk_group=1)
+    assert step_time(Setup(ungrouped, 1, 8, dp=16, precision=precision), cluster)["terms"][
+        "expert-parallel all-to-all"] == terms["expert-parallel all-to-all"]
 
 
 def test_the_smallest_h800_cluster_at_4k_is_the_argument_files_256_in_pp16_sd16():

@@ -40,6 +40,10 @@ Choices, and why:
   the total for any model worth measuring (llama-7b at s=4096: ~0.3%), and
   are left out as in Megatron and PaddleNLP. Baichuan2's normalized head
   costs V h once per step, not per token.
+* DeepSeek-V3's multi-head latent attention has no head_dim = h/a: its projections are counted by their
+  shapes and its q k^T over qk_nope + qk_rope (192) per head, p v over v_head_dim (128)
+  (`latent_attention_flops_per_token`); its multi-token-prediction block (eh_proj, one decoder layer, the
+  shared head) is one more forward per token (`mtp_forward_flops_per_token`).
 * Qwen v1's Hugging Face config lists twice the real MLP width
   (`intermediate_size // 2` per projection); `ModelConfig.intermediate_size`
   is always the real width, so Qwen counts as a SwiGLU model with that width.
@@ -86,21 +90,64 @@ def activated_mlp_width(config: ModelConfig) -> int:
     return config.intermediate_size
 
 
+def latent_attention_flops_per_token(config: ModelConfig, keys: int) -> tuple[int, int]:
+    """Multi-head latent attention's forward (projections, core attention) per token (models/mla.py): the
+    projections by their shapes, q_a [h, q_lora], q_b [q_lora, a (nope + rope)], kv_a_proj_with_mqa
+    [h, kv_lora + rope], kv_b [kv_lora, a (nope + v)], o [a v, h]; q k^T over nope + rope per head and p v over
+    v_head_dim (DeepSeek-V3: 192 and 128, not hidden / heads = 56)."""
+    c, h, a = config, config.hidden_size, config.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    projections = 2 * (h * c.q_lora_rank + c.q_lora_rank * a * qk + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+                       + c.kv_lora_rank * a * (c.qk_nope_head_dim + c.v_head_dim) + a * c.v_head_dim * h)
+    return projections, 2 * keys * a * qk + 2 * keys * a * c.v_head_dim
+
+
 def layer_forward_flops_per_token(config: ModelConfig, seq_length: int, causal_attention: bool = False,
                                   mean_document_length: int | None = None) -> dict[str, float]:
-    """Forward FLOPs of one decoder layer per token, by part (see the module docstring)."""
+    """Forward FLOPs of one decoder layer per token, by part (see the module docstring). The MLP is the
+    activated one of an MoE layer (`dense_layer_mlp_correction` adds the difference of dense layers)."""
     h, d = config.hidden_size, config.head_dim
     q_width = config.num_attention_heads * d
     kv_width = config.num_key_value_heads * d
     keys = seq_length if mean_document_length is None else min(mean_document_length, seq_length)
     core_attention = 2 * 2 * keys * q_width
+    projections = 2 * (2 * h * q_width + 2 * h * kv_width)
+    if config.uses_mla:
+        projections, core_attention = latent_attention_flops_per_token(config, keys)
     if causal_attention:
         core_attention /= 2
     return {
-        "projections": 2 * (2 * h * q_width + 2 * h * kv_width),
+        "projections": projections,
         "core_attention": core_attention,
         "mlp": 2 * mlp_matrices(config) * h * activated_mlp_width(config),
     }
+
+
+def dense_layer_mlp_correction(config: ModelConfig) -> int:
+    """Forward FLOPs per token to add to num_hidden_layers x the activated MLP for the dense layers of a
+    mixture of experts (DeepSeek-V3's first first_k_dense_replace, ERNIE 4.5 MoE's outside its interval): their
+    MLP is intermediate_size wide. 0 when every layer is MoE, or the dense width equals the activated one
+    (DeepSeek-V3: 18432 = 8 x 2048 + 2048; ERNIE-4.5-21B-A3B: 12288 = 6 x 1536 + 2 x 1536, 300B-A47B: 28672 =
+    8 x 3584)."""
+    if not config.is_moe:
+        return 0
+    dense_layers = config.num_hidden_layers - config.moe_layer_count
+    return dense_layers * 2 * mlp_matrices(config) * config.hidden_size * (
+        config.intermediate_size - activated_mlp_width(config))
+
+
+def mtp_forward_flops_per_token(config: ModelConfig, parts: dict[str, float]) -> float:
+    """DeepSeek-V3's multi-token-prediction module per token (models/decoder.py MTPLayer; report sec. 2.2):
+    eh_proj [2h, h] over [embedding; hidden], one more decoder layer (`parts`, an MoE layer when its index
+    num_hidden_layers is one) and the shared output head over the vocabulary; its embedding is a lookup.
+    0 without MTP."""
+    if not config.num_nextn_predict_layers:
+        return 0
+    h = config.hidden_size
+    layer = sum(parts.values())
+    if config.is_moe and not config.is_moe_layer(config.num_hidden_layers):
+        layer += 2 * mlp_matrices(config) * h * (config.intermediate_size - activated_mlp_width(config))
+    return config.num_nextn_predict_layers * (2 * 2 * h * h + layer + 2 * h * config.vocab_size)
 
 
 def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_granularity: str | None = None,
@@ -117,6 +164,8 @@ def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_gra
     parts = layer_forward_flops_per_token(config, seq_length, causal_attention, mean_document_length)
     head_forward = 2 * config.hidden_size * config.vocab_size
     forward = layers * sum(parts.values()) + head_forward
+    # (+ 0 leaves every model without dense MoE layers or MTP bit-identical)
+    forward += dense_layer_mlp_correction(config) + mtp_forward_flops_per_token(config, parts)
     total = 3 * forward  # forward + backward (2x: input and weight gradients)
 
     recomputed = {
@@ -126,6 +175,10 @@ def training_flops_per_token(config: ModelConfig, seq_length: int, recompute_gra
         "core_attn": parts["core_attention"],
     }[recompute_granularity]
     total += (layers if recomputed_layers is None else recomputed_layers) * recomputed
+    if config.num_nextn_predict_layers and recompute_granularity in ("full_attn", "core_attn"):
+        # the MTP block is not wrapped by the whole-layer recompute (CausalLM.forward), but its attention is
+        # its DecoderLayer's, which recomputes at the attention granularities
+        total += config.num_nextn_predict_layers * recomputed
     return float(total)
 
 

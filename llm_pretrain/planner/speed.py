@@ -124,11 +124,27 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     hardware_flops = training_flops_per_token(c, s, **recompute_flops_args(c),
                                               mean_document_length=attention_keys_computed(setup))
     flops_rate = peak * 1e12 * matmul_efficiency(c.hidden_size / tp)
-    # The slowest stage sets the pace: the one with the most decoder layers (layout.pipeline_split; an even
-    # split gives every stage num_hidden_layers / pp, the calibrated case).
+    # Expert parallelism: per MoE layer (dense layers send nothing; the last stage also routes in the MTP block)
+    # the dispatch and the combine all-to-alls forward and their two backward ones, each moving the k rows of
+    # every token of which (ep - 1)/ep leave the rank (models/moe.py); the expert-parallel ranks are
+    # data-parallel ranks, in one node when they fit. Group-limited routing (n_group / topk_group, DeepSeek-V3)
+    # bounds the groups, hence the ranks and nodes, a token's k picks reach, but this dispatch (alltoall_single
+    # over (token, expert) pairs, models/moe.py dispatch_and_combine) sends one row per pick whatever its
+    # destination: still k rows, of which (ep - 1)/ep leave the rank (`expert_all_to_all_bytes`).
+    ep = c.expert_parallel_degree if c.is_moe else 1
+    ep_link = intra if tp * ep <= node else inter
+    a2a_bytes = expert_all_to_all_bytes(c, tokens_mb, ep, act_bytes)
+    a2a_layer = 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
+    # The slowest stage sets the pace: the one whose layers' compute and all-to-alls take longest, i.e. the one
+    # with the most decoder layers when every layer is alike (layout.pipeline_split; an even split gives every
+    # stage num_hidden_layers / pp, the calibrated case). DeepSeek-V3's first stage holds its dense layers.
     stage_layer_counts = [sum(map(len, setup.stage_chunks(stage))) for stage in range(pp)] if pp > 1 else [c.num_hidden_layers]
-    slowest_stage = max(range(len(stage_layer_counts)), key=stage_layer_counts.__getitem__)
+    stage_moe_layers = [moe_layers_on_stage(setup, stage) for stage in range(len(stage_layer_counts))]
+    layer_compute = hardware_flops * tokens_mb / (tp * c.num_hidden_layers) / flops_rate
+    slowest_stage = max(range(len(stage_layer_counts)),
+                        key=lambda i: stage_layer_counts[i] * layer_compute + stage_moe_layers[i] * a2a_layer)
     layers_per_stage = stage_layer_counts[slowest_stage]
+    ep_mb = stage_moe_layers[slowest_stage] * 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
     imbalance = layers_per_stage * pp / c.num_hidden_layers
     compute_mb = hardware_flops * tokens_mb / (tp * pp) * imbalance / flops_rate
     sequence_mb = sequence_split_time(setup, cluster, tokens_mb, flops_rate)
@@ -150,14 +166,6 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
     pp_link = intra if tp * pp <= node else inter
     p2p_bytes = tokens_mb * c.hidden_size * act_bytes / (tp if c.sequence_parallel else 1)
     pp_mb = 2 * p2p_bytes / (pp_link * 1e9) if pp > 1 else 0.0
-
-    # Expert parallelism: per MoE layer the dispatch and the combine all-to-alls forward and their two
-    # backward ones, each moving the k rows of every token of which (ep - 1)/ep leave the rank
-    # (models/moe.py); the expert-parallel ranks are data-parallel ranks, in one node when they fit.
-    ep = c.expert_parallel_degree if c.is_moe else 1
-    ep_link = intra if tp * ep <= node else inter
-    a2a_bytes = tokens_mb * c.num_experts_per_tok * c.hidden_size * act_bytes * (ep - 1) / ep
-    ep_mb = layers_per_stage * 4 * a2a_bytes / (ep_link * 1e9) if ep > 1 else 0.0
 
     micro = compute_mb + tp_mb + pp_mb + ep_mb + sequence_mb + mask_mb
     pipeline = m * micro
@@ -211,6 +219,26 @@ def step_time(setup: Setup, cluster: Cluster, overlap_gradient_comm: bool = True
         "bottleneck": bottleneck(terms),
         "slowest_stage": slowest_stage,
     }
+
+
+def expert_all_to_all_bytes(config, tokens: int, ep: int, act_bytes: int) -> float:
+    """Bytes these tokens send to other ranks in one expert-parallel all-to-all (models/moe.py): a row of h values
+    per (token, expert) pair, k per token, of which (ep - 1)/ep leave the rank when the load is balanced. With
+    group-limited routing each token's picks lie in topk_group of the n_group groups of consecutive experts,
+    each group on ep / n_group ranks (DeepSeek-V3 at ep 32: 4 of 8 groups, at most 16 of 32 ranks, and at most
+    4 nodes, the report's M = 4, sec. 2.1.2): that bounds where rows go, not how many this dispatch sends, since
+    it does not merge a token's picks on one rank or node into one row (DeepSeek's DeepEP does, report sec. 3.2:
+    then at most M rows per token cross the nodes)."""
+    return tokens * config.num_experts_per_tok * config.hidden_size * act_bytes * (ep - 1) / ep
+
+
+def moe_layers_on_stage(setup: Setup, stage: int) -> int:
+    """Decoder layers with the mixture of experts on this pipeline stage (pp 1: all), plus the MTP block's on
+    the last stage when it is one (models/pipeline.py: MTP on the last stage)."""
+    c = setup.config
+    layers = [i for chunk in setup.stage_chunks(stage) for i in chunk] if setup.pp > 1 else range(c.num_hidden_layers)
+    mtp = range(c.num_hidden_layers, c.num_hidden_layers + c.num_nextn_predict_layers) if stage == setup.pp - 1 else ()
+    return sum(c.is_moe_layer(i) for i in (*layers, *mtp))
 
 
 def additive_mask_time(setup: Setup, cluster: Cluster, layers: int) -> float:
