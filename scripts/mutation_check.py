@@ -905,6 +905,22 @@ MUTATIONS = [
              '"0 (no multi-token-prediction block for ERNIE 4.5 MoE here)", _falsy, 1)',
              '"0 (no multi-token-prediction block for ERNIE 4.5 MoE here)", lambda value, raw: True, 1)',
              ("tests/test_ernie4_5_moe.py::test_what_it_cannot_compute_is_refused_in_one_line",)),
+    # Issue 34 item 4: full recompute silently off under the pipeline for Qwen3 and ERNIE 4.5 MoE (their pp2 runs in
+    # tests/test_parallel_parity.py PP2_RECOMPUTE: parity holds, each layer's forward count halves)
+    Mutation("issue34_pp_recompute_off", "full recompute under the pipeline silently off for Qwen3 and ERNIE 4.5 MoE "
+             "(PipelineLayer built without recompute segments)", "models/pipeline.py",
+             "            recompute_interval=pp_recompute_interval if full_recompute else 0,\n",
+             "            recompute_interval=pp_recompute_interval if full_recompute and config.family not in "
+             "(\"qwen3\", \"ernie4_5_moe\") else 0,\n",
+             ("tests/test_parallel_parity.py::test_pipeline_parallel",)),
+    # Issue 34 item 4: tensor parallelism silently off in the model of Qwen3, ERNIE 4.5 and ERNIE 4.5 MoE under tp2 (the
+    # model built whole on each rank of fleet's tp group; test_tensor_parallel check_tp_only_split)
+    Mutation("issue34_tp_off", "tensor parallelism silently off in the models of Qwen3, ERNIE 4.5 and ERNIE 4.5 MoE "
+             "(built with tensor_parallel_degree 1 under tp2)", "llm_pretrain/parallel/layout.py",
+             "        tensor_parallel_degree=layout.tensor_parallel_degree,\n        sequence_parallel=args.sequence_parallel,",
+             "        tensor_parallel_degree=1 if config.family in (\"qwen3\", \"ernie4_5\", \"ernie4_5_moe\") "
+             "else layout.tensor_parallel_degree,\n        sequence_parallel=args.sequence_parallel,",
+             ("tests/test_parallel_parity.py::test_tensor_parallel",)),
 ]
 
 

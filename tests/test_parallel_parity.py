@@ -126,6 +126,11 @@ GRANULARITIES = ("full", "full_attn", "core_attn")
 LAYOUT_GRANULARITIES = GRANULARITIES + ("full_attn",)  # LAYOUT_SHORT's under sd2 stage 1 (ernie4_5-short: full_attn)
 
 
+# ... and under the 1F1B pp2 Qwen3 and ERNIE 4.5 MoE (its dense stage 0 passing the router carry on) recompute in
+# full: fleet's PipelineLayer segments of one decoder layer (pp_recompute_interval 1), recompute_hybrid in backward
+PP2_RECOMPUTE = {"qwen3-short": {"recompute": True}, "ernie4_5_moe-short": {"recompute": True}}
+
+
 def layout_granularity(i: int, stage: int) -> str:
     """LAYOUT_SHORT[i]'s recompute granularity under sd2 stage `stage`: stage 1's above, then the next ones (each
     family recomputes at 2 or 3 granularities over the stages)."""
@@ -407,6 +412,35 @@ def check_qwen3_moe_tp2(parity: Parity, observed: dict) -> None:
             assert shapes == ({(32, 64)} if name.endswith("-sp") else {(2, 32, 64)}), (name, shapes)
 
 
+# Under tensor parallelism every projection is one of fleet's split linears (tp2 + SP: their sequence-parallel ones)
+TP_PROJECTIONS = {"q_proj": "Column", "k_proj": "Column", "v_proj": "Column", "gate_proj": "Column",
+                  "up_proj": "Column", "o_proj": "Row", "down_proj": "Row"}
+
+
+def check_tp_only_split(parity: Parity, observed: dict) -> None:
+    """Qwen3, ERNIE 4.5 and ERNIE 4.5 MoE under tp2 and tp2 + SP (parity: test_tensor_parallel): fleet's
+    TensorParallel wrapper, each rank holding under 0.6 of the weights, every q/k/v/o projection and every MLP's,
+    shared expert's and expert's gate/up/down fleet's column / row parallel linear (SP: ColumnSequenceParallelLinear,
+    RowSequenceParallelLinear; ERNIE 4.5 MoE's experts and shared experts, which take the gathered tokens, plain
+    tensor parallelism's, models/moe.py), under SP 32 of the micro-batch's 64 tokens between the layers. With tensor
+    parallelism silently off in the model, both ranks would train the whole model on the same samples and the
+    parity alone would pass."""
+    for family in TP_ONLY:
+        for sp in ("", "-sp"):
+            name = f"{family}-tp2{sp}"
+            expected = {(proj, f"{kind}{'Sequence' if sp else ''}ParallelLinear") for proj, kind in TP_PROJECTIONS.items()}
+            if sp and family == "ernie4_5_moe":  # (layer 0 dense: its MLP's sequence-parallel ones)
+                expected |= {(proj, f"{kind}ParallelLinear") for proj, kind in TP_PROJECTIONS.items()
+                             if proj in ("gate_proj", "up_proj", "down_proj")}
+            for seen in observations(observed, name):
+                assert "TensorParallel" in seen["model_classes"], (name, seen["model_classes"])
+                assert seen["parameter_elements"] < 0.6 * seen["model_parameters"], (name, seen["parameter_elements"])
+                assert set(map(tuple, seen["projection_classes"])) == expected, \
+                    (name, seen["projection_classes"])
+                shapes = {tuple(s) for per_layer in seen["decoder_input_shapes"].values() for s in per_layer}
+                assert shapes == ({(32, 64)} if sp else {(2, 32, 64)}), (name, shapes)
+
+
 def test_tensor_parallel(parity, shared_launches):
     observed = shared_launches.results("tp2", "parity")
     parity.check([(name, "llama") for name in ("tp2", "tp2-sp", "tp2-recompute-full", "tp2-recompute-full_attn",
@@ -424,6 +458,7 @@ def test_tensor_parallel(parity, shared_launches):
     for sp in ("", "-sp"):  # ERNIE 4.5 MoE's router metrics (one row per MoE layer) as one process's
         assert_same_router_metrics(parity.references["ernie4_5_moe"], parity.out(f"ernie4_5_moe-tp2{sp}"))
     check_qwen3_moe_tp2(parity, observed)
+    check_tp_only_split(parity, observed)
     # Llama 3.1 (the others: mech::test_sequence_parallel_and_recompute_under_tp2): fleet's wrapper, about half
     # the weights per rank, 32 of the 64 tokens of a micro-batch between layers, every norm's SP hook
     # all-reducing once per step (5 steps of 4 micro-batches)
@@ -463,7 +498,8 @@ def pp2_runs(parity: Parity) -> list[list[str]]:
     ] + [parity.run(f"{family}-pp2", family, **pp)  # GPT-3, Bloom, Qwen2: tied embeddings
          for family in FAMILIES + ROPE_SCALED] + [
         parity.run(f"{family}-pp2-uneven", family, **pp, pipeline_layers_per_stage=split)
-        for family, split in UNEVEN.items()] + [parity.run(f"{family}-pp2", family, **pp) for family in LAYOUT_SHORT] + [
+        for family, split in UNEVEN.items()] + [parity.run(f"{family}-pp2", family, **pp, **PP2_RECOMPUTE.get(family, {}))
+                                               for family in LAYOUT_SHORT] + [
         parity.kernels("pp2-kernels", **pp), parity.kernels("baichuan-pp2-kernels", "baichuan", **pp),
         parity.run(f"{DEEPSEEK_SHORT}-pp2", DEEPSEEK_SHORT, **pp)]
 
@@ -513,6 +549,12 @@ def test_pipeline_parallel(parity, shared_launches):
         assert schedule["class"] == "PipelineParallel", (family, schedule)
         assert schedule["chunk_layers"] == [[list(range(layers // 2))], [list(range(layers // 2, layers))]], \
             (family, schedule)
+    for family in PP2_RECOMPUTE:  # full recompute under the pipeline (the reference has none): each stage's layer
+        name = f"{family}-pp2"  # ran forward twice per micro-batch (2 steps of 4: 8 forwards, 8 more in backward)
+        assert run_record(parity.out(name))["built"]["recompute"] == {"full": [0, 1], "pipeline_recompute_interval": 1}
+        for stage, seen in enumerate(observations(observed, name)):
+            calls = seen["calls"]["forward"]
+            assert {layer: calls.count(layer) for layer in set(calls)} == {stage: 16}, (name, stage, calls)
 
 
 @shared("sd2", 2)

@@ -34,8 +34,8 @@ Before the runs, this worker wraps (counting, then calling the original):
                        the order of a rank's forwards and backwards in training, "F<chunk>" / "B<chunk>"
     run_record.describe_built_run
                        catches the built model and optimizer (inspected after the run: optimizer
-                       state per rank, stage-3 slices) and resets the allocator's peak, so that
-                       the peak after the run is that of training
+                       state per rank, stage-3 slices, the classes of the projections) and resets the
+                       allocator's peak, so that the peak after the run is that of training
 
 A run spec with "fp32_master_grad": true keeps fleet's float32 master gradients (tests/workers/
 fp32_master_grads.py); its observations add "master_grads" (parameters holding a main_grad afterwards).
@@ -302,6 +302,10 @@ def observations() -> dict:
         "parameter_elements": sum(int(np.prod(p.shape)) for p in inner.parameters()),
         "stage3": stage3_slices(model),
         "model_classes": run_record._class_names(run_record.model_chain(model)),
+        # each projection name (q_proj, o_proj, the MLPs' and experts' gate/up/down_proj) with the classes built for
+        # it: fleet's column / row parallel linears under tensor parallelism, nn.Linear without
+        "projection_classes": sorted({(name.rsplit(".", 1)[-1], type(layer).__name__)
+                                      for name, layer in inner.named_sublayers() if name.endswith("_proj")}),
         "optimizer_classes": run_record._class_names(run_record.optimizer_chain(optimizer)),
         "kv_heads": {str(k): v for k, v in probe["kv_heads"].items()},
         "peak_allocated": core.host_memory_stat_peak_value("Allocated", 0) - probe["allocated_before"],
