@@ -134,7 +134,7 @@ DEEPSEEK_SHARDING = (("deepseek-sep2sd2-stage2", {**SEP2, "sharding": "stage2", 
 MOE_PAIRS = (("qwen3_moe-short-sep2tp2-sp", "qwen3_moe-short", {**SEP2, "tensor_parallel_degree": 2}),
              ("ernie4_5_moe-short-cp2tp2-sp", "ernie4_5_moe-short", {**CP2, "tensor_parallel_degree": 2}))
 # PAIR_MODELS with sharding 2 (model, sep or cp, degrees, stage): both under sep2 and cp2 at stage 2 (Qwen3's cp2 x
-# sharding stage 2 is one of MODELS' runs, 5 steps); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
+# sharding stage 2 is one of MODELS' runs, 2 steps of 4 micro-batches); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
 # stage 1, fleet's sharding optimizer; Qwen3: stage 3, GroupShardedStage3 and our sum over the sep group), so every
 # stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; ~1 s of CPU a run)
 PAIR_SHARDING = (("ernie4_5", "cp2", CP2, 2), ("qwen3", "sep2", SEP2, 2), ("ernie4_5", "sep2", SEP2, 2),
