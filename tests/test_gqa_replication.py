@@ -40,6 +40,10 @@ TINY_GQA1 = dict(family="llama", vocab_size=256, hidden_size=64, num_hidden_laye
 # 8 q heads of 16 in groups of 4 per kv head; under tp4 each rank holds 2 q heads (half a group)
 TINY_GQA2 = dict(TINY_GQA1, hidden_size=128, num_attention_heads=8, num_key_value_heads=2)
 MECHANISM_WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
+# Every run trains 2 steps (parity.base_arguments' 5 cut, the suite's budget): the second step's loss and grad norm
+# are taken on the weights the first update left, so a rank keeping the wrong kv head or a missing sum shows by then
+STEPS = {"max_steps": 2, "save_steps": 2}
+STEP = STEPS["max_steps"]
 
 
 def _config(heads: int, kv_heads: int, **extra):
@@ -84,7 +88,7 @@ def tp4_sp(embedded_corpus, tmp_path_factory):
     work = tmp_path_factory.mktemp("tp4")
     model_dir = write_json(work / "llama-tiny-gqa2" / "config.json", TINY_GQA2).parent
     files = {name: write_json(work / f"{name}.json", base_arguments(embedded_corpus, work, model_name_or_path=model,
-                                                                    num_hidden_layers=2))
+                                                                    num_hidden_layers=2, **STEPS))
              for name, model in (("gqa2", str(model_dir)), ("alibi", "baichuan-tiny"))}
     run_single([argv(file, work / "single" / name) for name, file in files.items()], work, "single")
     spec = [{"name": name, "argv": argv(file, work / "tp4_sp" / name, tensor_parallel_degree=4, sequence_parallel=True)}
@@ -109,8 +113,8 @@ def test_tp4_sp_with_two_kv_heads_trains_like_one_process_and_keeps_each_ranks_k
                 f"{seen['kv_heads_used']}, expected {first_q_head // group}"
     built = run_record(run)["built"]
     assert built["sequence_parallel"]["enabled"] and built["layout"]["tensor_parallel_degree"] == 4
-    print(f"tp4_sp vs single process: {assert_same_training(single, run)}")
-    _check_replicas_identical(run / "checkpoint-5", kv_width=2 * 16)
+    print(f"tp4_sp vs single process: {assert_same_training(single, run, step=STEP)}")
+    _check_replicas_identical(run / f"checkpoint-{STEP}", kv_width=2 * 16)
 
 
 def test_pp2_tp4_sp_with_two_kv_heads_trains_like_one_process(tp4_sp):
@@ -132,14 +136,14 @@ def test_pp2_tp4_sp_with_two_kv_heads_trains_like_one_process(tp4_sp):
             assert seen["kv_heads_used"] == [seen["q_heads"][0] // group], f"rank {rank} layer {layer}: {seen}"
     assert layers_seen == {"0", "1"}, layers_seen  # one decoder layer per stage, both seen
     assert run_record(run)["layout"]["pipeline_parallel_degree"] == 2
-    print(f"pp2tp4_sp vs single process: {assert_same_training(work / 'single' / 'gqa2', run)}")
+    print(f"pp2tp4_sp vs single process: {assert_same_training(work / 'single' / 'gqa2', run, step=STEP)}")
 
 
 def test_tp4_sp_alibi_takes_each_ranks_slopes(tp4_sp):
     """One ALiBi head per rank: each rank's bias must use its own head's slope (models/decoder.py
     Attention: the slopes of the rank's heads), or the rank's attention differs from one process's."""
     work, ranks = tp4_sp
-    print(f"alibi tp4_sp vs single process: {assert_same_training(work / 'single' / 'alibi', work / 'tp4_sp' / 'alibi')}")
+    print(f"alibi tp4_sp vs single process: {assert_same_training(work / 'single' / 'alibi', work / 'tp4_sp' / 'alibi', step=STEP)}")
     assert all(not observed["alibi"]["kv_heads"] for observed in ranks.values())  # 4 kv heads: split, not replicated
 
 
@@ -149,7 +153,7 @@ def gqa1_files(work, corpus) -> dict:
     for family in ("llama", "qwen"):
         model_dir = write_json(work / f"{family}-tiny-gqa1" / "config.json", {**TINY_GQA1, "family": family}).parent
         files[family] = write_json(work / f"{family}.json", base_arguments(
-            corpus, work, model_name_or_path=str(model_dir), num_hidden_layers=2))
+            corpus, work, model_name_or_path=str(model_dir), num_hidden_layers=2, **STEPS))
     return files
 
 
@@ -175,11 +179,11 @@ def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, shared_la
     shared_launches.results("tp2", "gqa")
 
     for reference, run in ((single, tp2), (single, tp2_sp), (qwen_single, qwen_tp2)):
-        diffs = assert_same_training(reference, run)
+        diffs = assert_same_training(reference, run, step=STEP)
         print(f"{run.name} vs single process: {diffs}")
-        _check_replicas_identical(run / "checkpoint-5")
-    assert "layers.1.self_attn.k_proj.bias" in final_weights(qwen_tp2)
-    weights = final_weights(tp2)
+        _check_replicas_identical(run / f"checkpoint-{STEP}")
+    assert "layers.1.self_attn.k_proj.bias" in final_weights(qwen_tp2, STEP)
+    weights = final_weights(tp2, STEP)
     assert weights["layers.0.self_attn.k_proj.weight"].shape == (64, 16)  # one kv head of 16, whole
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (64, 64)
 
@@ -188,7 +192,7 @@ def test_tp2_with_one_kv_head_trains_like_one_process(embedded_corpus, shared_la
 
     exported = {}
     for run in (single, tp2):
-        export_to_paddlenlp(str(run / "checkpoint-5"), str(work / "export" / run.name))
+        export_to_paddlenlp(str(run / f"checkpoint-{STEP}"), str(work / "export" / run.name))
         exported[run.name] = _load(work / "export" / run.name / "model_state.pdparams")
     assert json.loads((work / "export" / "tp2" / "config.json").read_text())["num_key_value_heads"] == 1
     assert sorted(exported["tp2"]) == sorted(exported["single"])
@@ -205,7 +209,7 @@ def _load(path):
 def _check_replicas_identical(checkpoint, kv_width=16):
     """The replicated k/v weights (every kv head, kv_width columns, whole on every tensor-parallel rank) are written
     once, whole, by one of the ranks (llm_pretrain/checkpoint/dist_checkpoint.py); assert_same_training has
-    compared that copy with the single process's after 5 steps (summed gradients keep it equal)."""
+    compared that copy with the single process's after STEP steps (summed gradients keep it equal)."""
     tensors = json.loads((checkpoint / "tensors.index.json").read_text())["tensors"]
     names = [n for n in tensors if (".k_proj." in n or ".v_proj." in n) and "/" not in n]
     assert names

@@ -90,7 +90,10 @@ SEP_CP_MODELS = ("ernie4_5",)
 # for 2 steps of one micro-batch of 2 (the suite's budget; under sharding 2 one sample a rank), against their own
 # one-process references.
 PAIR_MODELS = ("qwen3", "ernie4_5")
-SHORT = {"max_steps": 2, "save_steps": 2, "gradient_accumulation_steps": 1}
+# Every run here trains 2 steps (parity.base_arguments' 5 cut: the second step's loss and grad norm are taken on the
+# weights the first update left, so a wrong gradient, reduction or optimizer state shows by then; the suite's budget)
+STEPS = {"max_steps": 2, "save_steps": 2}
+SHORT = {**STEPS, "gradient_accumulation_steps": 1}
 MODELS = tuple(name for name, family in FAMILIES.items()
                if not family.architectures[family.tiny].is_moe and name not in SEP_CP_MODELS) + ("llama3",)
 MOE_MODELS = {"mixtral": {"model_name_or_path": "mixtral-tiny"},
@@ -131,13 +134,13 @@ DEEPSEEK_SHARDING = (("deepseek-sep2sd2-stage2", {**SEP2, "sharding": "stage2", 
 MOE_PAIRS = (("qwen3_moe-short-sep2tp2-sp", "qwen3_moe-short", {**SEP2, "tensor_parallel_degree": 2}),
              ("ernie4_5_moe-short-cp2tp2-sp", "ernie4_5_moe-short", {**CP2, "tensor_parallel_degree": 2}))
 # PAIR_MODELS with sharding 2 (model, sep or cp, degrees, stage): both under sep2 and cp2 at stage 2 (Qwen3's cp2 x
-# sharding stage 2 is one of MODELS' runs, 5 steps); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
+# sharding stage 2 is one of MODELS' runs, 2 steps of 4 micro-batches); stages 1 and 3 one family each under sep2 and under cp2 (ERNIE 4.5:
 # stage 1, fleet's sharding optimizer; Qwen3: stage 3, GroupShardedStage3 and our sum over the sep group), so every
 # stage of both pairs is trained by some family (llm_pretrain/parallel/layout.py _SEQUENCE_PAIRS; ~1 s of CPU a run)
 PAIR_SHARDING = (("ernie4_5", "cp2", CP2, 2), ("qwen3", "sep2", SEP2, 2), ("ernie4_5", "sep2", SEP2, 2),
                  ("ernie4_5", "cp2", CP2, 1), ("ernie4_5", "sep2", SEP2, 1), ("qwen3", "sep2", SEP2, 3),
                  ("qwen3", "cp2", CP2, 3))
-STOP = 3  # resume pairs stop after this step
+STOP = 1  # resume pairs stop after this step (and resume for the last: the restored AdamW state and schedule)
 # Runs of the sep2/cp2 launch with the four kernel options through the CPU stand-ins: (name, model, degrees)
 KERNEL_RUNS = (("llama-sep2-kernels", "llama", SEP2), ("llama-cp2-kernels", "llama", CP2),
                ("bloom-cp2-kernels", "bloom", CP2), ("mixtral-cp2-kernels", "mixtral", CP2))
@@ -148,7 +151,7 @@ LLAMA_KERNELS = ("flash_attn", "flash_attn_grad", "fused_rotary_position_embeddi
 DOCUMENT_KERNELS = ("flashmask_attention", "flashmask_attention_grad", "fused_rotary_position_embedding",
                     "fused_rms_norm_quant")
 # Two evaluations of 2 batches of 4 (the pipeline runs each as 4 training-sized micro-batches of 2).
-EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batch_size=4)
+EVALUATION = dict(do_eval=True, eval_steps=1, eval_iters=2, per_device_eval_batch_size=4)
 
 
 # Layers: sep and cp act inside every layer alike, so the families train 2 layers (a third of the suite's
@@ -156,6 +159,7 @@ EVALUATION = dict(do_eval=True, eval_steps=2, eval_iters=2, per_device_eval_batc
 # need layers to split: 4 a stage under pp2, chunks of one layer under pp4 x 2 virtual stages (PIPELINE_MODELS).
 LAYERS = 2
 PIPELINE_LAYERS = 8
+PIPELINE_STEPS = STEPS["max_steps"]  # the "-pp" files' too (8 micro-batches a step under pp4 x 2 virtual stages)
 PIPELINE_MODELS = ("llama", "bloom", "gpt3")  # "<model>-pp": the same model with PIPELINE_LAYERS
 # "<model>-docs": packed documents, every document key on (tests/test_documents.py); one run per layout
 # (the suite's budget): GPT-3's learned positions under sep2, LLaMA's rotary ones through the ring under cp2
@@ -170,18 +174,18 @@ class Runs:
     def __init__(self, work: Path, corpus: dict):
         self.work = work
         self.files = {model: write_json(work / f"{model}.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS))
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **STEPS))
             for model in (*MODELS, *SEP_CP_MODELS)}
         self.files.update({f"{model}-short": write_json(work / f"{model}-short.json", base_arguments(
             corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **SHORT))
             for model in PAIR_MODELS})
         self.files.update({model: write_json(work / f"{model}.json", base_arguments(
-            corpus, work, num_hidden_layers=2, **keys)) for model, keys in MOE_MODELS.items()})
+            corpus, work, num_hidden_layers=2, **{**STEPS, **keys})) for model, keys in MOE_MODELS.items()})
         self.files.update({f"{model}-pp": write_json(work / f"{model}-pp.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=PIPELINE_LAYERS))
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=PIPELINE_LAYERS, **STEPS))
             for model in PIPELINE_MODELS})
         self.files.update({f"{model}-docs": write_json(work / f"{model}-docs.json", base_arguments(
-            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **DOCUMENT_KEYS))
+            corpus, work, model_name_or_path=f"{model}-tiny", num_hidden_layers=LAYERS, **DOCUMENT_KEYS, **STEPS))
             for model in DOCUMENT_MODELS})
         self.files["deepseek"] = write_json(work / "deepseek.json", base_arguments(corpus, work, **DEEPSEEK))
         self.files["deepseek-docs-short"] = write_json(work / "deepseek-docs-short.json", base_arguments(
@@ -211,7 +215,7 @@ class Runs:
 
     def check(self, names_and_models) -> None:
         for name, model in names_and_models:
-            step = SHORT["max_steps"] if model.endswith("-short") else 5
+            step = PIPELINE_STEPS if model.endswith("-pp") else STEPS["max_steps"]
             diffs = assert_same_training(self.reference(model), self.out(name), step=step)
             diffs["every_replica"] = assert_every_replica_matches(self.reference(model), self.out(name), step=step)
             if model in MOE_MODELS:
@@ -219,12 +223,13 @@ class Runs:
             print(f"{name} vs single-process {model}: {diffs}")
 
 
-def llama_kernel_calls(micro_batches: int, ring: bool, layers: int = LAYERS, final_norm: bool = True) -> dict:
-    """A LLaMA run's stand-in calls on one rank in 5 steps (parity.base_arguments' max_steps) of `micro_batches`
+def llama_kernel_calls(micro_batches: int, ring: bool, layers: int = LAYERS, final_norm: bool = True,
+                       steps: int = STEPS["max_steps"]) -> dict:
+    """A LLaMA run's stand-in calls on one rank in `steps` steps of `micro_batches`
     through `layers` decoder layers: per layer one flash call and its gradient (the ring of cp2: one per block,
     2 blocks; its batch_isend_irecv once in forward, 3 times in backward), one fused rotary embedding (q and k
     together) and two fused RMSNorms, plus the final norm (a pipeline: on the last stage only)."""
-    forwards = 5 * micro_batches
+    forwards = steps * micro_batches
     calls = {"flash_attn": forwards * layers * (2 if ring else 1), "fused_rotary_position_embedding": forwards * layers,
              "fused_rms_norm_quant": forwards * (2 * layers + final_norm)}
     calls["flash_attn_grad"] = calls["flash_attn"]
@@ -619,7 +624,7 @@ def test_pipeline_with_cp2_and_sep2(runs):
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 4,
                     [str(write_json(runs.work / "pp2.runs.json", spec))], log_dir=runs.work / "pp2.log",
                     timeout=1800).check()
-    steps, micro_batches, layers_per_stage = 5, 4, PIPELINE_LAYERS // 2
+    steps, micro_batches, layers_per_stage = PIPELINE_STEPS, 4, PIPELINE_LAYERS // 2
     calls = steps * micro_batches * layers_per_stage
     ranks = result.results()
     for rank, observed in ranks.items():
@@ -642,7 +647,7 @@ def test_pipeline_with_cp2_and_sep2(runs):
         assert not observed["llama-sep2pp2"]["ring"] and not observed["llama-cp2pp2"]["all_to_all"]
         to_heads = observed["llama-sep2pp2"]["all_to_all"]
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
-        docs = steps * micro_batches * LAYERS // 2  # one layer a stage
+        docs = STEPS["max_steps"] * micro_batches * LAYERS // 2  # one layer a stage, 2 steps ("llama-docs")
         ring, to_heads = observed["llama-docs-cp2pp2"]["ring"], observed["llama-docs-sep2pp2"]["all_to_all"]
         assert len(ring.get("forward", [])) == docs and len(ring.get("backward", [])) == 3 * docs, rank
         assert len(to_heads.get("forward", [])) == 4 * docs and len(to_heads.get("backward", [])) == 4 * docs, rank
@@ -655,7 +660,7 @@ def test_pipeline_with_cp2_and_sep2(runs):
     for name in ("llama-cp2pp2-kernels", "llama-sep2pp2-kernels"):
         assert_stand_ins_ran([observed[name] for _, observed in sorted(ranks.items())], runs.out(name), LLAMA_KERNELS)
     ref, got = eval_losses(runs.reference("llama-eval")), eval_losses(runs.out("llama-cp2pp2"))
-    assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 2), ("valid", 4)]
+    assert [r[:2] for r in got] == [r[:2] for r in ref] == [("valid", 1), ("valid", 2)]
     assert max(abs(a[2] - b[2]) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
     record = run_record(runs.out("bloom-cp2pp2"))
     assert record["strategy"] == "pp2cp2" and record["global_batch_size"] == 8
@@ -683,7 +688,7 @@ def test_interleaved_pipeline_with_cp2_and_sep2(runs):
     result = launch(REPO_ROOT / "tests" / "workers" / "mechanism_runs.py", 8,
                     [str(write_json(runs.work / "pp4vpp2.runs.json", spec))], log_dir=runs.work / "pp4vpp2.log",
                     timeout=1800).check()
-    forwards, layers = 5 * 8, PIPELINE_LAYERS // 4  # steps x micro-batches; layers (chunks of one layer) per rank
+    forwards, layers = PIPELINE_STEPS * 8, PIPELINE_LAYERS // 4  # steps x micro-batches; layers (chunks of one layer) per rank
     calls = forwards * layers
     ranks = result.results()
     counts = {llama: [], bloom: []}
@@ -698,7 +703,7 @@ def test_interleaved_pipeline_with_cp2_and_sep2(runs):
         assert len(to_heads.get("forward", [])) == 4 * calls and len(to_heads.get("backward", [])) == 4 * calls
         held = observed[llama]["decoder_input_shapes"]  # the decoder layers this rank holds
         first, last = "0" in held, str(PIPELINE_LAYERS - 1) in held
-        counts[llama].append(llama_kernel_calls(8, ring=True, layers=layers, final_norm=last))
+        counts[llama].append(llama_kernel_calls(8, ring=True, layers=layers, final_norm=last, steps=PIPELINE_STEPS))
         counts[bloom].append({"flash_attn": calls, "flash_attn_grad": calls,
                               "fast_ln": forwards * (2 * layers + first + last)})  # + the embedding LayerNorm
     runs.check([(llama, "llama-pp"), (bloom, "bloom-pp")])

@@ -39,7 +39,11 @@ from schedule_orders import first_step, fthenb_balanced, interleaved
 from shared_launches import contribute
 
 MECHANISM_WORKER = REPO_ROOT / "tests" / "workers" / "mechanism_runs.py"
-MODELS = {"llama": {}, "llama4": {"num_hidden_layers": 4}, "gpt3": {"model_name_or_path": "gpt3-tiny"},
+# The dense runs train 3 steps (parity.base_arguments' 5 cut, the suite's budget; the resumes: 1 after step 2)
+STEPS, STOP = 3, 2
+DENSE_STEPS = {"max_steps": STEPS, "save_steps": STEPS}
+MODELS = {"llama": DENSE_STEPS, "llama4": {"num_hidden_layers": 4, **DENSE_STEPS},
+          "gpt3": {"model_name_or_path": "gpt3-tiny", **DENSE_STEPS},
           # DeepSeek-V3 (issue 35): layer 0 dense as published, MTP, the bias rule; 6 micro-batches of 1 (at least
           # 2 x pp3: fleet's PipelineParallelWithInterleave), 2 steps
           "deepseek": {"model_name_or_path": "deepseek-v3-tiny", "num_hidden_layers": 6, "max_steps": 2,
@@ -105,7 +109,7 @@ def runs_of(processes: int, work, corpus) -> list[dict]:
             for name, (model, n, overrides, _) in RUNS.items() if n == processes]
     for name, (model, first, first_n, second, second_n, _) in RESUMES.items():
         if first_n == processes:
-            runs.append({"name": f"{name}-first", "argv": argv(files[model], work / name, exit_interval=2, **first)})
+            runs.append({"name": f"{name}-first", "argv": argv(files[model], work / name, exit_interval=STOP, **first)})
         if second_n == processes:
             runs.append(run_spec(name, argv(files[model], work / name, **second)))
     return sorted(runs, key=lambda run: "env" in run)  # stand-in runs last: once installed, they stay in the process
@@ -146,7 +150,7 @@ def test_uneven_stages_train_like_one_process(uneven):
     assert DEVICE != "cpu" or run_record(uneven / "pp2-3-5-kernels")["built"]["kernels"]["stand_ins"] == [
         "flash_attn", "flash_attn_grad", "fused_rms_norm_quant", "fused_rotary_position_embedding"]
     # pp3's stand-in runs: each stage calls every kernel once per decoder layer it holds (the norms twice, and the
-    # last stage's final norm) per micro-batch, in each step it trains (the resume: 3 after step 2); GPT-3 has
+    # last stage's final norm) per micro-batch, in each step it trains (the resume: 1 after step 2); GPT-3 has
     # learned positions (no rotary kernel) and LayerNorm (the fast one's stand-in)
     for name in ("pp3vpp2-kernels", "pp3-3-2-3-kernels", "pp3-8-kernels", "gpt3-pp3-kernels",
                  "resume-3-5-to-pp3-kernels"):
@@ -154,7 +158,7 @@ def test_uneven_stages_train_like_one_process(uneven):
             model, _, overrides, chunk_layers = RUNS[name]
         else:
             model, *_, overrides, _, chunk_layers = RESUMES[name]
-        forwards = (3 if name in RESUMES else 5) * overrides.get("gradient_accumulation_steps", 4)
+        forwards = (STEPS - STOP if name in RESUMES else STEPS) * overrides.get("gradient_accumulation_steps", 4)
         counts = []
         for stage, chunks in enumerate(chunk_layers):
             layers = sum(len(chunk) for chunk in chunks)
@@ -296,8 +300,8 @@ def test_fleet_schedules_train_like_one_process(uneven, shared_launches):
         for stage in range(processes):
             order = first_step(observed[name][stage][name]["schedule_order"], 4, 2)
             assert order == expected_order(stage), f"{name} stage {stage}: {order}"
-        diffs = assert_same_training(uneven / "single" / "llama", uneven / name)
-        diffs["every_replica"] = assert_every_replica_matches(uneven / "single" / "llama", uneven / name)
+        diffs = assert_same_training(uneven / "single" / "llama", uneven / name, step=STEPS)
+        diffs["every_replica"] = assert_every_replica_matches(uneven / "single" / "llama", uneven / name, step=STEPS)
         print(f"{name} vs single-process llama: {diffs}")
         schedule = run_record(uneven / name)["built"]["schedule"]
         assert schedule["class"] == cls and schedule["chunk_layers"] == layers, (name, schedule)
