@@ -176,3 +176,10 @@ RUNTIME_KEYS = (
     "reset_position_ids",
     "moe_global_batch_balance", "moe_bias_update_rate",
 )
+
+
+def recomputes(config: ModelConfig, granularity: str, layer_index: int) -> bool:
+    """Whether decoder layer `layer_index` recomputes the part named by `granularity` in backward (here, not in
+    models/decoder.py, so that the latent attention of models/mla.py, which the decoder imports, can ask too)."""
+    return (config.recompute and config.recompute_granularity == granularity
+            and layer_index not in config.no_recompute_layers)

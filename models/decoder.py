@@ -20,7 +20,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from models import parallel_layers as pl
-from models.config import ModelConfig
+from models.config import ModelConfig, recomputes
 from models.constants import shared_constant
 from models.moe import MoE, RouterMetrics, router_losses
 from models.rope import scaled_inv_freq, yarn_cos_sin_factor
@@ -530,12 +530,6 @@ class MTPLayer(nn.Layer):
 def mtp_labels(labels):
     """The MTP targets: position i predicts label i + 1 (token i + 2); the last position has none (-100)."""
     return paddle.concat([labels[:, 1:], paddle.full_like(labels[:, :1], -100)], axis=1)
-
-
-def recomputes(config: ModelConfig, granularity: str, layer_index: int) -> bool:
-    """Whether decoder layer `layer_index` recomputes the part named by `granularity` in backward."""
-    return (config.recompute and config.recompute_granularity == granularity
-            and layer_index not in config.no_recompute_layers)
 
 
 class LMHead(nn.Layer):

@@ -46,7 +46,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from models import parallel_layers as pl
-from models.config import ModelConfig
+from models.config import ModelConfig, recomputes
 from models.rope import scaled_inv_freq, yarn_cos_sin_factor, yarn_mscale
 
 
@@ -174,8 +174,6 @@ class LatentAttention(nn.Layer):
         return self.o_proj(out)
 
     def recomputes_core_attention(self) -> bool:
-        from models.decoder import recomputes  # (the decoder imports this module lazily: no cycle)
-
         return recomputes(self.config, "core_attn", getattr(self, "layer_index", 0))
 
     def plain_attention(self, q, k, v, documents=None):

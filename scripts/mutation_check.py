@@ -104,7 +104,7 @@ MUTATIONS = [
              "llm_pretrain/run/trainer.py",
              'sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()',
              "sync = contextlib.nullcontext()", (DP2,)),
-    Mutation("recompute_off", "recompute never applied inside the decoder", "models/decoder.py",
+    Mutation("recompute_off", "recompute never applied inside the decoder", "models/config.py",
              "return (config.recompute and config.recompute_granularity == granularity",
              "return (False and config.recompute_granularity == granularity", ("tests/test_recompute.py", DP2)),
     Mutation("tied_copy_stale", "the last pipeline stage keeps stale unused copies of the first stage's "

@@ -51,10 +51,7 @@ def for_cpu(config, raw: dict):
     all_router_loss stays 0.0), so no logit and no loss value compared here depends on them; computing them calls
     two more GPU-only kernels (int_bincount, cal_aux_loss, nn/moe/topk_gate.py _cal_aux_loss)."""
     if raw.get("model_type") == "ernie4_5_moe":
-        import os
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import paddleformers_cpu_kernels
+        import paddleformers_cpu_kernels  # beside this script, which runs as a file: its directory is sys.path[0]
 
         paddleformers_cpu_kernels.install()
         config.moe_aux_loss_lambda = config.moe_z_loss_lambda = config.moe_orthogonal_loss_lambda = 0.0
