@@ -17,15 +17,8 @@ PARTS = {"full": (DecoderLayer, "forward"), "full_attn": (DecoderLayer, "attenti
          "core_attn": (Attention, "core_attention")}
 
 
-@pytest.mark.parametrize("granularity", sorted(PARTS))
-def test_recomputed_part_runs_twice_except_in_no_recompute_layers(granularity, monkeypatch):
-    config = make_config("llama", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                         intermediate_size=64, max_position_embeddings=64)
-    config = dataclasses.replace(config, seq_length=16, recompute=True, recompute_granularity=granularity,
-                                 no_recompute_layers=[1])
-    paddle.seed(0)
-    model = CausalLM(config)
-    init_weights(model, config, seed=0)
+def count_calls_of_the_part(granularity: str, monkeypatch) -> list[int]:
+    """The layer index of every call of the part `granularity` recomputes, from now on (a list that grows)."""
     owner, method = PARTS[granularity]
     calls = []
     original = getattr(owner, method)
@@ -35,6 +28,19 @@ def test_recomputed_part_runs_twice_except_in_no_recompute_layers(granularity, m
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(owner, method, counted)
+    return calls
+
+
+@pytest.mark.parametrize("granularity", sorted(PARTS))
+def test_recomputed_part_runs_twice_except_in_no_recompute_layers(granularity, monkeypatch):
+    config = make_config("llama", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)
+    config = dataclasses.replace(config, seq_length=16, recompute=True, recompute_granularity=granularity,
+                                 no_recompute_layers=[1])
+    paddle.seed(0)
+    model = CausalLM(config)
+    init_weights(model, config, seed=0)
+    calls = count_calls_of_the_part(granularity, monkeypatch)
     tokens = paddle.randint(0, 64, [2, 16])
     loss = model(tokens, tokens)
     forward_calls = sorted(calls)
@@ -74,15 +80,7 @@ def test_issue34_families_recompute_changes_nothing_but_runs_again(preset, granu
         config = config.replace(moe_bias_update_rate=0.01)
     tokens = paddle.to_tensor(np.random.default_rng(0).integers(0, config.vocab_size, (2, 16)), dtype="int64")
     loss, grads, biases = _train_step(config, tokens)
-    owner, method = PARTS[granularity]
-    calls = []
-    original = getattr(owner, method)
-
-    def counted(self, *args, **kwargs):
-        calls.append(self.layer_index)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(owner, method, counted)
+    calls = count_calls_of_the_part(granularity, monkeypatch)
     got_loss, got_grads, got_biases = _train_step(config.replace(recompute=True, recompute_granularity=granularity),
                                                   tokens)
     assert sorted(calls) == [0, 0, 1, 1], calls  # each layer's part once in forward, once more in backward
