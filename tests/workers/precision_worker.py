@@ -175,6 +175,9 @@ def main():
         failures["replica_resync"] = traceback.format_exc()
         print(failures["replica_resync"], file=sys.stderr, flush=True)
     write_result({"results": results, "failures": failures})
+    from llm_pretrain.run.run_control import exit_after_results
+
+    exit_after_results(0)  # rank 0 died with SIGSEGV at exit after writing its result (full run, 2026-11-27 02:52)
 
 
 if __name__ == "__main__":
